@@ -1,0 +1,84 @@
+"""Compile CuTeDSL kernels once: an in-memory cache, backed by object files on disk.
+
+A kernel is compiled from fake (symbolic-shape) tensors through TVM-FFI, so the
+compiled function takes torch tensors directly, reads the current torch stream
+itself, and serves every problem size of its configuration.  The object file
+is exported to ``$TS_MOE_CACHE_DIR`` (default ``~/.cache/ts_moe``) under a
+fingerprint of the kernel sources and toolchain versions, so a new process
+loads it in milliseconds instead of recompiling.
+"""
+
+import hashlib
+import os
+import pathlib
+import threading
+import time
+
+import cutlass
+import cutlass.cute as cute
+
+_SOURCES = [pathlib.Path(__file__).parent, pathlib.Path(__file__).parent.parent / "ts_pipeline"]
+_memory: dict = {}
+_lock = threading.Lock()
+# (key, seconds, "compiled" | "loaded") of each kernel this process obtained
+stats: list = []
+
+
+def _fingerprint() -> str:
+    import tvm_ffi
+
+    h = hashlib.sha256(f"{cutlass.__version__}|{tvm_ffi.__version__}".encode())
+    for root in _SOURCES:
+        for path in sorted(root.glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("TS_MOE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "ts_moe"
+    return pathlib.Path(root) / _fingerprint()
+
+
+def sym_dims(n: int, divisibility: int = 1) -> list:
+    return [cute.sym_int(divisibility=divisibility) for _ in range(n)]
+
+
+def fake_stream():
+    """The stream argument: TVM-FFI passes torch's current stream."""
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def get_compiled(key: tuple, build):
+    """The compiled function for ``key``; ``build()`` returns ``(kernel, fake_args)``.
+
+    ``key`` must name everything the compiled code depends on besides the
+    sources (dtypes, layouts, tile configuration, arch).
+    """
+    fn = _memory.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _memory.get(key)
+        if fn is not None:
+            return fn
+        t0 = time.perf_counter()
+        name = "k_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        path = None if os.environ.get("TS_MOE_NO_DISK_CACHE") == "1" else cache_dir() / f"{name}.o"
+        how = "loaded"
+        try:
+            fn = cute.runtime.load_module(str(path), enable_tvm_ffi=True)[name] if path and path.exists() else None
+        except Exception:  # a truncated or stale object is a cache miss
+            fn = None
+        if fn is None:
+            how = "compiled"
+            kernel, args = build()
+            fn = cute.compile(kernel, *args, options="--enable-tvm-ffi")
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                fn.export_to_c(object_file_path=str(tmp), function_name=name)
+                os.replace(tmp, path)
+        stats.append((key, time.perf_counter() - t0, how))
+        _memory[key] = fn
+        return fn

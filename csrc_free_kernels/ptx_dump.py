@@ -1,0 +1,128 @@
+"""Compile kernels for one arch without a GPU and keep their PTX.
+
+    CUTE_DSL_ARCH=sm_90a python -m csrc_free_kernels.ptx_dump OUT_DIR NAME [NAME ...]
+
+writes ``OUT_DIR/NAME.ptx`` for each named build (see :data:`BUILDS`).  The DSL
+reads the arch and the keep/dump settings once, at import, so each arch needs
+its own process: :func:`dump` runs one.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+
+def _probe90(p, stages=4, **kw):
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        from .pipeline_probe_sm90 import PipelineProbeSm90
+
+        n = cute.sym_int()
+        x = cute.runtime.make_fake_compact_tensor(
+            cutlass.BFloat16, (n, 64), stride_order=(1, 0), assumed_align=16)
+        y = cute.runtime.make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int(),),
+                                                  assumed_align=16)
+        if kw.pop("reference", False):
+            from cutlass.experimental.task_scheduling import pipeline as ref
+            kw["pipelines"] = ref
+        return PipelineProbeSm90(p, stages, **kw), (x, y, cutlass.Int32(1), cutlass.Int32(1),
+                                                     cute.runtime.make_fake_stream())
+    return build
+
+
+def _probe100(kind, cluster_v=2):
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        from .pipeline_probe_sm100 import PipelineProbeSm100
+
+        return PipelineProbeSm100(kind, cluster_v), (cutlass.Int32(1),
+                                                     cute.runtime.make_fake_stream())
+    return build
+
+
+def _gemm(config, a_k_major=True, b_n_major=True, dtype="bfloat16", out="same", **kw):
+    def build():
+        import dataclasses
+
+        import cutlass
+        import cutlass.cute as cute
+
+        from . import grouped_gemm_sm90 as g
+
+        cfg = dataclasses.replace(g.CONFIGS[config], **kw)
+        ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
+        c = cutlass.Float32 if out == "float32" else ab
+        return g.GroupedGemmSm90(cfg), (*g._fake_args(ab, c, a_k_major, b_n_major),
+                                         cutlass.Int32(1), cute.runtime.make_fake_stream())
+    return build
+
+
+BUILDS = {
+    **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
+    **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
+    "probe90_P3_no_leader": _probe90(3, leader_arms=False),
+    "probe100_async_thread_2cta": _probe100("async_thread"),
+    "probe100_async_thread_1cta": _probe100("async_thread", 1),
+    "probe100_async_load_2cta": _probe100("async_load"),
+    "probe100_umma_umma_2cta": _probe100("umma_umma"),
+    "probe100_umma_umma_1cta": _probe100("umma_umma", 1),
+    "gemm_decode": _gemm("decode"),
+    "gemm_decode_bk": _gemm("decode", b_n_major=False),
+    "gemm_decode_single_warp": _gemm("decode", multi_warp=False),
+    "gemm_decode_fp16": _gemm("decode", dtype="float16"),
+    "gemm_prefill": _gemm("prefill"),
+    "gemm_prefill_bk": _gemm("prefill", b_n_major=False),
+    "gemm_prefill_am": _gemm("prefill", a_k_major=False),
+    "gemm_prefill_single_warp": _gemm("prefill", multi_warp=False),
+    "gemm_prefill_f32_out": _gemm("prefill", out="float32"),
+}
+
+
+def reference_module_available() -> bool:
+    try:
+        from cutlass.experimental.task_scheduling import pipeline  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _main(out_dir: str, names: list) -> None:
+    import cutlass.cute as cute
+
+    out = pathlib.Path(out_dir)
+    dump_dir = pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"])
+    for name in names:
+        if name.endswith("_reference") and not reference_module_available():
+            continue
+        kernel, args = BUILDS[name]()
+        cute.compile(kernel, *args)
+        # the DSL names its dump after the host function, so builds of one
+        # class overwrite each other's: take the newest file, then rename it
+        newest = max(dump_dir.glob("*.ptx"), key=lambda p: p.stat().st_mtime_ns)
+        newest.replace(out / f"{name}.ptx")
+
+
+def dump(arch: str, names: list, out_dir: str, timeout: float = 600) -> dict:
+    """Compile ``names`` for ``arch`` in a fresh process; returns ``{name: ptx text}``."""
+    scratch = tempfile.mkdtemp(prefix="ts_moe_ptx_")
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=scratch, TS_MOE_NO_DISK_CACHE="1")
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "csrc_free_kernels.ptx_dump", out_dir,
+                           json.dumps(names)], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=root)
+    if proc.returncode:
+        raise RuntimeError(f"PTX build for {arch} failed:\n{proc.stdout}\n{proc.stderr}")
+    return {p.stem: p.read_text() for p in pathlib.Path(out_dir).glob("*.ptx")}
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], json.loads(sys.argv[2]))

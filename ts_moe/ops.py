@@ -1,0 +1,120 @@
+"""The ``torch.ops.ts_moe`` operators.
+
+``grouped_gemm(a, b, offs, out_dtype=None)`` has the semantics of
+``torch.nn.functional.grouped_mm`` for 2-D ``a`` (M, K) and 3-D ``b`` (E, K, N):
+rows ``[offs[e-1], offs[e])`` of ``a`` (``offs[-1]`` read as 0) are multiplied by
+``b[e]``; rows at or past ``offs[-1]`` are written as zeros (``grouped_mm``
+leaves them undefined).
+
+Bad ``offs`` are not checked on the host (that would be a sync); instead the
+kernels use ``cummax(clamp(offs, 0, M))`` as the segment ends
+(:func:`ts_moe.reference.segment_ends`): no access is ever out of bounds,
+segments never overlap, and every output row is written.
+
+On an sm_90 GPU the CUDA kernel is the CuTeDSL grouped GEMM of
+``csrc_free_kernels.grouped_gemm_sm90``; elsewhere (CPU, other GPUs, or
+``TS_MOE_REFERENCE=1``) the plain-torch reference runs.
+"""
+
+import functools
+import os
+
+import torch
+
+from .checks import check_grouped_gemm_args
+from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference
+
+
+@functools.cache
+def kernel_arch(device_index: int) -> str | None:
+    """'sm_90a' when the CuTeDSL kernels can run on this CUDA device, else None."""
+    if os.environ.get("TS_MOE_REFERENCE") == "1":
+        return None
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return None
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        return None
+    return "sm_90a"
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and kernel_arch(t.device.index if t.device.index is not None
+                                     else torch.cuda.current_device()) is not None
+
+
+@torch.library.custom_op("ts_moe::grouped_gemm", mutates_args=())
+def grouped_gemm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    check_grouped_gemm_args(a, b, offs, out_dtype)
+    return grouped_gemm_reference(a, b, offs, out_dtype)
+
+
+@grouped_gemm_op.register_kernel("cuda")
+def _grouped_gemm_cuda(a, b, offs, out_dtype=None):
+    check_grouped_gemm_args(a, b, offs, out_dtype)
+    if not _use_kernel(a):
+        return grouped_gemm_reference(a, b, offs, out_dtype)
+    from csrc_free_kernels import grouped_gemm_sm90
+
+    return grouped_gemm_sm90.grouped_gemm(a, b, offs, out_dtype)
+
+
+@grouped_gemm_op.register_fake
+def _grouped_gemm_fake(a, b, offs, out_dtype=None):
+    check_grouped_gemm_args(a, b, offs, out_dtype, fake=True)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype or a.dtype)
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.ops.ts_moe.grouped_gemm``: ``out[r] = a[r] @ b[e]`` for the rows of expert ``e``.
+
+    a: (M, K) bf16/fp16; b: (E, K, N), either of its last two dims contiguous
+    (``w.transpose(-2, -1)`` of an (E, N, K) nn.Linear weight works); offs:
+    int32 (E,) cumulative row ends.  Returns (M, N) in ``out_dtype`` (default
+    ``a.dtype``; float32 allowed), zeros past ``offs[-1]``.
+    """
+    return torch.ops.ts_moe.grouped_gemm(a, b, offs, out_dtype)
+
+
+def _check_swiglu_args(a, gate_up, offs, fake=False):
+    check_grouped_gemm_args(a, gate_up, offs, b_name="gate_up", k_dim=2, fake=fake)
+    if gate_up.shape[1] % 16:
+        raise ValueError(
+            f"gate_up must be (E, 2I, H) with I a multiple of 8, got {tuple(gate_up.shape)}")
+
+
+@torch.library.custom_op("ts_moe::grouped_gemm_swiglu", mutates_args=())
+def grouped_gemm_swiglu_op(a: torch.Tensor, gate_up: torch.Tensor,
+                           offs: torch.Tensor) -> torch.Tensor:
+    _check_swiglu_args(a, gate_up, offs)
+    return grouped_gemm_swiglu_reference(a, gate_up, offs)
+
+
+@grouped_gemm_swiglu_op.register_kernel("cuda")
+def _grouped_gemm_swiglu_cuda(a, gate_up, offs):
+    _check_swiglu_args(a, gate_up, offs)
+    if not _use_kernel(a):
+        return grouped_gemm_swiglu_reference(a, gate_up, offs)
+    from csrc_free_kernels import grouped_gemm_sm90
+
+    return grouped_gemm_sm90.grouped_gemm_swiglu(a, gate_up, offs)
+
+
+@grouped_gemm_swiglu_op.register_fake
+def _grouped_gemm_swiglu_fake(a, gate_up, offs):
+    _check_swiglu_args(a, gate_up, offs, fake=True)
+    return a.new_empty((a.shape[0], gate_up.shape[1] // 2))
+
+
+def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor,
+                        offs: torch.Tensor) -> torch.Tensor:
+    """``torch.ops.ts_moe.grouped_gemm_swiglu``: ``silu(a @ gate^T) * (a @ up^T)`` per expert.
+
+    gate_up: (E, 2I, H), the Hugging Face (transformers 5) layout, gate rows
+    first.  Returns (M, I) in ``a.dtype``; rows past ``offs[-1]`` are zeros.
+    The same ragged-expert rules as :func:`grouped_gemm`.
+    """
+    return torch.ops.ts_moe.grouped_gemm_swiglu(a, gate_up, offs)

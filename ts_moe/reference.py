@@ -1,0 +1,50 @@
+"""Plain-torch references of the ops: the CPU kernels and the tests' yardstick."""
+
+import torch
+import torch.nn.functional as F
+
+
+def segment_ends(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The row ends the kernels actually use: ``cummax(clamp(offs, 0, num_rows))``.
+
+    For valid ``offs`` (non-decreasing, ``offs[-1] <= num_rows``) this is
+    ``offs`` itself.  For invalid ``offs`` it is the defined, memory-safe
+    meaning of the op: a segment never starts before the previous one ends
+    and never runs past the last row, so experts never overlap and no row
+    outside ``a`` is read or written.
+    """
+    ends = offs.to(torch.int64).clamp(0, num_rows)
+    return torch.cummax(ends, dim=0).values if ends.numel() else ends
+
+
+def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out[r] = a[r] @ b[e]`` for rows ``r`` of expert ``e``; zeros after the last expert.
+
+    fp32 accumulation, like the kernels.  Reads ``offs`` on the host (a sync on
+    CUDA): it is a reference, not a fast path.
+    """
+    out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype or a.dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
+        if end > start:
+            out[start:end] = (a[start:end].float() @ b[e].float()).to(out.dtype)
+        start = end
+    return out
+
+
+def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
+                                  offs: torch.Tensor) -> torch.Tensor:
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert; ``gate_up`` is (E, 2I, H), gate rows first.
+
+    The activation is applied in fp32, before the single rounding to ``a.dtype``.
+    """
+    inter = gate_up.shape[1] // 2
+    out = torch.zeros(a.shape[0], inter, dtype=a.dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
+        if end > start:
+            h = a[start:end].float() @ gate_up[e].float().t()
+            out[start:end] = (F.silu(h[:, :inter]) * h[:, inter:]).to(out.dtype)
+        start = end
+    return out
