@@ -6,6 +6,7 @@ the device), zeros for the rows past the last expert.  See
 torch entry point.
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -30,10 +31,16 @@ SMEM_CAPACITY = 227 * 1024
 class TileConfig:
     """One compiled configuration of the kernel.
 
-    ``tile_m`` is 64 per MMA warpgroup; ``b_warps`` producer warps share the
-    weight tile (each loads ``tile_n / b_warps`` rows of it); ``multi_warp``
-    False issues the same loads from one warp through the base
-    ``PipelineTmaAsync`` (kept to measure what the multi-warp design earns).
+    ``tile_m`` is the MMA tile's rows, 64 per MMA warpgroup; ``a_rows`` (<=
+    ``tile_m``, default ``tile_m``) the token rows a CTA loads and owns per
+    tile: with few rows per expert, a 16-row token box spares L2 the 48 rows
+    the tile would only discard (the MMA still runs 64 rows; the rows past
+    ``a_rows`` are never stored).  ``b_warps`` producer warps share the weight
+    tile, each loading ``tile_n / b_warps`` rows of it; ``multi_warp`` False
+    issues the same loads from one warp through the base ``PipelineTmaAsync``
+    (kept to measure what the multi-warp design earns).  ``cluster_m`` 2 pairs
+    CTAs on adjacent token tiles of one expert and n-tile, each loading half of
+    every weight part and multicasting it to both.
     """
 
     name: str
@@ -43,31 +50,64 @@ class TileConfig:
     stages: int = 4
     b_warps: int = 2
     multi_warp: bool = True
+    a_rows: int = 0
+    cluster_m: int = 1
 
     @property
     def mma_warpgroups(self) -> int:
         return self.tile_m // 64
 
+    @property
+    def rows(self) -> int:
+        """Token rows per CTA tile."""
+        return self.a_rows or self.tile_m
+
 
 # Decode: few rows per expert, the op streams expert weights from HBM; one MMA
-# warpgroup and a deep ring keep ~190 KB of weights in flight per SM.
+# warpgroup and a deep ring keep ~190 KB of weights in flight per SM.  The
+# 16-row variant loads only that many token rows per tile.
 DECODE = TileConfig("decode", tile_m=64, tile_n=128, tile_k=64, stages=8, b_warps=2)
+DECODE16 = dataclasses.replace(DECODE, name="decode16", a_rows=16)
+# Mid: 48 to 128 rows per expert, still weight-streaming: one 128-row tile
+# holds an expert's rows, so its weights stream once; 128 columns keep the
+# tile count up (six 32 KB stages)
+MID = TileConfig("mid", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2)
 # Prefill: many rows per expert, tensor-core bound; two MMA warpgroups on a
 # 128x256 tile (128 fp32 accumulators per thread), four 48 KB stages.
 PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_warps=2)
-CONFIGS = {c.name: c for c in (DECODE, PREFILL)}
+# ...with CTA pairs sharing each weight tile through TMA multicast
+PREFILL_C2 = dataclasses.replace(PREFILL, name="prefill_c2", cluster_m=2)
+CONFIGS = {c.name: c for c in (DECODE16, DECODE, MID, PREFILL, PREFILL_C2)}
 
 
-def choose_config(num_experts: int, n: int, k: int, m: int) -> TileConfig:
-    """Decode tiles when an expert averages under 128 rows, else prefill tiles.
+def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) -> TileConfig:
+    """Pick tiles from shapes only (no sync): rows per expert ``r = M / E``, N, K.
 
-    Below ~128 rows per expert a 128-row tile is mostly padding and the op is
-    bound by reading the weights (E*N*K*2 bytes), which the deep 64-row ring
-    streams best; above it, the 128x256 tile halves the operand traffic per
-    flop.  Uses shapes only (M, E, N, K): no device values, no sync.
+    Measured on the H200 over the three models' GEMMs at T = 16..16384
+    (bench/RESULTS.md has the sweep):
+
+    - ``r < 6``: the op streams weights; a 16-row token box spares L2 the 48
+      rows a 64-row tile would discard (Mixtral gate_up T=16: 0.470 ms
+      against 0.511).  A box smaller than an expert's rows would stream its
+      weights twice, hence only for a few rows per expert.
+    - ``r < 48``: the 64x128 tile, one token tile per expert.
+    - above: 128-row tiles: one per expert while ``r <= ~100`` (still
+      weight-streaming), tensor-core bound later.  128x256, unless that
+      leaves under four waves of tiles (128x128: Mixtral down T=1024, 0.514
+      against 0.608 ms), and with CTA pairs sharing weight tiles by multicast
+      once experts are large (Mixtral T=16384 gate_up 12.28 against 12.82 ms).
     """
-    del n, k  # both configurations serve every N and K; kept for future tiles
-    return PREFILL if m >= 128 * max(num_experts, 1) else DECODE
+    rows = m / max(num_experts, 1)
+    if rows < 6:
+        return DECODE16
+    if rows < 48:
+        return DECODE
+    n_tiles = -(-n // PREFILL.tile_n) * num_experts * max(round(rows / PREFILL.tile_m), 1)
+    if n_tiles < 4 * num_sms:
+        return MID
+    if rows >= 2048 or (rows >= 1024 and k >= 8192):
+        return PREFILL_C2
+    return PREFILL
 
 
 class GroupedGemmSm90:
@@ -105,6 +145,8 @@ class GroupedGemmSm90:
         self.acc_dtype = acc_dtype
         self.tile_shape_mnk = (config.tile_m, config.tile_n, config.tile_k)
         self.b_part_n = config.tile_n // config.b_warps
+        # output columns per tile (the SwiGLU kernel halves it)
+        self.out_tile_n = config.tile_n
         self.num_mma_warpgroups = config.mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_warpgroups
         self.threads = 128 + self.num_mma_threads
@@ -121,11 +163,15 @@ class GroupedGemmSm90:
         cfg = self.cfg
         self.a_dtype, self.b_dtype, self.c_dtype = a_dtype, a_dtype, c_dtype
         self.a_layout, self.b_layout, self.c_layout = a_layout, b_layout, c_layout
+        # a weight part (and a token box) must be whole swizzle atoms of the
+        # tile, so that it is a contiguous piece of the stage: 8 rows of 128
+        # bytes (K-major), or 64 columns (MN-major)
+        split_b = cfg.b_warps * cfg.cluster_m > 1
         if b_layout.is_k_major_b():
-            # a part must be whole 128-byte swizzle rows of the tile
-            assert cfg.tile_k * a_dtype.width == 1024 or cfg.b_warps == 1
+            assert cfg.tile_k * a_dtype.width == 1024 or not split_b
         else:
-            assert self.b_part_n % 64 == 0
+            assert (self.b_part_n // cfg.cluster_m) % 64 == 0 or not split_b
+        assert a_layout.is_k_major_a(), "tokens are read K-major"
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
@@ -136,7 +182,7 @@ class GroupedGemmSm90:
         )
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             c_dtype, c_layout, self.epi_tile, self.epi_stages)
-        self.a_bytes = cfg.tile_m * cfg.tile_k * a_dtype.width // 8
+        self.a_bytes = cfg.rows * cfg.tile_k * a_dtype.width // 8
         self.b_part_bytes = self.b_part_n * cfg.tile_k * a_dtype.width // 8
         self.stage_bytes = self.a_bytes + cfg.b_warps * self.b_part_bytes
         # as many stages as fit, up to the config's: an fp32 epilogue buffer
@@ -151,6 +197,9 @@ class GroupedGemmSm90:
             a_layout, self.tile_shape_mnk, a_dtype, self.stages)
         self.b_smem_layout = sm90_utils.make_smem_layout_b(
             b_layout, self.tile_shape_mnk, a_dtype, self.stages)
+        # one token box of one stage: (rows, tile_k), the first rows of the A tile
+        self.a_box_smem_layout = cute.slice_(sm90_utils.make_smem_layout_a(
+            a_layout, (cfg.rows, cfg.tile_n, cfg.tile_k), a_dtype, 1), (None, None, 0))
         # one weight part of one stage: (b_part_n, tile_k)
         self.b_part_smem_layout = cute.slice_(sm90_utils.make_smem_layout_b(
             b_layout, (cfg.tile_m, self.b_part_n, cfg.tile_k), a_dtype, 1), (None, None, 0))
@@ -165,11 +214,13 @@ class GroupedGemmSm90:
                     utils.LayoutEnum.from_tensor(mB), utils.LayoutEnum.from_tensor(mC))
         cfg = self.cfg
         tma_atom_a, mA_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA,
-            cute.slice_(self.a_smem_layout, (None, None, 0)), (cfg.tile_m, cfg.tile_k))
+            cpasync.CopyBulkTensorTileG2SOp(), mA, self.a_box_smem_layout,
+            (cfg.rows, cfg.tile_k))
         tma_atom_b, mB_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB,
-            self.b_part_smem_layout, (self.b_part_n, cfg.tile_k))
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1
+            else cpasync.CopyBulkTensorTileG2SOp(),
+            mB, self.b_part_smem_layout, (self.b_part_n, cfg.tile_k),
+            num_multicast=cfg.cluster_m)
 
         @cute.struct
         class SharedStorage:
@@ -188,7 +239,7 @@ class GroupedGemmSm90:
             tma_atom_a, mA_tma, tma_atom_b, mB_tma, mC, mOffs, self.tiled_mma,
             self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
-                 min_blocks_per_mp=1, stream=stream)
+                 cluster=(cfg.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     # -------------------------------------------------------------- device
     @cute.kernel
@@ -201,6 +252,10 @@ class GroupedGemmSm90:
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        # clusters take tiles cluster, cluster + clusters, ...
+        cluster = bidx // cfg.cluster_m
+        clusters = grid // cfg.cluster_m
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
@@ -210,12 +265,13 @@ class GroupedGemmSm90:
         sTileEnd = storage.tile_end.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
         num_experts = mOffs.shape[0]
         m_rows, n_cols = mC.shape
-        n_tiles = (n_cols + cfg.tile_n - 1) // cfg.tile_n
+        n_tiles = (n_cols + self.out_tile_n - 1) // self.out_tile_n
         k_tiles = (mA.shape[1] + cfg.tile_k - 1) // cfg.tile_k
         if warp_idx == self.sched_warp:
             self.build_schedule(mOffs, sSegEnd, sTileEnd, num_experts, m_rows, n_tiles)
+        cute.arch.sync_threads()  # the schedule, for every role
 
-        ring = self.make_ring(storage.ring_barriers.data_ptr(), warp_idx)  # syncs the CTA
+        ring = self.make_ring(storage.ring_barriers.data_ptr(), warp_idx)  # syncs the cluster
         total_tiles = sTileEnd[num_experts]
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
@@ -225,15 +281,20 @@ class GroupedGemmSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx <= (cfg.b_warps if cutlass.const_expr(cfg.multi_warp) else 0):
-                self.produce(tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx,
-                             sSegEnd, sTileEnd, num_experts, k_tiles, bidx, grid, total_tiles)
+                self.produce(tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx, cta_rank,
+                             sSegEnd, sTileEnd, num_experts, k_tiles, cluster, clusters,
+                             total_tiles, n_cols)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, sSegEnd, sTileEnd,
-                         num_experts, k_tiles, bidx, grid, total_tiles)
+            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, cta_rank, sSegEnd,
+                         sTileEnd, num_experts, k_tiles, cluster, clusters, total_tiles)
 
     def make_ring(self, barriers, warp_idx):
-        consumers = cp.CooperativeGroup(cp.Agent.Thread, 4 * self.num_mma_warpgroups)
+        cluster_m = self.cfg.cluster_m
+        # a stage is released by every consumer warp of every CTA whose
+        # producer multicasts into it
+        consumers = cp.CooperativeGroup(cp.Agent.Thread, 4 * self.num_mma_warpgroups * cluster_m)
+        cta_layout_vmnk = cute.make_layout((1, cluster_m, 1, 1)) if cluster_m > 1 else None
         if cutlass.const_expr(self.cfg.multi_warp):
             return ts_pipeline.TSPipelineTmaAsync.create(
                 num_stages=self.stages,
@@ -242,6 +303,7 @@ class GroupedGemmSm90:
                 tx_count=self.stage_bytes,
                 barrier_storage=barriers,
                 is_task_warp_leader=warp_idx == 0,
+                cta_layout_vmnk=cta_layout_vmnk,
             )
         return cp.PipelineTmaAsync.create(
             num_stages=self.stages,
@@ -249,6 +311,7 @@ class GroupedGemmSm90:
             consumer_group=consumers,
             tx_count=self.stage_bytes,
             barrier_storage=barriers,
+            cta_layout_vmnk=cta_layout_vmnk,
         )
 
     @cute.jit
@@ -257,7 +320,7 @@ class GroupedGemmSm90:
         """One warp: ``seg_end = cummax(clamp(offs, 0, M))`` and the inclusive
         prefix sum of each expert's tile count, 32 experts per step; entry
         ``num_experts`` is the zero-filled tail ``[seg_end[-1], M)``."""
-        tile_m = self.cfg.tile_m
+        tile_m = self.cfg.rows * self.cfg.cluster_m  # rows per (cluster) tile
         lane = cute.arch.lane_idx()
         carry_end = cutlass.Int32(0)
         carry_tiles = cutlass.Int32(0)
@@ -290,9 +353,9 @@ class GroupedGemmSm90:
             sTileEnd[num_experts] = carry_tiles + (m_rows - carry_end + tile_m - 1) // tile_m * n_tiles
 
     @cute.jit
-    def tile_info(self, t: cutlass.Int32, sSegEnd: cute.Tensor, sTileEnd: cute.Tensor,
-                  num_experts: cutlass.Int32):
-        """Tile ``t`` -> (expert, first row, expert's row end, n-tile)."""
+    def tile_info(self, t: cutlass.Int32, cta_rank: cutlass.Int32, sSegEnd: cute.Tensor,
+                  sTileEnd: cute.Tensor, num_experts: cutlass.Int32):
+        """Tile ``t`` -> (expert, this CTA's first row, expert's row end, n-tile)."""
         lo = cutlass.Int32(0)
         hi = num_experts
         for _ in cutlass.range_constexpr(math.ceil(math.log2(MAX_EXPERTS + 1))):
@@ -308,34 +371,40 @@ class GroupedGemmSm90:
             tiles_before = sTileEnd[expert - 1]
             seg_start = sSegEnd[expert - 1]
         seg_end = sSegEnd[expert]
-        m_tiles = (seg_end - seg_start + self.cfg.tile_m - 1) // self.cfg.tile_m
+        tile_rows = self.cfg.rows * self.cfg.cluster_m
+        m_tiles = (seg_end - seg_start + tile_rows - 1) // tile_rows
         local = t - tiles_before
         n_tile = local // m_tiles
-        row0 = seg_start + (local - n_tile * m_tiles) * self.cfg.tile_m
+        row0 = seg_start + (local - n_tile * m_tiles) * tile_rows + cta_rank * self.cfg.rows
         return expert, row0, seg_end, n_tile
 
     @cute.jit
-    def produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx,
-                sSegEnd, sTileEnd, num_experts, k_tiles, bidx, grid, total_tiles):
+    def produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx, cta_rank,
+                sSegEnd, sTileEnd, num_experts, k_tiles, cluster, clusters, total_tiles,
+                n_cols):
         cfg = self.cfg
+        # (rows, tile_k, stages): the token box, the first rows of each A stage
+        sA_box = cute.flat_divide(sA, (cfg.rows, cfg.tile_k))[None, None, 0, 0, None]
         # (b_part_n, tile_k, b_warps, 1, stages): the weight parts of each stage
         sB_parts = cute.flat_divide(sB, (self.b_part_n, cfg.tile_k))
-        # gB: (b_part_n, tile_k, N parts, k-tiles, E)
+        # gB: (b_part_n, tile_k, N parts, k-tiles, E); with a cluster, this CTA
+        # loads its 1/cluster_m of each part and multicasts it to the cluster
         gB = cute.local_tile(mB, (self.b_part_n, cfg.tile_k), (None, None, None))
         tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1),
+            tma_atom_b, cta_rank, cute.make_layout(cfg.cluster_m),
             cute.group_modes(sB_parts, 0, 2), cute.group_modes(gB, 0, 2))
         state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.stages)
-        t = bidx
+        t = cluster
         while t < total_tiles:
-            expert, row0, _, n_tile = self.tile_info(t, sSegEnd, sTileEnd, num_experts)
+            expert, row0, _, n_tile = self.tile_info(t, cta_rank, sSegEnd, sTileEnd,
+                                                     num_experts)
             if expert < num_experts:
-                # (tile_m, tile_k, k-tiles) of tokens starting at row0
+                # (rows, tile_k, k-tiles) of tokens starting at row0
                 gA = cute.local_tile(cute.domain_offset((row0, 0), mA),
-                                     (cfg.tile_m, cfg.tile_k), (0, None))
+                                     (cfg.rows, cfg.tile_k), (0, None))
                 tAsA, tAgA = cpasync.tma_partition(
                     tma_atom_a, 0, cute.make_layout(1),
-                    cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                    cute.group_modes(sA_box, 0, 2), cute.group_modes(gA, 0, 2))
                 for k in cutlass.range(k_tiles, unroll=1):
                     ring.producer_acquire(state)
                     bar = ring.producer_get_barrier(state)
@@ -345,25 +414,33 @@ class GroupedGemmSm90:
                     if cutlass.const_expr(cfg.multi_warp):
                         if warp_idx > 0:
                             part = warp_idx - 1
-                            cute.copy(tma_atom_b,
-                                      tBgB[None, self.b_part_coord(n_tile, part), k, expert],
-                                      tBsB[None, part, 0, state.index], tma_bar_ptr=bar)
+                            self.load_b(tma_atom_b,
+                                        tBgB[None, self.b_part_coord(n_tile, part, n_cols), k, expert],
+                                        tBsB[None, part, 0, state.index], bar)
                     else:
                         for part in cutlass.range_constexpr(cfg.b_warps):
-                            cute.copy(tma_atom_b,
-                                      tBgB[None, self.b_part_coord(n_tile, part), k, expert],
-                                      tBsB[None, part, 0, state.index], tma_bar_ptr=bar)
+                            self.load_b(tma_atom_b,
+                                        tBgB[None, self.b_part_coord(n_tile, part, n_cols), k, expert],
+                                        tBsB[None, part, 0, state.index], bar)
                     state.advance()
-            t += grid
+            t += clusters
         ring.producer_tail(state)
 
-    def b_part_coord(self, n_tile, part):
+    def load_b(self, tma_atom_b, src, dst, bar):
+        """One weight part (this CTA's share of it), multicast to the cluster."""
+        if self.cfg.cluster_m > 1:
+            cute.copy(tma_atom_b, src, dst, tma_bar_ptr=bar,
+                      mcast_mask=cutlass.Int16((1 << self.cfg.cluster_m) - 1))
+        else:
+            cute.copy(tma_atom_b, src, dst, tma_bar_ptr=bar)
+
+    def b_part_coord(self, n_tile, part, n_cols):
         """Index (in ``b_part_n`` rows) of weight part ``part`` of n-tile ``n_tile``."""
         return n_tile * self.cfg.b_warps + part
 
     @cute.jit
-    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sSegEnd, sTileEnd,
-                num_experts, k_tiles, bidx, grid, total_tiles):
+    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, cta_rank, sSegEnd, sTileEnd,
+                num_experts, k_tiles, cluster, clusters, total_tiles):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(ctid)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -387,24 +464,29 @@ class GroupedGemmSm90:
         s2g = self.make_store_copy()
         thr_s2g = s2g.get_slice(ctid)
         tSsC = thr_s2g.partition_S(sC)
-        epi_n = self.epi_tile[1]
-        num_epi = cfg.tile_n // epi_n
+        num_epi = self.out_tile_n // self.epi_tile[1]
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
-        t = bidx
+        t = cluster
         epi_count = cutlass.Int32(0)
         while t < total_tiles:
-            expert, row0, seg_end, n_tile = self.tile_info(t, sSegEnd, sTileEnd, num_experts)
+            expert, row0, seg_end, n_tile = self.tile_info(t, cta_rank, sSegEnd, sTileEnd,
+                                                           num_experts)
+            # rows of this expert in this CTA's tile (<= 0: the spare half of a
+            # pair, which still takes its share of the multicast but skips the
+            # MMAs: idle tensor cores leave power to clock the others higher)
+            rows_valid = cutlass.min(seg_end - row0, cfg.rows)
             acc.fill(0.0)
             if expert < num_experts:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
                 for k in cutlass.range(k_tiles, unroll=1):
                     ring.consumer_wait(read)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
-                                  tCrB[None, None, kb, read.index], acc)
+                    if rows_valid > 0:
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
+                                      tCrB[None, None, kb, read.index], acc)
                     warpgroup.commit_group()
                     # keep one k-tile of WGMMA in flight; free the one before it
                     if k > 0:
@@ -416,17 +498,14 @@ class GroupedGemmSm90:
                 ring.consumer_release(release)
                 release.advance()
 
-            # (tile_m, tile_n) of C at (row0, n_tile); its coordinates (tile row, column)
+            # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates (tile row, column)
             gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
-                                 (cfg.tile_m, cfg.tile_n), (0, n_tile))
+                                 (cfg.tile_m, self.out_tile_n), (0, n_tile))
             cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
-                                 (cfg.tile_m, cfg.tile_n), (0, n_tile))
-            rows_valid = seg_end - row0  # rows of this expert in the tile
+                                 (cfg.tile_m, self.out_tile_n), (0, n_tile))
             for epi in cutlass.range_constexpr(num_epi):
                 buf = epi_count % self.epi_stages
-                for v in cutlass.range_constexpr(cute.size(tRS_rD)):
-                    tRS_rD[v] = tRS_rAcc[epi * cute.size(tRS_rD) + v]
-                self.epilogue_transform(tRS_rD, tRS_rOut)
+                self.epilogue_fragment(tRS_rAcc, epi, tRS_rD, tRS_rOut)
                 cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
                 self.epi_barrier.arrive_and_wait()
                 # (epi_m, epi_n) sub-tile of C and of its coordinates
@@ -438,10 +517,18 @@ class GroupedGemmSm90:
                         if crd[0] < rows_valid and crd[1] < mC.shape[1]:
                             cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
                 epi_count += 1
-            t += grid
+            t += clusters
 
-    def epilogue_transform(self, tRS_rD, tRS_rOut):
-        """fp32 accumulators -> output dtype (subclasses fuse an activation here)."""
+    @staticmethod
+    def accumulator_chunk(tRS_rAcc, chunk, tRS_rD):
+        """Copy epilogue sub-tile ``chunk`` (``epi_tile`` columns) of the accumulators."""
+        for v in range(cute.size(tRS_rD)):  # plain Python: unrolled at trace time
+            tRS_rD[v] = tRS_rAcc[chunk * cute.size(tRS_rD) + v]
+
+    @cute.jit
+    def epilogue_fragment(self, tRS_rAcc, epi, tRS_rD, tRS_rOut):
+        """Output sub-tile ``epi`` in registers: fp32 accumulators -> output dtype."""
+        self.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
         tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
 
     def make_store_copy(self):
@@ -456,18 +543,53 @@ class GroupedGemmSm90:
             cute.make_layout((1, vec)))
 
 
+class GroupedGemmSwigluSm90(GroupedGemmSm90):
+    """``silu(A @ gate^T) * (A @ up^T)`` per expert, in one pass over the weights.
+
+    ``B`` is the (E, 2I, H) ``gate_up`` weight (gate rows first).  A tile's
+    weight stage has two parts loaded by two producer warps under the stage's
+    one full barrier: warp 1 the ``tile_n / 2`` gate rows, warp 2 the matching
+    up rows ``I`` further on; warp 0 loads the token tile and arms the barrier
+    with the bytes of all three.  The MMA warpgroups hold both accumulators
+    (gate in the first half of the tile's columns, up in the second), and the
+    epilogue applies ``silu(gate) * up`` in fp32 before the single rounding.
+    Everything else (schedule, ring, ragged stores) is the base kernel's.
+    """
+
+    def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32):
+        if config.b_warps != 2 or not config.multi_warp:
+            config = dataclasses.replace(config, b_warps=2, multi_warp=True)
+        super().__init__(config, acc_dtype)
+        self.out_tile_n = config.tile_n // 2
+
+    def b_part_coord(self, n_tile, part, n_cols):
+        # part 0: gate rows [n_tile * tile_n/2, ...); part 1: the same rows of up,
+        # I = n_cols rows further on (the host checks I % b_part_n == 0)
+        return n_tile + part * (n_cols // self.b_part_n)
+
+    @cute.jit
+    def epilogue_fragment(self, tRS_rAcc, epi, tRS_rD, tRS_rOut):
+        up = cute.make_rmem_tensor(tRS_rD.shape, self.acc_dtype)
+        self.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+        self.accumulator_chunk(tRS_rAcc, epi + self.out_tile_n // self.epi_tile[1], up)
+        g = tRS_rD.load()
+        # silu(g) = g / (1 + e^-g), in fp32
+        silu = g * cute.math.rcp(1.0 + cute.math.exp2(g * (-1.4426950408889634)))
+        tRS_rOut.store((silu * up.load()).to(self.c_dtype))
+
+
 # ------------------------------------------------------------------ torch side
 _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                   torch.float32: cutlass.Float32}
 
 
-def _fake_args(a_dtype, c_dtype, a_k_major: bool, b_n_major: bool):
+def _fake_args(a_dtype, c_dtype, b_n_major: bool):
     """Symbolic (M, K), (E, K, N), (M, N), (E,) tensors with 16-byte strides."""
     m, k, n, e = kcompile.sym_dims(4)
     div = 8
     s = lambda: cute.sym_int64(divisibility=div)  # noqa: E731
     f = cute.runtime.make_fake_tensor
-    a = f(a_dtype, (m, k), (s(), 1) if a_k_major else (1, s()), assumed_align=16)
+    a = f(a_dtype, (m, k), (s(), 1), assumed_align=16)
     b = f(a_dtype, (e, k, n), (s(), s(), 1) if b_n_major else (s(), 1, s()), assumed_align=16)
     c = f(c_dtype, (m, n), (s(), 1), assumed_align=16)
     offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
@@ -478,34 +600,46 @@ def _is_k_major(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 or t.shape[-1] == 1
 
 
-@torch.compiler.disable
-def compiled_kernel(config: TileConfig, a_dtype, c_dtype, a_k_major: bool, b_n_major: bool,
+def _k_major(a: torch.Tensor) -> torch.Tensor:
+    """The kernels read tokens K-major (activations always are in a MoE layer);
+    an M-major ``a`` is copied."""
+    return a if _is_k_major(a) else a.contiguous()
+
+
+@functools.cache
+def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
                     kernel_cls=GroupedGemmSm90):
-    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), a_k_major, b_n_major, "sm_90a")
+    """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
+    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a")
 
     def build():
         ca, cc = _TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype]
-        return kernel_cls(config), (*_fake_args(ca, cc, a_k_major, b_n_major),
-                                    cutlass.Int32(1), kcompile.fake_stream())
+        return kernel_cls(config), (*_fake_args(ca, cc, b_n_major), cutlass.Int32(1),
+                                    kcompile.fake_stream())
 
     return kcompile.get_compiled(key, build)
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _num_ctas(device_index: int, config: TileConfig) -> int:
+    """One CTA per SM, whole clusters."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return sms // config.cluster_m * config.cluster_m
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype | None = None, config: TileConfig | None = None,
-                 kernel_cls=GroupedGemmSm90) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
+                 config: TileConfig | None = None, kernel_cls=GroupedGemmSm90) -> torch.Tensor:
     """Launch the kernel on the current stream; arguments already validated.
 
-    ``config`` overrides :func:`choose_config` (benchmarks, tests).
+    ``out`` (contiguous (M, N)) and ``config`` (instead of :func:`choose_config`)
+    are for tests and benchmarks.
     """
     m, k = a.shape
     num_experts, _, n = b.shape
-    out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
+    a = _k_major(a)
     if m == 0 or n == 0:
         return out
     if k == 0 or num_experts == 0:
@@ -513,6 +647,58 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
     cfg = config or choose_config(num_experts, n, k, m)
-    fn = compiled_kernel(cfg, a.dtype, out.dtype, _is_k_major(a), _is_k_major(b), kernel_cls)
-    fn(a, b, out, offs, _num_sms(a.device.index))
+    fn = compiled_kernel(cfg, a.dtype, out.dtype, not _is_k_major(b), kernel_cls)
+    fn(a, b, out, offs, _num_ctas(a.device.index, cfg))
     return out
+
+
+def _small_check() -> None:
+    """A small ragged problem in both configurations (the compute-sanitizer target)."""
+    torch.manual_seed(0)
+    a = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4, 128, 136, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([40, 40, 171, 290], dtype=torch.int32, device="cuda")
+    ref = torch.zeros(300, 136, device="cuda")
+    for e, (s, t) in enumerate(zip([0, 40, 40, 171], [40, 40, 171, 290])):
+        ref[s:t] = a[s:t].float() @ b[e].float()
+    for cfg in CONFIGS.values():
+        out = grouped_gemm(a, b, offs, config=cfg)
+        torch.cuda.synchronize()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        print(f"{cfg.name}: rel err {err:.2e}")
+        assert err < 1e-2
+
+
+def swiglu_supported(inter: int, config: TileConfig) -> bool:
+    """The fused kernel needs whole gate parts: I a multiple of tile_n / 2."""
+    return inter % (config.tile_n // 2) == 0
+
+
+def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
+                        out: torch.Tensor | None = None,
+                        config: TileConfig | None = None) -> torch.Tensor:
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args."""
+    m, k = a.shape
+    num_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    a = _k_major(a)
+    cfg = config or choose_config(num_experts, two_i, k, m)
+    if not swiglu_supported(inter, cfg):
+        # I not a multiple of tile_n / 2: two passes (GEMM, then SwiGLU in fp32)
+        h = grouped_gemm(a, gate_up.transpose(-2, -1), offs, torch.float32, config=cfg)
+        res = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(a.dtype)
+        return res if out is None else out.copy_(res)
+    if out is None:
+        out = torch.empty(m, inter, dtype=a.dtype, device=a.device)
+    if m == 0:
+        return out
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
+    b = gate_up.transpose(-2, -1)  # (E, H, 2I)
+    fn = compiled_kernel(cfg, a.dtype, a.dtype, not _is_k_major(b), GroupedGemmSwigluSm90)
+    fn(a, b, out, offs, _num_ctas(a.device.index, cfg))
+    return out
+
+
+if __name__ == "__main__":
+    _small_check()

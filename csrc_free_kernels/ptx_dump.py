@@ -47,7 +47,7 @@ def _probe100(kind, cluster_v=2):
     return build
 
 
-def _gemm(config, a_k_major=True, b_n_major=True, dtype="bfloat16", out="same", **kw):
+def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False, **kw):
     def build():
         import dataclasses
 
@@ -59,7 +59,8 @@ def _gemm(config, a_k_major=True, b_n_major=True, dtype="bfloat16", out="same", 
         cfg = dataclasses.replace(g.CONFIGS[config], **kw)
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
-        return g.GroupedGemmSm90(cfg), (*g._fake_args(ab, c, a_k_major, b_n_major),
+        cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
+        return cls(cfg), (*g._fake_args(ab, c, b_n_major),
                                          cutlass.Int32(1), cute.runtime.make_fake_stream())
     return build
 
@@ -77,11 +78,19 @@ BUILDS = {
     "gemm_decode_bk": _gemm("decode", b_n_major=False),
     "gemm_decode_single_warp": _gemm("decode", multi_warp=False),
     "gemm_decode_fp16": _gemm("decode", dtype="float16"),
+    "gemm_decode16": _gemm("decode16"),
+    "gemm_decode16_bk": _gemm("decode16", b_n_major=False),
+    "gemm_prefill_c2": _gemm("prefill_c2"),
+    "gemm_prefill_c2_bk": _gemm("prefill_c2", b_n_major=False),
+    "gemm_mid": _gemm("mid"),
     "gemm_prefill": _gemm("prefill"),
     "gemm_prefill_bk": _gemm("prefill", b_n_major=False),
-    "gemm_prefill_am": _gemm("prefill", a_k_major=False),
     "gemm_prefill_single_warp": _gemm("prefill", multi_warp=False),
     "gemm_prefill_f32_out": _gemm("prefill", out="float32"),
+    "swiglu_decode": _gemm("decode", b_n_major=False, swiglu=True),
+    "swiglu_prefill": _gemm("prefill", b_n_major=False, swiglu=True),
+    "swiglu_decode16": _gemm("decode16", b_n_major=False, swiglu=True),
+    "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
 }
 
 

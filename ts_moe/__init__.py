@@ -5,6 +5,10 @@
 
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends
+from .routing import combine, permute, route
+from .moe import MoE, experts_forward, moe_forward
+from .loaders import load_mixtral_experts
+from .tiny import make_tiny_mixtral
 
 __all__ = [
     "grouped_gemm",
@@ -12,4 +16,12 @@ __all__ = [
     "grouped_gemm_reference",
     "grouped_gemm_swiglu_reference",
     "segment_ends",
+    "route",
+    "permute",
+    "combine",
+    "MoE",
+    "moe_forward",
+    "experts_forward",
+    "load_mixtral_experts",
+    "make_tiny_mixtral",
 ]

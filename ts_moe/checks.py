@@ -1,5 +1,8 @@
 """Argument checks shared by the ops: metadata only, so no host sync, and all
-of them run before any kernel, so a bad call never half-writes an output."""
+of them run before any kernel, so a bad call never half-writes an output.
+
+They run on every call, so they read each tensor's metadata once (the host
+overhead budget of an op call is 20 us)."""
 
 import torch
 
@@ -7,71 +10,96 @@ DTYPES = (torch.bfloat16, torch.float16)
 ALIGN_BYTES = 16  # TMA: base address and every non-unit stride
 
 
-def _check_tensor(name: str, t, rank: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+def check_tensor_types(**tensors) -> None:
+    """A TypeError naming the argument before the dispatcher's generic one."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _check_layout(name: str, t: torch.Tensor, check_pointer: bool) -> None:
-    """One of the last two dims contiguous, the rest 16-byte aligned."""
-    rows, cols = t.shape[-2:]
-    s_row, s_col = t.stride()[-2:]
-    if not (s_col == 1 or cols == 1) and not (s_row == 1 or rows == 1):
+def _check_layout(name: str, shape, stride, elem: int) -> None:
+    """One of the last two dims contiguous (stride 1), the other strides 16-byte aligned."""
+    rows, cols = shape[-2:]
+    s_row, s_col = stride[-2:]
+    if s_col == 1 or cols == 1:
+        major = len(shape) - 1
+    elif s_row == 1 or rows == 1:
+        major = len(shape) - 2
+    else:
         raise ValueError(
             f"{name} needs one of its last two dims contiguous (stride 1); got strides "
-            f"{t.stride()} for shape {tuple(t.shape)}"
-        )
-    elem = t.element_size()
-    major = -1 if (s_col == 1 or cols == 1) else -2
-    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if dim - t.dim() == major or size == 1:
-            continue
-        if (stride * elem) % ALIGN_BYTES:
+            f"{tuple(stride)} for shape {tuple(shape)}")
+    for dim in range(len(shape)):
+        if dim != major and shape[dim] != 1 and (stride[dim] * elem) % ALIGN_BYTES:
             raise ValueError(
-                f"{name}: stride {stride} of dim {dim} is not a multiple of "
-                f"{ALIGN_BYTES // elem} elements ({ALIGN_BYTES}-byte alignment)"
-            )
-    if check_pointer and t.numel() and t.data_ptr() % ALIGN_BYTES:
-        raise ValueError(f"{name}: data pointer is not {ALIGN_BYTES}-byte aligned")
+                f"{name}: stride {stride[dim]} of dim {dim} is not a multiple of "
+                f"{ALIGN_BYTES // elem} elements ({ALIGN_BYTES}-byte alignment)")
 
 
 def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
                             k_dim: int = 1, fake: bool = False) -> None:
     """Validate ``grouped_gemm``-style arguments; ``b``'s K is dim ``k_dim`` (1 or 2).
 
-    ``fake``: the tensors are fake (tracing): skip the data-pointer check."""
-    _check_tensor("a", a, 2)
-    _check_tensor(b_name, b, 3)
-    _check_tensor("offs", offs, 1)
-    if a.dtype not in DTYPES:
-        raise TypeError(f"a must be bfloat16 or float16, got {a.dtype}")
-    if b.dtype != a.dtype:
-        raise TypeError(f"{b_name} must have a's dtype {a.dtype}, got {b.dtype}")
+    ``fake``: the tensors are fake (tracing): skip the data-pointer check,
+    which is also skipped off the GPU, where only the TMA needs aligned
+    pointers (safetensors memory-maps CPU weights at 8-byte offsets).
+    """
+    check_tensor_types(a=a, **{b_name: b}, offs=offs)
+    a_shape, b_shape = a.shape, b.shape
+    for name, shape, rank in (("a", a_shape, 2), (b_name, b_shape, 3), ("offs", offs.shape, 1)):
+        if len(shape) != rank:
+            raise ValueError(f"{name} must be {rank}-D, got shape {tuple(shape)}")
+    dtype = a.dtype
+    if dtype not in DTYPES:
+        raise TypeError(f"a must be bfloat16 or float16, got {dtype}")
+    if b.dtype != dtype:
+        raise TypeError(f"{b_name} must have a's dtype {dtype}, got {b.dtype}")
     if offs.dtype != torch.int32:
         raise TypeError(f"offs must be int32, got {offs.dtype}")
-    if out_dtype is not None and out_dtype not in (a.dtype, torch.float32):
-        raise TypeError(f"out_dtype must be None, {a.dtype} or torch.float32, got {out_dtype}")
-    if b.device != a.device or offs.device != a.device:
+    if out_dtype is not None and out_dtype != dtype and out_dtype != torch.float32:
+        raise TypeError(f"out_dtype must be None, {dtype} or torch.float32, got {out_dtype}")
+    device = a.device
+    if b.device != device or offs.device != device:
         raise ValueError(
-            f"a, {b_name} and offs must be on one device, got {a.device}, {b.device}, {offs.device}"
-        )
-    if offs.shape[0] != b.shape[0]:
+            f"a, {b_name} and offs must be on one device, got {device}, {b.device}, {offs.device}")
+    if offs.shape[0] != b_shape[0]:
         raise ValueError(
-            f"offs must have one entry per expert: {b_name} has {b.shape[0]} experts, "
-            f"offs has {offs.shape[0]} entries"
-        )
-    if b.shape[k_dim] != a.shape[1]:
+            f"offs must have one entry per expert: {b_name} has {b_shape[0]} experts, "
+            f"offs has {offs.shape[0]} entries")
+    k = a_shape[1]
+    if b_shape[k_dim] != k:
         raise ValueError(
-            f"K mismatch: a is {tuple(a.shape)} (K={a.shape[1]}), {b_name} is "
-            f"{tuple(b.shape)} (K={b.shape[k_dim]})"
-        )
-    n = b.shape[3 - k_dim]
-    for dim_name, size in (("K", a.shape[1]), ("N", n)):
+            f"K mismatch: a is {tuple(a_shape)} (K={k}), {b_name} is "
+            f"{tuple(b_shape)} (K={b_shape[k_dim]})")
+    for dim_name, size in (("K", k), ("N", b_shape[3 - k_dim])):
         if size % 8:
             raise ValueError(f"{dim_name} = {size} must be a multiple of 8 (16-byte rows)")
-    if offs.numel() and offs.stride(0) != 1:
+    if offs.shape[0] > 1 and offs.stride(0) != 1:
         raise ValueError("offs must be contiguous")
-    _check_layout("a", a, not fake)
-    _check_layout(b_name, b, not fake)
+    elem = a.element_size()
+    _check_layout("a", a_shape, a.stride(), elem)
+    _check_layout(b_name, b_shape, b.stride(), elem)
+    if not fake and device.type == "cuda":
+        for name, t in (("a", a), (b_name, b)):
+            if t.data_ptr() % ALIGN_BYTES:
+                raise ValueError(f"{name}: data pointer is not {ALIGN_BYTES}-byte aligned")
+
+
+def plausible_kernel_args(a, b, offs, out_dtype) -> bool:
+    """The cheap subset of :func:`check_grouped_gemm_args` for the kernel path.
+
+    The compiled kernels validate ranks, shapes (K and E agreement), the
+    stride-1 dims and 16-byte stride divisibility themselves, before launch
+    (TVM-FFI checks every argument against the kernel's symbolic signature);
+    this covers what they cannot: dtypes, devices, K a multiple of 8, pointer
+    alignment, and no empty dims (where no kernel launches).  When it is
+    False, or a kernel rejects its arguments, the full check runs and names
+    the bad argument.  Saves ~7 us of the 20 us host budget (H200 host).
+    """
+    dtype = a.dtype
+    return (dtype in DTYPES and b.dtype == dtype and offs.dtype == torch.int32
+            and (out_dtype is None or out_dtype == dtype or out_dtype == torch.float32)
+            and a.dim() == 2 and b.dim() == 3 and b.device == a.device
+            and offs.device == a.device and a.shape[0] > 0 and a.shape[1] % 8 == 0
+            and a.shape[1] > 0 and b.shape[0] > 0
+            and a.data_ptr() % ALIGN_BYTES == 0 and b.data_ptr() % ALIGN_BYTES == 0)

@@ -1,0 +1,8 @@
+"""Benchmark harness for the ts_moe ops: suites of cases, backends side by side.
+
+Modules: ``cases`` (model shapes, routing, flop and byte counts), ``backends``
+(grouped-GEMM backends and the reference), ``moe_layer`` (the layer suite and
+its backend registry), ``timing`` (events, rotation, graphs, NVTX), ``roofs``
+(HBM and GEMM roofs), ``runner`` (check then time), ``report`` (JSON,
+tables, RESULTS.md, plots).  Entry point: ``python -m bench``.
+"""

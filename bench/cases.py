@@ -1,0 +1,191 @@
+"""Benchmark cases: model shapes, token routing, and the work each case must do.
+
+A case is one problem size: a model's expert shapes, a token count ``T``, a
+routing of the ``M = T * top_k`` token-expert pairs onto the ``E`` experts,
+and which GEMM of the expert MLP it is (``gate_up``: N = 2I, K = H;
+``down``: N = H, K = I; ``layer``: the whole expert MLP).  Everything here is
+plain Python and CPU torch, so the case list is the same on every machine.
+"""
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Model:
+    """The MoE block of one model: experts, hidden size, expert intermediate size, top-k."""
+
+    name: str
+    experts: int
+    hidden: int
+    inter: int
+    top_k: int
+
+
+MODELS = {
+    m.name: m
+    for m in (
+        Model("mixtral-8x7b", experts=8, hidden=4096, inter=14336, top_k=2),
+        Model("qwen3-30b-a3b", experts=128, hidden=2048, inter=768, top_k=8),
+        Model("deepseek-v3", experts=256, hidden=7168, inter=2048, top_k=8),
+    )
+}
+
+GEMMS = ("gate_up", "down")
+ROUTINGS = ("uniform", "skewed")
+GEMM_T = (16, 128, 1024, 4096, 16384)
+LAYER_T = (1, 16, 128, 1024, 4096, 16384)
+WEIGHT_LAYOUTS = ("nmajor", "kmajor")
+
+# --quick: about two minutes on an H200
+QUICK_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
+QUICK_T = (16, 1024, 16384)
+QUICK_ROUTINGS = ("uniform",)
+
+# Popularity of the expert of rank r is proportional to r**-ZIPF_EXPONENT in
+# skewed routing: with top-8 of 128 experts the hottest expert gets ~1/8 of
+# all rows, the coldest a handful, as in a router that has collapsed onto a
+# few favourites.
+ZIPF_EXPONENT = 1.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark problem.  ``counts[e]`` is the number of rows routed to expert ``e``."""
+
+    model: Model
+    gemm: str
+    T: int
+    routing: str
+    seed: int
+    counts: tuple[int, ...]
+    weight_layout: str = "nmajor"
+
+    @property
+    def E(self) -> int:
+        return self.model.experts
+
+    @property
+    def M(self) -> int:
+        return self.T * self.model.top_k
+
+    @property
+    def N(self) -> int:
+        """Output columns of the GEMM (the layer's output width for ``layer``)."""
+        return 2 * self.model.inter if self.gemm == "gate_up" else self.model.hidden
+
+    @property
+    def K(self) -> int:
+        """Reduction length of the GEMM (the layer's input width for ``layer``)."""
+        return self.model.inter if self.gemm == "down" else self.model.hidden
+
+    @property
+    def touched_experts(self) -> int:
+        return sum(1 for c in self.counts if c > 0)
+
+    def key(self) -> dict:
+        """The fields that identify the case in results."""
+        return {"model": self.model.name, "gemm": self.gemm, "T": self.T, "routing": self.routing}
+
+    def describe(self) -> str:
+        """Short text with the shape, for progress lines and NVTX ranges."""
+        m = self.model
+        if self.gemm == "layer":
+            dims = f"M={self.M} H={m.hidden} I={m.inter} E={self.E} k={m.top_k}"
+        else:
+            dims = f"M={self.M} N={self.N} K={self.K} E={self.E}"
+        return f"{m.name} {self.gemm} T={self.T} {self.routing} {dims}"
+
+
+def case_seed(base_seed: int, model: str, T: int, routing: str) -> int:
+    """A seed per (model, T, routing), stable across processes (``hash`` of a str is not).
+
+    The GEMM is not part of it: gate_up and down of one batch see the same routing.
+    """
+    return zlib.crc32(f"{base_seed}:{model}:{T}:{routing}".encode())
+
+
+def route(T: int, top_k: int, experts: int, routing: str, seed: int) -> torch.Tensor:
+    """(T, top_k) int64 expert ids: each token picks ``top_k`` distinct experts.
+
+    Sampling without replacement by Gumbel top-k: token scores are
+    ``log p_e + Gumbel noise`` and the top ``top_k`` win, which draws each
+    token's set in proportion to the popularities ``p``.  ``uniform``: all
+    experts equally popular.  ``skewed``: Zipf popularities over a seeded
+    random ranking of the experts (so the hot experts are not always the first).
+    """
+    if top_k > experts:
+        raise ValueError(f"top_k={top_k} > experts={experts}")
+    g = torch.Generator().manual_seed(seed)
+    if routing == "uniform":
+        log_p = torch.zeros(experts)
+    elif routing == "skewed":
+        rank = torch.randperm(experts, generator=g).double() + 1.0
+        log_p = (-ZIPF_EXPONENT * rank.log()).float()
+    else:
+        raise ValueError(f"unknown routing {routing!r}; expected one of {ROUTINGS}")
+    u = torch.rand(T, experts, generator=g).clamp_(min=1e-20, max=1.0 - 1e-7)
+    gumbel = -(-u.log()).log()
+    return (log_p + gumbel).topk(top_k, dim=1).indices
+
+
+def expert_counts(topk_ids: torch.Tensor, experts: int) -> tuple[int, ...]:
+    """Rows per expert of a routing."""
+    return tuple(torch.bincount(topk_ids.flatten(), minlength=experts).tolist())
+
+
+def make_case(model: Model, gemm: str, T: int, routing: str, base_seed: int = 0,
+              weight_layout: str = "nmajor") -> Case:
+    """The case with its routing drawn from the seed."""
+    seed = case_seed(base_seed, model.name, T, routing)
+    counts = expert_counts(route(T, model.top_k, model.experts, routing, seed), model.experts)
+    return Case(model, gemm, T, routing, seed, counts, weight_layout)
+
+
+def gemm_cases(models, Ts, gemms, routings, base_seed: int = 0,
+               weight_layout: str = "nmajor") -> list[Case]:
+    """The grouped_gemm suite: every model x gemm x routing x T, T ascending innermost."""
+    return [make_case(MODELS[m], g, t, r, base_seed, weight_layout)
+            for m in models for g in gemms for r in routings for t in sorted(Ts)]
+
+
+def layer_cases(models, Ts, routings, base_seed: int = 0) -> list[Case]:
+    """The moe_layer suite: the whole expert MLP of each model at each T."""
+    return [make_case(MODELS[m], "layer", t, r, base_seed, "hf")
+            for m in models for r in routings for t in sorted(Ts)]
+
+
+def flops(case: Case) -> int:
+    """Multiply-adds x 2 of the useful work (padding rows of a tile are not counted)."""
+    m = case.model
+    if case.gemm == "layer":
+        # gate_up (2I x H) and down (H x I) for each of the M rows
+        return 2 * case.M * (2 * m.inter * m.hidden + m.hidden * m.inter)
+    return 2 * case.M * case.N * case.K
+
+
+def traffic(case: Case) -> dict[str, int]:
+    """Bytes that must cross HBM at least once (bf16): weights of the experts
+    that got rows, activations in, results out.  Untouched experts are free."""
+    m = case.model
+    touched = case.touched_experts
+    if case.gemm == "layer":
+        return {"weights": touched * 3 * m.inter * m.hidden * 2,
+                "act_in": case.T * m.hidden * 2,
+                "out": case.T * m.hidden * 2}
+    return {"weights": touched * case.K * case.N * 2,
+            "act_in": case.M * case.K * 2,
+            "out": case.M * case.N * 2}
+
+
+def bytes_moved(case: Case) -> int:
+    return sum(traffic(case).values())
+
+
+def skew(counts) -> float:
+    """Busiest expert's rows over the mean rows per expert (1.0 = perfectly even)."""
+    mean = sum(counts) / len(counts)
+    return max(counts) / mean if mean else math.nan

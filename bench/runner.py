@@ -1,0 +1,192 @@
+"""Run a suite: for each case, make the inputs once, compute the reference,
+then per backend: prepare, check every input copy against the reference,
+and only if it is right, time it.  One record per (case, backend)."""
+
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import backends as gemm_backends
+from . import cases as case_lib
+from . import moe_layer
+from .backends import Factory, Unavailable
+from .cases import Case
+from .roofs import roof_fraction
+from .timing import l2_bytes, measure, nvtx_range, profiled, rotation_copies
+
+TOLERANCE = 1e-2  # bf16 output: rounding alone is ~2e-3 relative
+
+
+@dataclass(frozen=True)
+class Suite:
+    """What differs between suites: inputs, reference, backends."""
+
+    name: str
+    make_inputs: Callable[[Case, torch.device], object]
+    reference: Callable[[object], torch.Tensor]  # fp32 result
+    backends: Callable[[], dict[str, Factory]]
+    default_backends: tuple[str, ...]
+
+
+SUITES = {
+    "grouped_gemm": Suite("grouped_gemm", gemm_backends.make_gemm_inputs,
+                          gemm_backends.reference_grouped_gemm,
+                          lambda: dict(gemm_backends.BACKENDS), gemm_backends.DEFAULT_BACKENDS),
+    "moe_layer": Suite("moe_layer", moe_layer.make_layer_inputs, moe_layer.reference_layer,
+                       moe_layer.layer_backends, moe_layer.DEFAULT_BACKENDS),
+}
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    target_ms: float = 100.0
+    min_iters: int = 5
+    max_iters: int = 200
+    graphs: bool = False
+    graph_max_t: int = 1024
+    input_budget_bytes: int = 36 << 30
+    tolerance: float = TOLERANCE
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32; inf for a wrong shape or non-finite output."""
+    if out.shape != ref.shape:
+        return math.inf
+    diff = (out.float() - ref).norm().item()
+    norm = ref.norm().item()
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / norm if norm else (0.0 if diff == 0 else math.inf)
+
+
+def check(runs, ref: torch.Tensor) -> float:
+    """Largest relative error over the bound copies (each copy has its own pointers)."""
+    return max(rel_err(run(), ref) for run in runs)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def case_record(case: Case) -> dict:
+    """The fields every record of a case shares."""
+    return {
+        **case.key(),
+        "E": case.E, "M": case.M, "N": case.N, "K": case.K, "top_k": case.model.top_k,
+        "weight_layout": case.weight_layout,
+        "touched_experts": case.touched_experts,
+        "skew": case_lib.skew(case.counts),
+        "flops": case_lib.flops(case),
+        "bytes": case_lib.bytes_moved(case),
+    }
+
+
+def _empty(base: dict, backend: str, status: str, **extra) -> dict:
+    return {**base, "backend": backend, "status": status, "ms": None, "tflops": None,
+            "tbps": None, "max_rel_err": None, **extra}
+
+
+def run_backend(factory: Factory, case: Case, copies, ref, settings: Settings,
+                base: dict, name: str, roofs) -> dict:
+    """Prepare, check, time one backend on one case; failures become records."""
+    device = settings.device
+    try:
+        with nvtx_range(f"{name} prepare"):
+            bind = factory(case, device)
+            runs = [bind(inp) for inp in copies]
+        with nvtx_range(f"{name} check"):
+            err = check(runs, ref)
+        if not err <= settings.tolerance:
+            return _empty(base, name, "wrong", max_rel_err=err)
+        graph = settings.graphs and device.type == "cuda" and case.T <= settings.graph_max_t
+        t = measure(runs, device, target_ms=settings.target_ms, min_iters=settings.min_iters,
+                    max_iters=settings.max_iters, graph=graph)
+    except (ImportError, Unavailable) as exc:
+        return _empty(base, name, "unavailable", reason=str(exc))
+    except torch.OutOfMemoryError as exc:
+        return _empty(base, name, "oom", reason=str(exc).splitlines()[0])
+    except Exception as exc:  # a broken backend must not end the run
+        return _empty(base, name, "error", reason=f"{type(exc).__name__}: {exc}")
+    frac, bound = roof_fraction(t.ms, base["flops"], base["bytes"], roofs)
+    seconds = t.ms * 1e-3
+    return {**base, "backend": name, "status": "ok", "ms": t.ms,
+            "tflops": base["flops"] / seconds / 1e12, "tbps": base["bytes"] / seconds / 1e12,
+            "max_rel_err": err, "iters": t.iters, "graphed": t.graphed,
+            "roof_frac": frac, "bound": bound}
+
+
+def prepare_inputs(suite: Suite, case: Case, settings: Settings):
+    """(reference, copies): the case's inputs and enough clones to rotate through."""
+    first = suite.make_inputs(case, settings.device)
+    ref = suite.reference(first)
+    t = case_lib.traffic(case)
+    n = rotation_copies(t["weights"] + t["act_in"], first.nbytes, l2_bytes(settings.device),
+                        settings.input_budget_bytes)
+    return ref, [first] + [first.clone() for _ in range(n - 1)]
+
+
+def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: Settings,
+             roofs) -> list[dict]:
+    """All backends of one case on the same inputs; the inputs are freed after."""
+    device = settings.device
+    base = case_record(case)
+    names = list(factories)
+    reason = None
+    try:
+        ref, copies = prepare_inputs(suite, case, settings)
+    except torch.OutOfMemoryError as exc:
+        reason = str(exc).splitlines()[0]
+    if reason is not None:  # outside the except: the traceback no longer pins tensors
+        _free(device)
+        return [_empty(base, name, "oom", reason=reason) for name in names]
+    base["copies"] = len(copies)
+    records = []
+    for name in names:
+        with nvtx_range(f"{name} {case.describe()}"):
+            records.append(run_backend(factories[name], case, copies, ref, settings, base,
+                                       name, roofs))
+        if records[-1]["status"] == "oom":  # give the next backend a clean pool
+            _free(device)
+    del ref, copies
+    _free(device)
+    return records
+
+
+def _progress_line(i: int, total: int, case: Case, records, seconds: float) -> str:
+    parts = []
+    for r in records:
+        if r["status"] == "ok":
+            parts.append(f"{r['backend']} {r['ms']:.3f} ms")
+        else:
+            parts.append(f"{r['backend']} {r['status']}")
+    return f"[{i}/{total}] {case.describe()}: {', '.join(parts)} ({seconds:.1f} s)"
+
+
+def run_suite(suite: Suite, cases: list[Case], backend_names, settings: Settings,
+              roofs=None, factories: dict[str, Factory] | None = None,
+              progress=None) -> list[dict]:
+    """Every case x backend; one progress line per case on ``progress`` (None:
+    quiet).  ``factories`` overrides the suite's registry (tests)."""
+    registry = factories if factories is not None else suite.backends()
+    unknown = [n for n in backend_names if n not in registry]
+    if unknown:
+        raise ValueError(f"unknown {suite.name} backends {unknown}; known: {sorted(registry)}")
+    chosen = {n: registry[n] for n in backend_names}
+    records = []
+    with profiled(settings.device):
+        for i, case in enumerate(cases, 1):
+            t0 = time.perf_counter()
+            with nvtx_range(f"case {case.describe()}"):
+                case_records = run_case(suite, case, chosen, settings, roofs)
+            records.extend(case_records)
+            if progress is not None:
+                print(_progress_line(i, len(cases), case, case_records,
+                                     time.perf_counter() - t0), file=progress, flush=True)
+    return records

@@ -1,0 +1,141 @@
+"""python -m bench: argument parsing, --list, and an end-to-end CPU run of a tiny model."""
+
+import json
+
+import pytest
+import torch
+
+from bench import __main__ as cli
+from bench import cases
+
+REQUIRED_CASE_KEYS = {"model", "gemm", "T", "routing", "backend", "ms", "tflops", "tbps",
+                      "max_rel_err", "status"}
+
+
+def _resolve(argv):
+    parser = cli.build_parser()
+    return cli.resolve(parser.parse_args(argv), parser)
+
+
+@pytest.fixture
+def tiny_model(monkeypatch):
+    models = dict(cases.MODELS)
+    models["tiny"] = cases.Model("tiny", experts=6, hidden=64, inter=48, top_k=2)
+    monkeypatch.setattr(cases, "MODELS", models)
+
+
+def test_defaults_are_the_full_suite():
+    sel = _resolve([])
+    assert sel["suite"].name == "grouped_gemm"
+    assert sel["models"] == ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"]
+    assert sel["T"] == [16, 128, 1024, 4096, 16384]
+    assert sel["routing"] == ["uniform", "skewed"]
+    assert sel["gemms"] == ["gate_up", "down"]
+    assert sel["backends"] == ["torch_grouped_mm", "cublas_grouped", "cublas_loop", "ts_moe",
+                               "ts_moe_single_warp"]
+
+
+def test_quick_and_explicit_filters():
+    sel = _resolve(["--quick"])
+    assert sel["models"] == ["mixtral-8x7b", "qwen3-30b-a3b"]
+    assert sel["T"] == [16, 1024, 16384]
+    assert sel["routing"] == ["uniform"]
+    sel = _resolve(["--quick", "--T", "128", "--routing", "skewed", "--models", "deep"])
+    assert (sel["T"], sel["routing"], sel["models"]) == ([128], ["skewed"], ["deepseek-v3"])
+    sel = _resolve(["--models", "QWEN3,mixtral", "--gemms", "down",
+                    "--backends", "ts_moe,reference"])
+    assert sel["models"] == ["qwen3-30b-a3b", "mixtral-8x7b"]
+    assert sel["gemms"] == ["down"] and sel["backends"] == ["ts_moe", "reference"]
+
+
+def test_layer_suite_defaults():
+    sel = _resolve(["--suite", "moe_layer"])
+    assert sel["T"] == [1, 16, 128, 1024, 4096, 16384]
+    assert sel["backends"] == ["ts_moe", "ts_moe_unfused", "hf_eager", "hf_grouped_mm",
+                               "hf_batched_mm"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--models", "llama"],
+    ["--backends", "ts_moe,magic"],
+    ["--T", "16,abc"],
+    ["--T", "0"],
+    ["--routing", "zipf"],
+    ["--gemms", "up_down"],
+    ["--suite", "attention"],
+    ["--weight-layout", "rowmajor"],
+    pytest.param(["--device", "cuda"], marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CUDA is there")),
+])
+def test_bad_arguments_exit(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _resolve(argv)
+    assert exc.value.code == 2
+
+
+def test_options_parsed():
+    args = cli.build_parser().parse_args(
+        ["--graphs", "--graph-max-t", "128", "--no-roofs", "--target-ms", "50",
+         "--weight-layout", "kmajor", "--seed", "3", "--device", "cpu", "--no-save"])
+    assert args.graphs and args.graph_max_t == 128 and args.no_roofs
+    assert args.target_ms == 50 and args.weight_layout == "kmajor" and args.seed == 3
+    assert args.device == "cpu" and args.no_save
+    rep = cli.build_report_parser().parse_args(["bench/results/x.json", "--no-plots"])
+    assert rep.json.name == "x.json" and rep.no_plots
+
+
+def test_list_prints_cases(capsys):
+    assert cli.main(["--list", "--quick", "--gemms", "down"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("backends: torch_grouped_mm")
+    assert len(out) == 1 + 2 * 3
+    assert out[1] == "mixtral-8x7b down T=16 uniform M=32 N=4096 K=14336 E=8"
+
+
+def test_cpu_run_writes_json_markdown_plot(tiny_model, tmp_path, capsys):
+    md = tmp_path / "RESULTS.md"
+    argv = ["--device", "cpu", "--models", "tiny", "--T", "4,32", "--routing", "skewed",
+            "--backends", "reference,torch_grouped_mm,cublas_loop,cublas_grouped",
+            "--weight-layout", "kmajor", "--target-ms", "1", "--out-dir", str(tmp_path),
+            "--results-md", str(md)]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("[") >= 4  # one progress line per case
+    assert "torch_grouped_mm" in captured.out
+
+    path = tmp_path / "cpu-grouped_gemm.json"
+    data = json.loads(path.read_text())
+    assert set(data) >= {"device", "date", "torch", "cuda", "roofs", "command", "cases"}
+    assert data["device"] == "cpu" and data["roofs"] is None
+    assert data["command"].startswith("python -m bench --device cpu --models tiny")
+    assert len(data["cases"]) == 2 * 2 * 4  # gemms x T x backends
+    for rec in data["cases"]:
+        assert REQUIRED_CASE_KEYS <= set(rec)
+        expect = "unavailable" if rec["backend"] == "cublas_grouped" else "ok"
+        assert rec["status"] == expect, rec
+        assert rec["weight_layout"] == "kmajor"
+    assert (tmp_path / "cpu-grouped_gemm.png").exists()
+    assert "<!-- bench:cpu-grouped_gemm begin -->" in md.read_text()
+
+    # report regenerates the section and the plot from the JSON alone
+    (tmp_path / "cpu-grouped_gemm.png").unlink()
+    assert cli.main(["report", str(path), "--results-md", str(md)]) == 0
+    assert (tmp_path / "cpu-grouped_gemm.png").exists()
+    assert md.read_text().count("begin -->") == 1
+    assert "| tiny | down | 32 | skewed | reference |" in capsys.readouterr().out
+
+
+def test_wrong_result_sets_exit_status(tiny_model, tmp_path, monkeypatch):
+    from bench import backends, runner
+
+    def wrong(case, device):
+        return lambda inp: lambda: backends.reference_grouped_gemm(inp, inp.a.dtype) + 1
+
+    suite = runner.SUITES["grouped_gemm"]
+    patched = runner.Suite(suite.name, suite.make_inputs, suite.reference,
+                           lambda: {**suite.backends(), "wrong": wrong}, suite.default_backends)
+    monkeypatch.setitem(runner.SUITES, "grouped_gemm", patched)
+    monkeypatch.setattr(cli, "SUITES", runner.SUITES)
+    argv = ["--device", "cpu", "--models", "tiny", "--T", "4", "--routing", "uniform",
+            "--gemms", "down", "--backends", "reference,wrong", "--target-ms", "1", "--no-save"]
+    assert cli.main(argv) == 1

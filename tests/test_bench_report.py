@@ -1,0 +1,123 @@
+"""bench.report: ratios, JSON round trip, markdown, RESULTS.md sections, plots."""
+
+import json
+import math
+
+import pytest
+
+from bench import report
+
+
+def _record(T, backend, ms, status="ok", **extra):
+    rec = {"model": "qwen3-30b-a3b", "gemm": "down", "T": T, "routing": "uniform",
+           "backend": backend, "status": status, "ms": ms, "tflops": None, "tbps": None,
+           "max_rel_err": 0.003, "flops": 10**12, "bytes": 10**9}
+    if ms is not None:
+        rec.update(tflops=1.0 / ms, tbps=0.1 / ms, roof_frac=0.5, bound="hbm")
+    rec.update(extra)
+    return rec
+
+
+def _result(suite="grouped_gemm"):
+    records = [
+        _record(16, "ts_moe", 0.02),
+        _record(16, "torch_grouped_mm", 0.03),
+        _record(16, "cublas_loop", 0.08),
+        _record(16, "bad", None, status="wrong", max_rel_err=math.inf),
+        _record(16, "cublas_grouped", None, status="unavailable",
+                reason="No module named 'nvmath'"),
+        _record(1024, "ts_moe", 0.5),
+        _record(1024, "torch_grouped_mm", 0.4),
+    ]
+    report.add_ratios(records)
+    return {"suite": suite, "device": "NVIDIA H200", "date": "2026-01-01T00:00:00+00:00",
+            "torch": "2.13.0", "cuda": "13.0",
+            "roofs": {"hbm_read_tbps": 4.1, "bf16_dense_tflops": 750.0},
+            "command": "python -m bench --models qwen3 --T 16,1024", "settings": {},
+            "cases": records}
+
+
+def test_ratios_against_peers():
+    recs = {(r["T"], r["backend"]): r for r in _result()["cases"]}
+    fastest = recs[16, "ts_moe"]
+    assert fastest["vs_best_peer"] == pytest.approx(1.5)  # 0.03 / 0.02
+    assert fastest["speedup_vs"] == {"torch_grouped_mm": pytest.approx(1.5),
+                                     "cublas_loop": pytest.approx(4.0)}
+    assert recs[16, "cublas_loop"]["vs_best_peer"] == pytest.approx(0.25)
+    assert recs[1024, "ts_moe"]["vs_best_peer"] == pytest.approx(0.8)
+    # wrong and unavailable backends are neither compared nor peers
+    assert recs[16, "bad"]["vs_best_peer"] is None and recs[16, "bad"]["speedup_vs"] == {}
+    assert "bad" not in fastest["speedup_vs"]
+
+
+def test_json_round_trip_then_markdown(tmp_path):
+    result = _result()
+    path = report.write_json(result, tmp_path)
+    assert path.name == "nvidia-h200-grouped_gemm.json"
+    loaded = report.load_json(path)
+    json.loads(path.read_text())  # strict JSON: no Infinity/NaN
+    assert set(loaded) >= {"device", "date", "torch", "cuda", "roofs", "command", "cases"}
+    assert loaded["roofs"] == result["roofs"]
+    for rec in loaded["cases"]:
+        assert set(rec) >= {"model", "gemm", "T", "routing", "backend", "ms", "tflops",
+                            "tbps", "max_rel_err", "status"}
+    wrong = next(r for r in loaded["cases"] if r["backend"] == "bad")
+    assert wrong["max_rel_err"] is None  # inf is not JSON: written as null
+    assert loaded["cases"][0] == result["cases"][0]
+
+    md = report.render_markdown(loaded)
+    assert md.startswith("## grouped_gemm on NVIDIA H200")
+    assert "HBM read 4.10 TB/s" in md and "750 TFLOP/s" in md
+    assert "`python -m bench --models qwen3 --T 16,1024`" in md
+    table = [line for line in md.splitlines() if line.startswith("| qwen3")]
+    assert len(table) == len(result["cases"])
+    assert "| ts_moe | 0.0200 |" in md
+    assert "50% hbm" in md and "1.50" in md
+    assert "unavailable: No module named 'nvmath'" in md
+
+
+def test_text_table_has_every_record():
+    text = report.render_text(_result()["cases"])
+    lines = text.splitlines()
+    assert lines[0].split()[:5] == ["model", "gemm", "T", "routing", "backend"]
+    assert len(lines) == 2 + len(_result()["cases"])
+    assert "wrong" in text
+
+
+def test_results_md_section_replaced_not_duplicated(tmp_path):
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# Results\n\nhand-written intro\n")
+    first = _result()
+    path = report.write_json(first, tmp_path)
+    report.update_results_md(path, md)
+    first["date"] = "2026-02-02T00:00:00+00:00"
+    report.write_json(first, tmp_path)
+    report.update_results_md(path, md)
+    text = md.read_text()
+    assert text.startswith("# Results\n\nhand-written intro\n")
+    assert text.count("<!-- bench:nvidia-h200-grouped_gemm begin -->") == 1
+    assert "2026-02-02" in text and "2026-01-01" not in text
+
+    other = report.write_json(_result("moe_layer"), tmp_path)
+    report.update_results_md(other, md)
+    text = md.read_text()
+    assert text.count("begin -->") == 2
+    assert text.index("grouped_gemm begin") < text.index("moe_layer begin")
+
+
+def test_plot_one_png_per_suite(tmp_path):
+    path = report.plot(_result(), tmp_path)
+    assert path == tmp_path / "nvidia-h200-grouped_gemm.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(tmp_path.glob("*.png")) == [path]
+
+
+def test_plot_nothing_timed(tmp_path):
+    result = _result()
+    result["cases"] = [r for r in result["cases"] if r["status"] != "ok"]
+    assert report.plot(result, tmp_path) is None
+
+
+def test_sanitize():
+    assert report.sanitize("NVIDIA H200 NVL") == "nvidia-h200-nvl"
+    assert report.sanitize("NVIDIA GeForce RTX 4090 (16GB)") == "nvidia-geforce-rtx-4090-16gb"

@@ -1,0 +1,226 @@
+"""The sm_90 CuTeDSL grouped GEMM against fp32 references and F.grouped_mm."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ts_moe
+from ts_moe.reference import segment_ends
+
+from .conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {  # E, H, I, top-k
+    "mixtral": (8, 4096, 14336, 2),
+    "qwen3": (128, 2048, 768, 8),
+    "deepseek": (256, 7168, 2048, 8),
+}
+
+
+def gg():
+    from csrc_free_kernels import grouped_gemm_sm90
+    return grouped_gemm_sm90
+
+
+def counts_to_offs(counts):
+    return torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
+
+
+def random_counts(m, e, skew=0.0):
+    w = torch.rand(e) + 1e-3
+    if skew:
+        w = torch.arange(1, e + 1, dtype=torch.float).pow(-skew)[torch.randperm(e)]
+    idx = torch.multinomial(w, m, replacement=True) if m else torch.zeros(0, dtype=torch.long)
+    return torch.bincount(idx, minlength=e)
+
+
+def make(m, k, n, e, counts=None, kmajor=False, dtype=torch.bfloat16):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    if kmajor:  # nn.Linear / Hugging Face (E, N, K) weights, passed transposed
+        b = (torch.randn(e, n, k, device="cuda", dtype=dtype) * k**-0.5).transpose(-2, -1)
+    else:
+        b = torch.randn(e, k, n, device="cuda", dtype=dtype) * k**-0.5
+    offs = counts_to_offs(random_counts(m, e) if counts is None else counts)
+    return a, b, offs
+
+
+def reference(a, b, offs, out_dtype=None):
+    """fp32 per expert on the GPU (fast enough for the largest cases)."""
+    out = torch.zeros(a.shape[0], b.shape[2], device=a.device, dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
+        if end > start:
+            out[start:end] = a[start:end].float() @ b[e].float()
+        start = end
+    return out
+
+
+def run_poisoned(a, b, offs, out_dtype=None, **kw):
+    """Poison the output with NaN first; every element must then be written."""
+    out = torch.full((a.shape[0], b.shape[2]), float("nan"), device="cuda",
+                     dtype=out_dtype or a.dtype)
+    gg().grouped_gemm(a, b, offs, out_dtype, out=out, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "unwritten (NaN) output elements"
+    return out
+
+
+def check(a, b, offs, tol=1e-2, **kw):
+    ref = reference(a, b, offs)
+    out = run_poisoned(a, b, offs, **kw)
+    err = rel_err(out, ref)
+    assert err < tol, f"rel err {err}"
+    end = int(segment_ends(offs, a.shape[0])[-1]) if offs.numel() else 0
+    assert (out[end:] == 0).all()
+    return out
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("gemm", ["gate_up", "down"])
+@pytest.mark.parametrize("tokens", [1, 16, 1024])
+def test_model_shapes(model, gemm, tokens):
+    e, h, i, topk = MODELS[model]
+    n, k = (2 * i, h) if gemm == "gate_up" else (h, i)
+    a, b, offs = make(tokens * topk, k, n, e, kmajor=gemm == "down")
+    out = check(a, b, offs)
+    if hasattr(torch, "_grouped_mm"):
+        end = int(offs[-1])
+        assert rel_err(out[:end], torch._grouped_mm(a, b, offs=offs)[:end]) < 1e-2
+
+
+CONFIG_NAMES = ["decode16", "decode", "mid", "prefill", "prefill_c2"]
+
+
+@pytest.mark.parametrize("config", CONFIG_NAMES)
+@pytest.mark.parametrize("multi_warp", [True, False])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_configs_and_layouts(config, multi_warp, kmajor):
+    cfg = dataclasses.replace(gg().CONFIGS[config], multi_warp=multi_warp)
+    a, b, offs = make(1000, 256, 392, 6, counts=[0, 301, 1, 0, 500, 150], kmajor=kmajor)
+    check(a, b, offs, config=cfg)  # 48 tail rows, N and M not tile multiples
+
+
+@pytest.mark.parametrize("config", CONFIG_NAMES)
+def test_routing_extremes(config):
+    cfg = gg().CONFIGS[config]
+    k, n = 128, 256
+    check(*make(777, k, n, 8, counts=[0, 0, 0, 777, 0, 0, 0, 0]), config=cfg)  # one expert
+    check(*make(8, k, n, 8, counts=[1] * 8), config=cfg)  # one row per expert
+    check(*make(1, k, n, 8, counts=[0, 0, 1, 0, 0, 0, 0, 0]), config=cfg)  # one row
+    check(*make(64, k, n, 8, counts=[0] * 8), config=cfg)  # all empty: all zeros
+    counts = torch.zeros(512, dtype=torch.long)
+    counts[torch.randperm(512)[:5]] = torch.tensor([100, 3, 250, 1, 46])
+    check(*make(400, k, n, 512, counts=counts), config=cfg)  # E = 512, most empty
+    c = random_counts(3000, 64, skew=1.2)
+    check(*make(3000, k, n, 64, counts=c), config=cfg)  # skewed
+
+
+def test_operand_layouts_and_dtypes():
+    a, b, offs = make(336, 192, 136, 4)
+    wide = torch.randn(336, 256, device="cuda", dtype=torch.bfloat16)
+    wide[:, :192] = a
+    check(wide[:, :192], b, offs)  # row stride 256 > K
+    check(a.t().contiguous().t(), b, offs)  # M-major a (copied K-major)
+    a16, b16, offs16 = make(333, 192, 136, 4, dtype=torch.float16)
+    check(a16, b16, offs16)
+    ref = reference(a, b, offs)
+    out = run_poisoned(a, b, offs, torch.float32)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 1e-2
+
+
+def test_bad_offsets_are_safe():
+    a, b, _ = make(300, 128, 128, 4)
+    offs = torch.tensor([200, 50, 10_000, -5], dtype=torch.int32, device="cuda")
+    check(a, b, offs)  # segments: [0,200), [200,200), [200,300), tail none
+
+
+def test_largest_m():
+    m = 1 << 20
+    counts = random_counts(m, 16, skew=1.0)
+    check(*make(m, 64, 64, 16, counts=counts))
+
+
+KERNEL_PATH_BAD = [
+    (lambda a, b, o: (a[:, :120], b, o), ValueError, "K mismatch"),
+    (lambda a, b, o: (a, b, o[:-1]), ValueError, "one entry per expert"),
+    (lambda a, b, o: (a, b, o.cpu()), ValueError, "one device"),
+    (lambda a, b, o: (a, b[:, ::2], o), ValueError, "K mismatch"),
+    (lambda a, b, o: (a, b[:, :, :60], o), ValueError, "N = 60 must be a multiple of 8"),
+    (lambda a, b, o: (torch.empty(a.numel() + 1, device="cuda", dtype=a.dtype)[1:].view(a.shape),
+                      b, o), ValueError, "data pointer is not 16-byte aligned"),
+    (lambda a, b, o: (a, b.transpose(0, 1), o), ValueError, "K mismatch|one entry"),
+    (lambda a, b, o: (a, b.float(), o), TypeError, "must have a's dtype"),
+]
+
+
+@pytest.mark.parametrize("make, exc, msg", KERNEL_PATH_BAD)
+def test_validation_on_the_kernel_path(make, exc, msg):
+    a, b, offs = make(64, 128, 256, 4)
+    with pytest.raises(exc, match=msg):
+        ts_moe.grouped_gemm(*make(a, b, offs))
+    # a stride that is neither unit nor 16-byte aligned: only the kernel sees it
+    wide = torch.randn(64, 132, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="stride 132 of dim 0"):
+        ts_moe.grouped_gemm(wide[:, :128], b, offs)
+
+
+def test_op_dispatches_to_kernel_and_no_sync():
+    a, b, offs = make(512, 256, 512, 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ts_moe.grouped_gemm(a, b, offs)
+        out_swiglu = ts_moe.grouped_gemm_swiglu(a, b.transpose(-2, -1)[:, :, :], offs) \
+            if b.shape[2] % 16 == 0 else None
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert rel_err(out, reference(a, b, offs)) < 1e-2
+    assert out_swiglu is not None
+    from csrc_free_kernels import compile as kcompile
+    assert any(key[0] == "GroupedGemmSm90" for key, _, _ in kcompile.stats)
+
+
+def test_cuda_graph_and_compile():
+    a, b, offs = make(64, 512, 1024, 8)
+    fn = torch.compile(lambda a, b, o: ts_moe.grouped_gemm(a, b, o) * 2, fullgraph=True)
+    assert rel_err(fn(a, b, offs), 2 * reference(a, b, offs)) < 1e-2
+    static_out = ts_moe.grouped_gemm(a, b, offs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ts_moe.grouped_gemm(a, b, offs)
+    for _ in range(3):  # new data and new routing, same buffers
+        a.copy_(torch.randn_like(a))
+        offs.copy_(counts_to_offs(random_counts(64, 8)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(static_out, reference(a, b, offs)) < 1e-2
+
+
+def test_current_stream():
+    a, b, offs = make(256, 256, 256, 4)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(10_000_000)  # the kernel must queue behind this
+        out = ts_moe.grouped_gemm(a, b, offs)
+    s.synchronize()
+    assert rel_err(out, reference(a, b, offs)) < 1e-2
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tool):
+    exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(exe):
+        pytest.skip("compute-sanitizer not installed")
+    proc = subprocess.run(
+        [exe, f"--tool={tool}", "--error-exitcode=3", sys.executable, "-m",
+         "csrc_free_kernels.grouped_gemm_sm90"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    assert proc.returncode == 0
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr

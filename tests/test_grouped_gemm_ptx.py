@@ -1,0 +1,71 @@
+"""CPU: every grouped GEMM configuration compiles for sm_90a; its PTX has the
+instructions the design relies on."""
+
+import re
+
+import pytest
+
+from csrc_free_kernels import ptx_dump
+
+BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("gemm", "swiglu"))]
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("gemm")))
+
+
+def _config(name):
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    for cfg in sorted(g.CONFIGS, key=len, reverse=True):
+        if cfg in name:
+            return g.CONFIGS[cfg]
+    raise KeyError(name)
+
+
+def test_every_configuration_is_built(ptx):
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    assert set(BUILDS) <= set(ptx)
+    built = {_config(n).name for n in BUILDS}
+    assert built == set(g.CONFIGS)
+    assert any(n.startswith("swiglu") for n in BUILDS)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_kernel_ptx(ptx, name):
+    text = ptx[name]
+    cfg = _config(name)
+    n_per_wg = cfg.tile_n  # each MMA warpgroup: 64 x tile_n
+    dtype = "f16" if "fp16" in name else "bf16"
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n_per_wg}k16\.f32\.{dtype}\.{dtype}",
+                     text), "WGMMA 64 x tile_n x 16 with fp32 accumulators"
+    assert "cp.async.bulk.tensor" in text
+    assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
+    # one expect_tx site: the stage's bytes, token box plus weight tile
+    arms = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[\S+\],\s*(%r\d+);", text)
+    assert len(arms) == 1
+    (value,) = re.findall(rf"mov\.b32\s+{re.escape(arms[0])},\s*(\d+);", text)
+    assert int(value) == (cfg.rows + cfg.tile_n) * cfg.tile_k * 2
+    multi_warp = "single_warp" not in name
+    body = text[text.index("setmaxnreg.dec"):]
+    before_arm = body[:body.index("expect_tx")]
+    # one token-box site (2-D); weight parts (3-D: E is a mode), one site
+    # run by each weight warp, or every part unrolled in the one warp (an
+    # N-major part of 128 columns takes two 128-byte-wide boxes)
+    token_loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", text)
+    weight_loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global", text)
+    assert len(token_loads) == 1
+    assert len(weight_loads) >= (1 if multi_warp else cfg.b_warps)
+    if multi_warp:
+        assert re.search(r"@%p\d+ bra", before_arm)
+    if cfg.cluster_m > 1:
+        assert ".multicast::cluster" in text
+        assert "barrier.cluster.arrive" in text
+    else:
+        assert ".multicast::cluster" not in text
+    if name.startswith("swiglu"):
+        assert "ex2.approx" in text  # silu in the epilogue
+    assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
+    assert "stmatrix" in text or "f32_out" in name

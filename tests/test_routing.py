@@ -1,0 +1,182 @@
+"""Routing, permutation and combine (ts_moe.routing) against their loop references."""
+
+import pytest
+import torch
+
+from ts_moe.routing import (combine, combine_reference, nvtx_range, permute,
+                            permute_reference, route, route_reference)
+
+
+def _logits(tokens, experts, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(tokens, experts, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (37, 8, 2), (200, 16, 4), (64, 4, 1)])
+def test_route_matches_loop_reference(dtype, tokens, experts, top_k):
+    logits = _logits(tokens, experts, dtype, seed=tokens * experts + top_k)
+    weights, ids = route(logits, top_k)
+    ref_weights, ref_ids = route_reference(logits, top_k)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert weights.shape == ids.shape == (tokens, top_k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(tokens), rtol=1e-6, atol=1e-6)
+    assert (weights[:, :-1] >= weights[:, 1:]).all()
+
+
+def test_route_softmax_over_all_experts_then_renormalise():
+    # Mixtral: the top-k weights are the softmax over all E, renormalised over the k
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, ids = route(logits, 2)
+    p = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights[0], torch.stack([p[0], p[1]]) / (p[0] + p[1]))
+
+
+def test_route_ties_lower_expert_index_wins():
+    # all logits equal: every token takes experts 0..k-1 (torch.topk on CPU takes the highest)
+    weights, ids = route(torch.zeros(4096, 8, dtype=torch.bfloat16), 2)
+    assert (ids == torch.tensor([0, 1])).all()
+    assert (weights == 0.5).all()
+    # ties at the top-k boundary: [1, 3, 3, 3, 0] picks 1, then the lowest of the tied 2, 3, 4
+    logits = torch.tensor([[0.0, 5.0, 2.0, 2.0, 2.0, -1.0], [1.0, 1.0, 1.0, 1.0, 1.0, 4.0]])
+    _, ids = route(logits, 2)
+    assert ids.tolist() == [[1, 2], [5, 0]]
+    # random ties: the tied maxima of each row are a random subset; the lowest indices win
+    g = torch.Generator().manual_seed(1)
+    tied = torch.rand(300, 16, generator=g) < 0.4
+    tied[:, 7] = True
+    logits = torch.where(tied, torch.tensor(2.0), torch.randn(300, 16, generator=g).clamp(max=1.0))
+    _, ids = route(logits, 3)
+    for t in range(300):
+        winners = tied[t].nonzero().flatten()
+        assert ids[t, :min(3, len(winners))].tolist() == winners[:3].tolist()
+    assert torch.equal(ids, route_reference(logits, 3)[1])
+
+
+def test_route_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="top_k"):
+        route(torch.zeros(3, 4), 5)
+    with pytest.raises(ValueError, match="top_k"):
+        route(torch.zeros(3, 4), 0)
+    with pytest.raises(TypeError, match="top_k"):
+        route(torch.zeros(3, 4), 2.0)
+    with pytest.raises(ValueError, match="logits"):
+        route(torch.zeros(4), 1)
+    with pytest.raises(TypeError, match="logits"):
+        route(torch.zeros(3, 4, dtype=torch.int64), 1)
+
+
+def _random_ids(tokens, top_k, experts, seed):
+    """Distinct expert ids per token, like routing produces."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(tokens, experts, generator=g).argsort(-1)[:, :top_k]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (50, 8, 2), (333, 16, 4), (20, 4, 1)])
+def test_permute_counts_offs_order_and_round_trip(tokens, experts, top_k):
+    x = torch.randn(tokens, 24, dtype=torch.bfloat16)
+    ids = _random_ids(tokens, top_k, experts, seed=tokens)
+    d = permute(x, ids, experts)
+    counts = torch.bincount(ids.flatten(), minlength=experts)
+    assert d.offs.dtype == torch.int32
+    assert torch.equal(d.offs, counts.cumsum(0).to(torch.int32))
+    assert d.x_sorted.shape == (tokens * top_k, 24)
+    # rows in expert order, and (token, k) order within an expert (stable)
+    slot_of_row = torch.empty_like(d.inverse).scatter_(0, d.inverse, torch.arange(tokens * top_k))
+    expert_of_row = ids.flatten()[slot_of_row]
+    assert (expert_of_row[1:] >= expert_of_row[:-1]).all()
+    same = expert_of_row[1:] == expert_of_row[:-1]
+    assert (slot_of_row[1:][same] > slot_of_row[:-1][same]).all()
+    # round trip: slot (t, k) reads token t back
+    back = d.x_sorted[d.inverse].view(tokens, top_k, 24)
+    assert torch.equal(back, x[:, None].expand(tokens, top_k, 24))
+    ref = permute_reference(x, ids, experts)
+    for got, want in zip(d, ref, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_permute_all_experts_empty_but_one():
+    x = torch.randn(9, 16)
+    d = permute(x, torch.full((9, 1), 2), 5)
+    assert d.offs.tolist() == [0, 0, 9, 9, 9]
+    assert torch.equal(d.x_sorted, x)
+
+
+def test_permute_drops_ids_past_the_last_expert():
+    # expert-parallel sentinels (>= E) land after offs[-1]
+    x = torch.randn(4, 8)
+    ids = torch.tensor([[0, 3], [1, 0], [3, 1], [0, 2]])
+    d = permute(x, ids, 3)
+    assert d.offs.tolist() == [3, 5, 6]
+    assert torch.equal(d.x_sorted[6:], x[[0, 2]])
+    for got, want in zip(d, permute_reference(x, ids, 3), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_permute_zero_tokens():
+    d = permute(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.int64), 4)
+    assert d.x_sorted.shape == (0, 8) and d.offs.tolist() == [0, 0, 0, 0]
+
+
+def test_permute_rejects_bad_arguments():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="experts"):
+        permute(x, torch.zeros(4, 2), 4)
+    with pytest.raises(ValueError, match="rows"):
+        permute(x, torch.zeros(3, 2, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="num_experts"):
+        permute(x, torch.zeros(4, 2, dtype=torch.int64), 0)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        permute(x[0], torch.zeros(4, 2, dtype=torch.int64), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (77, 2), (40, 4), (16, 1)])
+def test_combine_matches_per_token_reference_and_is_deterministic(dtype, tokens, top_k):
+    experts = 8
+    ids = _random_ids(tokens, top_k, experts, seed=tokens + top_k)
+    weights, _ = route(_logits(tokens, experts, torch.float32, seed=tokens), top_k)
+    d = permute(torch.randn(tokens, 32, dtype=dtype), ids, experts)
+    y_sorted = torch.randn(tokens * top_k, 32, dtype=dtype)
+    out = combine(y_sorted, weights, d.inverse)
+    assert out.dtype == dtype and out.shape == (tokens, 32)
+    assert torch.equal(out, combine(y_sorted, weights, d.inverse))
+    ref = combine_reference(y_sorted, weights, d.inverse)
+    # both sum in fp32 and round once; only the fp32 summation order may differ
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    # against a plain weighted sum in float64
+    exact = (y_sorted.double()[d.inverse].view(tokens, top_k, 32)
+             * weights.double()[..., None]).sum(1)
+    assert ((out.double() - exact).norm() / exact.norm()) < {torch.float32: 1e-6,
+                                                              torch.bfloat16: 4e-3}[dtype]
+
+
+def test_combine_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="slots"):
+        combine(torch.zeros(5, 8), torch.zeros(2, 2), torch.arange(4))
+    with pytest.raises(TypeError, match="inverse"):
+        combine(torch.zeros(4, 8), torch.zeros(2, 2), torch.zeros(4))
+
+
+def test_routing_compiles_fullgraph():
+    """No host sync or data-dependent shape: dynamo traces route -> permute -> combine whole."""
+    def layer(x, logits):
+        weights, ids = route(logits, 2)
+        d = permute(x, ids, logits.shape[1])
+        with nvtx_range("combine"):
+            return combine(d.x_sorted * 2, weights, d.inverse)
+
+    x, logits = torch.randn(33, 16), torch.randn(33, 8)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, logits), 2 * x, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(compiled(x, logits), layer(x, logits), rtol=0, atol=0)
+
+
+def test_nvtx_range_is_a_reusable_context_manager():
+    with nvtx_range("route"):
+        with nvtx_range("route"):
+            pass

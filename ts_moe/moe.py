@@ -1,0 +1,244 @@
+"""The Mixture-of-Experts layer: :func:`moe_forward` and the :class:`MoE` module.
+
+Mixtral's sparse MoE block on the ``torch.ops.ts_moe`` grouped GEMMs::
+
+    logits = x @ router.T                                   (T, E)
+    weights, experts = route(logits, top_k)                 (T, k) fp32, int64
+    x_sorted, offs, inverse = permute(x, experts, E)        (T*k, H)
+    h = grouped_gemm_swiglu(x_sorted, gate_up_proj, offs)   (T*k, I)
+    y = grouped_gemm(h, down_proj^T, offs)                  (T*k, H)
+    out = combine(y, weights, inverse)                      (T, H)
+
+Weights use the Hugging Face transformers-5 layouts: ``router`` (E, H),
+``gate_up_proj`` (E, 2I, H) with the gate rows first, ``down_proj`` (E, H, I).
+
+Nothing syncs with the host and every shape follows from the input's shape, so
+the layer compiles with ``torch.compile(fullgraph=True)`` and decode-sized
+calls can be captured in CUDA graphs.  bfloat16 and float16 run on the ts_moe
+ops; float32 runs the plain-torch reference GEMMs of :mod:`ts_moe.reference`
+(they read ``offs`` on the host, so float32 is for CPU checks, not for
+compilation or graphs).  The ops have no autograd formula: inference only.
+"""
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import grouped_gemm, grouped_gemm_swiglu
+from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference
+from .routing import combine, nvtx_range, permute, route
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _gemm(a, b, offs, out_dtype=None):
+    if a.dtype == torch.float32:
+        return grouped_gemm_reference(a, b, offs)
+    return grouped_gemm(a, b, offs, out_dtype)
+
+
+def _gemm_swiglu(a, gate_up, offs):
+    if a.dtype == torch.float32:
+        return grouped_gemm_swiglu_reference(a, gate_up, offs)
+    return grouped_gemm_swiglu(a, gate_up, offs)
+
+
+def _check_tensor(name, t, rank):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+
+
+def _check_expert_weights(x, gate_up_proj, down_proj, x_name):
+    """Shapes (E, 2I, H) and (E, H, I) for x (T, H); one float dtype and device."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{x_name} must be bfloat16, float16 or float32, got {x.dtype}")
+    _check_tensor("gate_up_proj", gate_up_proj, 3)
+    _check_tensor("down_proj", down_proj, 3)
+    num_experts, two_inter, hidden = gate_up_proj.shape
+    if hidden != x.shape[-1] or two_inter % 2:
+        raise ValueError(
+            f"gate_up_proj must be (E, 2I, H) with H = {x.shape[-1]} ({x_name}'s last dim), "
+            f"got {tuple(gate_up_proj.shape)}")
+    if tuple(down_proj.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(
+            f"down_proj must be (E, H, I) = {(num_experts, hidden, two_inter // 2)} to match "
+            f"gate_up_proj {tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}")
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have {x_name}'s dtype {x.dtype}, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
+
+
+def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
+                    fused: bool = True) -> torch.Tensor:
+    """The expert half of the layer for already-routed tokens: permute, GEMMs, combine.
+
+    x: (T, H); experts, weights: (T, top_k) expert ids and their weights (as
+    :func:`ts_moe.routing.route` returns them); gate_up_proj (E, 2I, H);
+    down_proj (E, H, I).  Returns (T, H) in ``x.dtype``.
+
+    ``fused=True``: one ``grouped_gemm_swiglu`` for gate, up and the SwiGLU.
+    ``fused=False``: ``grouped_gemm`` to (T*k, 2I) in fp32, ``silu(gate) * up``
+    in fp32, one rounding; the same math, for checking the fused kernel.
+    """
+    _check_tensor("x", x, 2)
+    _check_expert_weights(x, gate_up_proj, down_proj, "x")
+    with nvtx_range("permute"):
+        dispatch = permute(x, experts, gate_up_proj.shape[0])
+    with nvtx_range("gate_up"):
+        if fused:
+            h = _gemm_swiglu(dispatch.x_sorted, gate_up_proj, dispatch.offs)
+        else:
+            gate, up = _gemm(dispatch.x_sorted, gate_up_proj.transpose(-2, -1), dispatch.offs,
+                             torch.float32).float().chunk(2, dim=-1)
+            h = (F.silu(gate) * up).to(x.dtype)
+    with nvtx_range("down"):
+        y = _gemm(h, down_proj.transpose(-2, -1), dispatch.offs)
+    with nvtx_range("combine"):
+        return combine(y, weights, dispatch.inverse)
+
+
+def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, top_k: int, *, fused: bool = True,
+                return_router_logits: bool = False):
+    """Mixtral's sparse MoE block as a function.
+
+    hidden: (..., H); router_weight (E, H), ``logits = hidden @ router_weight.T``
+    in the hidden dtype; gate_up_proj (E, 2I, H), gate rows first; down_proj
+    (E, H, I); top_k experts per token.  Returns (..., H), and with
+    ``return_router_logits`` also the logits (T, E) (T = tokens, flattened),
+    as Mixtral returns them for its auxiliary loss.  ``fused``: see
+    :func:`experts_forward`.
+    """
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have a last (hidden) dimension")
+    x = hidden.reshape(-1, hidden.shape[-1])
+    _check_expert_weights(x, gate_up_proj, down_proj, "hidden")
+    _check_tensor("router_weight", router_weight, 2)
+    if router_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"router_weight must be (E, H) with H = {hidden.shape[-1]}, "
+            f"got {tuple(router_weight.shape)}")
+    if router_weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"router_weight must have the hidden dtype {hidden.dtype}, got {router_weight.dtype}")
+    if gate_up_proj.shape[0] != router_weight.shape[0]:
+        raise ValueError(
+            f"router_weight has {router_weight.shape[0]} experts but gate_up_proj has "
+            f"{gate_up_proj.shape[0]}")
+    with nvtx_range("route"):
+        logits = F.linear(x, router_weight)
+        weights, experts = route(logits, top_k)
+    out = experts_forward(x, experts, weights, gate_up_proj, down_proj, fused=fused)
+    out = out.view(hidden.shape)
+    return (out, logits) if return_router_logits else out
+
+
+def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                          top_k: int) -> torch.Tensor:
+    """:func:`moe_forward` one token at a time, experts and combine in fp32, one rounding.
+
+    The yardstick for the kernels (tests only): the router logits are computed
+    as the fast path computes them (in the hidden dtype), so both route alike.
+    """
+    x = hidden.reshape(-1, hidden.shape[-1])
+    weights, experts = route(F.linear(x, router_weight), top_k)
+    inter = gate_up_proj.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(top_k):
+            e = int(experts[t, k])
+            h = gate_up_proj[e].float() @ x[t].float()
+            h = F.silu(h[:inter]) * h[inter:]
+            out[t] += weights[t, k] * (down_proj[e].float() @ h)
+    return out.to(hidden.dtype).view(hidden.shape)
+
+
+class MoE(nn.Module):
+    """A Mixtral-style top-k MoE layer on the ts_moe ops.
+
+    Parameters: ``router`` (E, H) (logits = x @ router.T), ``gate_up_proj``
+    (E, 2I, H) (gate rows first), ``down_proj`` (E, H, I).  ``forward(x)`` maps
+    (..., H) to (..., H); see :func:`moe_forward`.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 *, fused: bool = True, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                            ("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k, self.fused = num_experts, top_k, fused
+        factory = {"device": device, "dtype": dtype}
+        self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), per matrix."""
+        for p in (self.router, self.gate_up_proj, self.down_proj):
+            bound = p.shape[-1] ** -0.5
+            nn.init.uniform_(p, -bound, bound)
+
+    def forward(self, x: torch.Tensor, return_router_logits: bool = False):
+        """(..., H) -> (..., H); with ``return_router_logits`` also the logits (T, E)."""
+        return moe_forward(x, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                           fused=self.fused, return_router_logits=return_router_logits)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, fused={self.fused}")
+
+    @classmethod
+    def from_weights(cls, weights: Mapping[str, torch.Tensor], top_k: int, *,
+                     fused: bool = True) -> "MoE":
+        """A MoE on existing tensors (no copy), e.g. a layer of :func:`ts_moe.load_mixtral_experts`.
+
+        weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``.
+        The parameters do not require grad (the ops are inference only).
+        """
+        missing = {"router", "gate_up_proj", "down_proj"} - set(weights)
+        if missing:
+            raise KeyError(f"weights lacks {sorted(missing)}")
+        gate_up = weights["gate_up_proj"]
+        _check_tensor("gate_up_proj", gate_up, 3)
+        num_experts, two_inter, hidden = gate_up.shape
+        moe = cls(hidden, two_inter // 2, num_experts, top_k, fused=fused, device="meta")
+        for name in ("router", "gate_up_proj", "down_proj"):
+            tensor = weights[name]
+            expected = getattr(moe, name).shape
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"weights[{name!r}] must be a torch.Tensor, "
+                                f"got {type(tensor).__name__}")
+            if tensor.shape != expected:
+                raise ValueError(f"weights[{name!r}] must have shape {tuple(expected)}, "
+                                 f"got {tuple(tensor.shape)}")
+            setattr(moe, name, nn.Parameter(tensor, requires_grad=False))
+        return moe
+
+    @classmethod
+    def from_pretrained(cls, path, layer: int, *, device="cuda", fused: bool = True) -> "MoE":
+        """Layer ``layer`` of the Mixtral checkpoint directory ``path``; top-k from config.json."""
+        from .loaders import load_mixtral_experts
+
+        config = json.loads((Path(path) / "config.json").read_text())
+        weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
+        return cls.from_weights(weights, config["num_experts_per_tok"], fused=fused)

@@ -1,0 +1,215 @@
+"""Token routing for a top-k Mixture-of-Experts layer, entirely on the device.
+
+The three stages of a MoE layer around its expert GEMMs:
+
+* :func:`route`: router logits -> (fp32 weights, expert ids), Mixtral semantics.
+* :func:`permute`: the (token, k) slots in expert order, the token rows gathered
+  into that order, and the ``offs`` that :func:`ts_moe.grouped_gemm` takes.
+* :func:`combine`: ``out[t] = sum_k weights[t, k] * y[slot(t, k)]``.
+
+None of them syncs with the host: no ``.item()``, no boolean-mask indexing, no
+shape that depends on the data (the permuted activation always has
+``T * top_k`` rows), so they run under ``torch.compile(fullgraph=True)`` and
+inside CUDA graphs.  Each has a plain-torch, per-token ``*_reference`` beside it
+(with host syncs; for tests only).
+
+:func:`nvtx_range` marks the stages for Nsight Systems in the ``ts_moe`` domain.
+"""
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import torch
+
+try:
+    import nvtx
+except ImportError:  # the ranges are optional
+    nvtx = None
+
+NVTX_DOMAIN = "ts_moe"
+
+
+@functools.cache
+def _annotation(name: str):
+    return nvtx.annotate(name, domain=NVTX_DOMAIN)
+
+
+def nvtx_range(name: str):
+    """Context manager: an NVTX range ``name`` in the ``ts_moe`` domain.
+
+    A no-op without the ``nvtx`` package and while ``torch.compile`` traces (a
+    host-side range inside a compiled graph would break ``fullgraph=True``).
+    """
+    if nvtx is None or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _annotation(name)
+
+
+def _check_top_k(top_k, num_experts: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+
+
+def _check_logits(logits) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (tokens, experts), got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral routing: softmax over all experts in fp32, top-k, renormalise.
+
+    logits: (T, E), any float dtype.  Returns ``(weights, experts)``, both
+    (T, top_k): ``weights`` float32 summing to 1 per token, ``experts`` int64,
+    in decreasing order of probability.
+
+    Tie rule: among equal probabilities the lower expert index comes first (and
+    is the one kept at the top-k boundary).  ``torch.topk`` has no such rule
+    (on CPU it returns the *higher* indices of equal values first), so the
+    selection is a stable descending sort of the E probabilities instead.
+    """
+    _check_logits(logits)
+    _check_top_k(top_k, logits.shape[1])
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, experts = top[:, :top_k], experts[:, :top_k]
+    return top / top.sum(dim=-1, keepdim=True), experts
+
+
+def route_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route`, one token at a time in float64 with a Python sort (tests only)."""
+    _check_logits(logits)
+    _check_top_k(top_k, logits.shape[1])
+    weights = torch.empty(logits.shape[0], top_k, dtype=torch.float32)
+    experts = torch.empty(logits.shape[0], top_k, dtype=torch.int64)
+    for t, row in enumerate(logits.double().cpu()):
+        p = torch.exp(row - row.max())
+        p = (p / p.sum()).tolist()
+        chosen = sorted(range(len(p)), key=lambda e: (-p[e], e))[:top_k]
+        total = sum(p[e] for e in chosen)
+        weights[t] = torch.tensor([p[e] / total for e in chosen])
+        experts[t] = torch.tensor(chosen)
+    return weights.to(logits.device), experts.to(logits.device)
+
+
+class Dispatch(NamedTuple):
+    """The (token, k) slots of a batch in expert order.
+
+    x_sorted: (T * top_k, H) token rows, expert 0's first; offs: int32 (E,)
+    cumulative row ends per expert (the ``offs`` of :func:`ts_moe.grouped_gemm`);
+    inverse: int64 (T * top_k,), ``inverse[t * top_k + k]`` is the row of
+    slot (t, k) in ``x_sorted``.
+    """
+
+    x_sorted: torch.Tensor
+    offs: torch.Tensor
+    inverse: torch.Tensor
+
+
+def _check_permute_args(x, experts, num_experts) -> None:
+    for name, t in (("x", x), ("experts", experts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if experts.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"experts must be int32 or int64, got {experts.dtype}")
+    if experts.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"experts has {experts.shape[0]} rows (tokens) but x has {x.shape[0]}")
+    if experts.device != x.device:
+        raise ValueError(
+            f"x and experts must be on one device, got {x.device} and {experts.device}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+
+
+def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatch:
+    """Gather the token rows of ``x`` (T, H) into expert order for ``experts`` (T, top_k).
+
+    The slots are ordered by a stable sort of the flattened expert ids, so
+    within an expert they keep (token, k) order and the result is deterministic.
+    ``offs`` comes from a binary search of the sorted ids (no bincount, whose
+    CUDA kernel reads the maximum id on the host).
+
+    Ids must be non-negative.  Ids ``>= num_experts`` (expert-parallel
+    sentinels) are dropped: their slots sort after ``offs[-1]``, where the
+    grouped GEMMs write zeros.
+    """
+    _check_permute_args(x, experts, num_experts)
+    top_k = experts.shape[1]
+    sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)
+    ids = torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=x.device))
+    return Dispatch(x.index_select(0, order // top_k), offs, inverse)
+
+
+def permute_reference(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatch:
+    """:func:`permute` by a loop over the experts and their slots (tests only)."""
+    _check_permute_args(x, experts, num_experts)
+    top_k = experts.shape[1]
+    flat = experts.reshape(-1).tolist()
+    slots = [s for e in range(num_experts) for s in range(len(flat)) if flat[s] == e]
+    slots += sorted((s for s in range(len(flat)) if flat[s] >= num_experts), key=lambda s: flat[s])
+    counts = [sum(1 for v in flat if v == e) for e in range(num_experts)]
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    inverse = torch.empty(len(flat), dtype=torch.int64)
+    for row, s in enumerate(slots):
+        inverse[s] = row
+    x_sorted = torch.stack([x[s // top_k] for s in slots]) if slots else x[:0]
+    return Dispatch(x_sorted, offs.to(x.device), inverse.to(x.device))
+
+
+def _check_combine_args(y_sorted, weights, inverse) -> None:
+    for name, t, rank in (("y_sorted", y_sorted, 2), ("weights", weights, 2),
+                          ("inverse", inverse, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+    if not weights.is_floating_point():
+        raise TypeError(f"weights must be floating point, got {weights.dtype}")
+    if inverse.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"inverse must be int32 or int64, got {inverse.dtype}")
+    slots = weights.shape[0] * weights.shape[1]
+    if inverse.shape[0] != slots or y_sorted.shape[0] != slots:
+        raise ValueError(
+            f"weights {tuple(weights.shape)} has {slots} slots; inverse has {inverse.shape[0]} "
+            f"and y_sorted {y_sorted.shape[0]} rows")
+
+
+def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``.
+
+    y_sorted: (T * top_k, H) expert outputs in expert order; weights: (T, top_k).
+    The K rows of each token are gathered into a (T, top_k, H) view and summed
+    over K in fp32 with the weights in fp32, then rounded once to
+    ``y_sorted.dtype``: deterministic, no atomics.
+    """
+    _check_combine_args(y_sorted, weights, inverse)
+    tokens, top_k = weights.shape
+    y = y_sorted.index_select(0, inverse).view(tokens, top_k, y_sorted.shape[1])
+    out = (y.float() * weights.float().unsqueeze(-1)).sum(dim=1)
+    return out.to(y_sorted.dtype)
+
+
+def combine_reference(y_sorted: torch.Tensor, weights: torch.Tensor,
+                      inverse: torch.Tensor) -> torch.Tensor:
+    """:func:`combine`, one token and one slot at a time in fp32 (tests only)."""
+    _check_combine_args(y_sorted, weights, inverse)
+    tokens, top_k = weights.shape
+    out = torch.zeros(tokens, y_sorted.shape[1], dtype=torch.float32, device=y_sorted.device)
+    for t in range(tokens):
+        for k in range(top_k):
+            row = int(inverse[t * top_k + k])
+            out[t] += float(weights[t, k]) * y_sorted[row].float()
+    return out.to(y_sorted.dtype)
