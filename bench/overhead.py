@@ -1,0 +1,53 @@
+"""``python -m bench overhead``: host time of one op call, GPU work excluded.
+
+The calls are queued behind a long ``torch.cuda._sleep`` kernel, so the host
+never waits for the GPU; fewer calls than the launch queue holds (~1000),
+or a full queue would block the host and count GPU time.  A decode-sized
+problem (Mixtral gate_up at T=16 would do; its size does not change the host
+work), the median of several batches.
+"""
+
+import statistics
+import time
+
+import torch
+
+CALLS = 200
+
+
+def _per_call_us(fn, batches: int = 7) -> float:
+    samples = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~60 ms of GPU time ahead of the calls
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        samples.append((time.perf_counter() - start) / CALLS * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def measure() -> dict[str, float]:
+    import ts_moe
+
+    a = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8, 4096, 1024, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(8, 1024, 4096, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(4, 33, 4, dtype=torch.int32, device="cuda")
+    calls = {
+        "torch.ops.ts_moe.grouped_gemm": lambda: torch.ops.ts_moe.grouped_gemm(a, b, offs),
+        "ts_moe.grouped_gemm": lambda: ts_moe.grouped_gemm(a, b, offs),
+        "torch.ops.ts_moe.grouped_gemm_swiglu":
+            lambda: torch.ops.ts_moe.grouped_gemm_swiglu(a, gate_up, offs),
+        "torch._grouped_mm": lambda: torch._grouped_mm(a, b, offs=offs),
+    }
+    for fn in calls.values():  # compile / load the kernels first
+        fn()
+    return {name: _per_call_us(fn) for name, fn in calls.items()}
+
+
+def main() -> int:
+    for name, us in measure().items():
+        print(f"{name:40s} {us:7.2f} us per call (host)")
+    return 0
