@@ -596,14 +596,15 @@ def _fake_args(a_dtype, c_dtype, b_n_major: bool):
     return a, b, c, offs
 
 
-def _is_k_major(t: torch.Tensor) -> bool:
+def _row_major(t: torch.Tensor) -> bool:
+    """Last dim contiguous: K-major tokens (M, K), N-major weights (E, K, N)."""
     return t.stride(-1) == 1 or t.shape[-1] == 1
 
 
 def _k_major(a: torch.Tensor) -> torch.Tensor:
     """The kernels read tokens K-major (activations always are in a MoE layer);
     an M-major ``a`` is copied."""
-    return a if _is_k_major(a) else a.contiguous()
+    return a if _row_major(a) else a.contiguous()
 
 
 @functools.cache
@@ -647,7 +648,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
     cfg = config or choose_config(num_experts, n, k, m)
-    fn = compiled_kernel(cfg, a.dtype, out.dtype, not _is_k_major(b), kernel_cls)
+    fn = compiled_kernel(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls)
     fn(a, b, out, offs, _num_ctas(a.device.index, cfg))
     return out
 
@@ -695,7 +696,7 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
     b = gate_up.transpose(-2, -1)  # (E, H, 2I)
-    fn = compiled_kernel(cfg, a.dtype, a.dtype, not _is_k_major(b), GroupedGemmSwigluSm90)
+    fn = compiled_kernel(cfg, a.dtype, a.dtype, _row_major(b), GroupedGemmSwigluSm90)
     fn(a, b, out, offs, _num_ctas(a.device.index, cfg))
     return out
 

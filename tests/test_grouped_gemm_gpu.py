@@ -159,11 +159,11 @@ KERNEL_PATH_BAD = [
 ]
 
 
-@pytest.mark.parametrize("make, exc, msg", KERNEL_PATH_BAD)
-def test_validation_on_the_kernel_path(make, exc, msg):
+@pytest.mark.parametrize("corrupt, exc, msg", KERNEL_PATH_BAD)
+def test_validation_on_the_kernel_path(corrupt, exc, msg):
     a, b, offs = make(64, 128, 256, 4)
     with pytest.raises(exc, match=msg):
-        ts_moe.grouped_gemm(*make(a, b, offs))
+        ts_moe.grouped_gemm(*corrupt(a, b, offs))
     # a stride that is neither unit nor 16-byte aligned: only the kernel sees it
     wide = torch.randn(64, 132, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="stride 132 of dim 0"):
@@ -217,6 +217,7 @@ def test_compute_sanitizer(tool):
     exe = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not os.path.exists(exe):
         pytest.skip("compute-sanitizer not installed")
+    torch.cuda.empty_cache()  # leave the child the memory this process cached
     proc = subprocess.run(
         [exe, f"--tool={tool}", "--error-exitcode=3", sys.executable, "-m",
          "csrc_free_kernels.grouped_gemm_sm90"],
