@@ -583,15 +583,19 @@ _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float
                   torch.float32: cutlass.Float32}
 
 
-def _fake_args(a_dtype, c_dtype, b_n_major: bool):
-    """Symbolic (M, K), (E, K, N), (M, N), (E,) tensors with 16-byte strides."""
+def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=None):
+    """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides.
+
+    Shared symbols are checked to agree at every call; ``N' = N`` except for
+    the SwiGLU kernel, whose output has half the weight's columns."""
     m, k, n, e = kcompile.sym_dims(4)
+    n_out = kcompile.sym_dims(1)[0] if kernel_cls is GroupedGemmSwigluSm90 else n
     div = 8
     s = lambda: cute.sym_int64(divisibility=div)  # noqa: E731
     f = cute.runtime.make_fake_tensor
     a = f(a_dtype, (m, k), (s(), 1), assumed_align=16)
     b = f(a_dtype, (e, k, n), (s(), s(), 1) if b_n_major else (s(), 1, s()), assumed_align=16)
-    c = f(c_dtype, (m, n), (s(), 1), assumed_align=16)
+    c = f(c_dtype, (m, n_out), (s(), 1), assumed_align=16)
     offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
     return a, b, c, offs
 
@@ -615,8 +619,8 @@ def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
 
     def build():
         ca, cc = _TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype]
-        return kernel_cls(config), (*_fake_args(ca, cc, b_n_major), cutlass.Int32(1),
-                                    kcompile.fake_stream())
+        return kernel_cls(config), (*_fake_args(ca, cc, b_n_major, kernel_cls),
+                                    cutlass.Int32(1), kcompile.fake_stream())
 
     return kcompile.get_compiled(key, build)
 

@@ -60,7 +60,7 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False, **
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
         cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
-        return cls(cfg), (*g._fake_args(ab, c, b_n_major),
+        return cls(cfg), (*g._fake_args(ab, c, b_n_major, cls),
                                          cutlass.Int32(1), cute.runtime.make_fake_stream())
     return build
 
