@@ -294,25 +294,18 @@ class GroupedGemmSm90:
         # a stage is released by every consumer warp of every CTA whose
         # producer multicasts into it
         consumers = cp.CooperativeGroup(cp.Agent.Thread, 4 * self.num_mma_warpgroups * cluster_m)
-        cta_layout_vmnk = cute.make_layout((1, cluster_m, 1, 1)) if cluster_m > 1 else None
-        if cutlass.const_expr(self.cfg.multi_warp):
-            return ts_pipeline.TSPipelineTmaAsync.create(
-                num_stages=self.stages,
-                producer_group=cp.CooperativeGroup(cp.Agent.Thread),
-                consumer_group=consumers,
-                tx_count=self.stage_bytes,
-                barrier_storage=barriers,
-                is_task_warp_leader=warp_idx == 0,
-                cta_layout_vmnk=cta_layout_vmnk,
-            )
-        return cp.PipelineTmaAsync.create(
+        common = dict(
             num_stages=self.stages,
             producer_group=cp.CooperativeGroup(cp.Agent.Thread),
             consumer_group=consumers,
             tx_count=self.stage_bytes,
             barrier_storage=barriers,
-            cta_layout_vmnk=cta_layout_vmnk,
+            cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)) if cluster_m > 1 else None,
         )
+        if self.cfg.multi_warp:
+            return ts_pipeline.TSPipelineTmaAsync.create(**common,
+                                                         is_task_warp_leader=warp_idx == 0)
+        return cp.PipelineTmaAsync.create(**common)
 
     @cute.jit
     def build_schedule(self, mOffs: cute.Tensor, sSegEnd: cute.Tensor, sTileEnd: cute.Tensor,

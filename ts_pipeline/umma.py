@@ -27,6 +27,13 @@ def _cta_group(cta_layout_vmnk: Optional[cute.Layout]) -> CtaGroup:
     return CtaGroup.TWO if _is_two_cta(cta_layout_vmnk) else CtaGroup.ONE
 
 
+def _peer_mask(cta_layout_vmnk: Optional[cute.Layout]):
+    """The mask of this CTA and its 2-SM peer; None for a single CTA."""
+    if not _is_two_cta(cta_layout_vmnk):
+        return None
+    return cp.PipelineAsyncUmma._compute_peer_cta_mask(cta_layout_vmnk)
+
+
 def _barrier_pair(barrier_storage, num_stages, full_agent, empty_agent):
     """Full barriers at the 8-byte-aligned storage, empty barriers right after."""
     base = barrier_storage.align(min_align=8)
@@ -73,11 +80,7 @@ class TSPipelineUmmaUmma(cp.PipelineAsync):
             (cp.PipelineOp.TCGen05Mma, producer_group),
             (cp.PipelineOp.TCGen05Mma, consumer_group),
         )
-        mask = (
-            cp.PipelineAsyncUmma._compute_peer_cta_mask(cta_layout_vmnk)
-            if _is_two_cta(cta_layout_vmnk)
-            else None
-        )
+        mask = _peer_mask(cta_layout_vmnk)
         cta_group = _cta_group(cta_layout_vmnk)
         _fence_and_sync(cta_layout_vmnk, defer_sync)
         return TSPipelineUmmaUmma(
@@ -166,11 +169,7 @@ class TSPipelineAsyncUmma(cp.PipelineAsyncUmma):
             (cp.PipelineOp.TCGen05Mma, consumer_group),
         )
         cta_group = _cta_group(cta_layout_vmnk)
-        consumer_mask = (
-            cp.PipelineAsyncUmma._compute_peer_cta_mask(cta_layout_vmnk)
-            if _is_two_cta(cta_layout_vmnk)
-            else None
-        )
+        consumer_mask = _peer_mask(cta_layout_vmnk)
         _fence_and_sync(cta_layout_vmnk, defer_sync)
         return TSPipelineAsyncUmma(
             sync_object_full=full,
