@@ -16,12 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    import nvtx as _nvtx
-except ImportError:
-    _nvtx = None
+from ts_moe.routing import nvtx_range  # noqa: F401  (one ts_moe NVTX domain for all ranges)
 
-NVTX_DOMAIN = "ts_moe"
 DEFAULT_L2_BYTES = 60 << 20  # H200
 # enough copies that the set cycled through is ~3x L2: by the time a copy
 # comes round again, L2 has been refilled three times over
@@ -35,15 +31,6 @@ class Timing:
     ms: float  # median per call
     iters: int
     graphed: bool
-
-
-def nvtx_range(message: str):
-    """A range in the ``ts_moe`` NVTX domain (torch's NVTX, undomained, as a fallback)."""
-    if _nvtx is not None:
-        return _nvtx.annotate(message=message, domain=NVTX_DOMAIN)
-    if torch.cuda.is_available():
-        return torch.cuda.nvtx.range(f"{NVTX_DOMAIN}: {message}")
-    return contextlib.nullcontext()
 
 
 def l2_bytes(device: torch.device) -> int:

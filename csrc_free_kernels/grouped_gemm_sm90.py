@@ -630,8 +630,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  config: TileConfig | None = None, kernel_cls=GroupedGemmSm90) -> torch.Tensor:
     """Launch the kernel on the current stream; arguments already validated.
 
-    ``out`` (contiguous (M, N)) and ``config`` (instead of :func:`choose_config`)
-    are for tests and benchmarks.
+    ``out`` (contiguous (M, N); (M, N / 2) for the SwiGLU kernel) and ``config``
+    (instead of :func:`choose_config`) are for tests and benchmarks.
     """
     m, k = a.shape
     num_experts, _, n = b.shape
@@ -652,13 +652,13 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 
 def _small_check() -> None:
     """A small ragged problem in both configurations (the compute-sanitizer target)."""
+    from ts_moe.reference import grouped_gemm_reference
+
     torch.manual_seed(0)
     a = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(4, 128, 136, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([40, 40, 171, 290], dtype=torch.int32, device="cuda")
-    ref = torch.zeros(300, 136, device="cuda")
-    for e, (s, t) in enumerate(zip([0, 40, 40, 171], [40, 40, 171, 290])):
-        ref[s:t] = a[s:t].float() @ b[e].float()
+    ref = grouped_gemm_reference(a, b, offs, torch.float32)
     for cfg in CONFIGS.values():
         out = grouped_gemm(a, b, offs, config=cfg)
         torch.cuda.synchronize()
@@ -679,7 +679,6 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
     m, k = a.shape
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
-    a = _k_major(a)
     cfg = config or choose_config(num_experts, two_i, k, m)
     if not swiglu_supported(inter, cfg):
         # I not a multiple of tile_n / 2: two passes (GEMM, then SwiGLU in fp32)
@@ -688,15 +687,8 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
         return res if out is None else out.copy_(res)
     if out is None:
         out = torch.empty(m, inter, dtype=a.dtype, device=a.device)
-    if m == 0:
-        return out
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
-    b = gate_up.transpose(-2, -1)  # (E, H, 2I)
-    fn = compiled_kernel(cfg, a.dtype, a.dtype, _row_major(b), GroupedGemmSwigluSm90)
-    fn(a, b, out, offs, _num_ctas(a.device.index, cfg))
-    return out
-
+    return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
+                        kernel_cls=GroupedGemmSwigluSm90)
 
 if __name__ == "__main__":
     _small_check()

@@ -9,7 +9,6 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cp
-from cutlass._mlir import ir
 from cutlass.cutlass_dsl import dsl_user_op
 
 CtaGroup = cute.nvgpu.tcgen05.CtaGroup
