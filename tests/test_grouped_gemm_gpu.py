@@ -213,9 +213,19 @@ def test_compute_sanitizer(tool):
         pytest.skip("compute-sanitizer not installed")
     torch.cuda.empty_cache()  # leave the child the memory this process cached
     proc = subprocess.run(
-        [exe, f"--tool={tool}", "--error-exitcode=3", sys.executable, "-m",
+        # API errors off: cuda-python probes driver entry points with
+        # cuGetProcAddress while a kernel compiles, and memcheck counts each
+        # probe that fails as an error; device-side errors are what this checks
+        [exe, f"--tool={tool}", "--report-api-errors=no", "--error-exitcode=3",
+         sys.executable, "-m",
          "csrc_free_kernels.grouped_gemm_sm90"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0
-    assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr
+    # memcheck ends "ERROR SUMMARY: 0 errors", racecheck "RACECHECK SUMMARY: 0 hazards
+    # displayed (0 errors, 0 warnings)"
+    summary = {"memcheck": "ERROR SUMMARY: 0 errors",
+               "racecheck": "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"}
+    assert summary[tool] in proc.stdout + proc.stderr
+    # every configuration ran and matched the reference under the tool
+    assert proc.stdout.count("rel err") == len(gg().CONFIGS)

@@ -72,6 +72,18 @@ def test_bad_offsets_are_safe_and_defined():
     assert rel_err(ts_moe.grouped_gemm(a, b, offs), ref) < 1e-2
 
 
+def test_reference_takes_host_row_ends():
+    """The bench passes host row ends (no sync, so graph-capturable): same result."""
+    from ts_moe.reference import grouped_gemm_reference, grouped_gemm_swiglu_reference
+
+    a, b, offs = _problem()
+    ends = offs.tolist()
+    assert torch.equal(grouped_gemm_reference(a, b, ends), grouped_gemm_reference(a, b, offs))
+    gate_up = torch.randn(5, 64, a.shape[1]).bfloat16()
+    assert torch.equal(grouped_gemm_swiglu_reference(a, gate_up, ends),
+                       grouped_gemm_swiglu_reference(a, gate_up, offs))
+
+
 @pytest.mark.parametrize("m, e", [(0, 3), (5, 1), (1, 4)])
 def test_edge_sizes(m, e):
     a, b, offs = _problem(m=max(m, 1), e=e)

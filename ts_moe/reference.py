@@ -17,16 +17,25 @@ def segment_ends(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.cummax(ends, dim=0).values if ends.numel() else ends
 
 
-def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+def _host_ends(offs, num_rows: int) -> list[int]:
+    """:func:`segment_ends` as host ints; ``offs`` given as a sequence of ints
+    (row ends the caller knows on the host) needs no device sync."""
+    if not isinstance(offs, torch.Tensor):
+        offs = torch.tensor(offs, dtype=torch.int64)
+    return segment_ends(offs, num_rows).tolist()
+
+
+def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[r] = a[r] @ b[e]`` for rows ``r`` of expert ``e``; zeros after the last expert.
 
-    fp32 accumulation, like the kernels.  Reads ``offs`` on the host (a sync on
-    CUDA): it is a reference, not a fast path.
+    fp32 accumulation, like the kernels.  ``offs``: the op's int32 tensor, read
+    on the host (a sync on CUDA: a reference, not a fast path), or the same row
+    ends as a sequence of ints (no sync: usable inside a CUDA-graph capture).
     """
     out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype or a.dtype, device=a.device)
     start = 0
-    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
+    for e, end in enumerate(_host_ends(offs, a.shape[0])):
         if end > start:
             out[start:end] = (a[start:end].float() @ b[e].float()).to(out.dtype)
         start = end
@@ -34,7 +43,7 @@ def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 
 
 def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
-                                  offs: torch.Tensor) -> torch.Tensor:
+                                  offs) -> torch.Tensor:
     """``silu(a @ gate^T) * (a @ up^T)`` per expert; ``gate_up`` is (E, 2I, H), gate rows first.
 
     The activation is applied in fp32, before the single rounding to ``a.dtype``.
@@ -42,7 +51,7 @@ def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
     inter = gate_up.shape[1] // 2
     out = torch.zeros(a.shape[0], inter, dtype=a.dtype, device=a.device)
     start = 0
-    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
+    for e, end in enumerate(_host_ends(offs, a.shape[0])):
         if end > start:
             h = a[start:end].float() @ gate_up[e].float().t()
             out[start:end] = (F.silu(h[:, :inter]) * h[:, inter:]).to(out.dtype)

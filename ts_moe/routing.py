@@ -198,7 +198,9 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
     _check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
     y = y_sorted.index_select(0, inverse).view(tokens, top_k, y_sorted.shape[1])
-    out = (y.float() * weights.float().unsqueeze(-1)).sum(dim=1)
+    # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
+    # on the H200 that copy was 2 % of the Mixtral layer's time)
+    out = (y * weights.float().unsqueeze(-1)).sum(dim=1)
     return out.to(y_sorted.dtype)
 
 
