@@ -458,7 +458,6 @@ class GroupedGemmSm90:
         thr_s2g = s2g.get_slice(ctid)
         tSsC = thr_s2g.partition_S(sC)
         num_epi = self.out_tile_n // self.epi_tile[1]
-        warpgroup_row0 = cute.arch.make_warp_uniform(ctid // 128) * 64
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
@@ -471,19 +470,13 @@ class GroupedGemmSm90:
             # pair, which still takes its share of the multicast but skips the
             # MMAs: idle tensor cores leave power to clock the others higher)
             rows_valid = cutlass.min(seg_end - row0, cfg.rows)
-            # a warpgroup whose 64 rows are all past the expert's end skips its
-            # MMAs: an expert's last tile often holds a few rows (Mixtral
-            # T=4096 routes 1012-1043 rows to an expert: 67 128-row tiles for
-            # 64 tiles' work), and the other warpgroup then has the tensor
-            # cores to itself
-            mma_rows = rows_valid - warpgroup_row0
             acc.fill(0.0)
             if expert < num_experts:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
                 for k in cutlass.range(k_tiles, unroll=1):
                     ring.consumer_wait(read)
-                    if mma_rows > 0:
+                    if rows_valid > 0:
                         for kb in cutlass.range_constexpr(num_k_blocks):
                             cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
                                       tCrB[None, None, kb, read.index], acc)
@@ -509,21 +502,15 @@ class GroupedGemmSm90:
                 cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
                 self.epi_barrier.arrive_and_wait()
                 # (epi_m, epi_n) sub-tile of C and of its coordinates
-                self.store_subtile(thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (0, epi))),
-                                   thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (0, epi))),
-                                   tSsC[None, None, None, buf], rows_valid, mC.shape[1])
+                tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (0, epi)))
+                tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (0, epi)))
+                for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+                    for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
+                        crd = tScC[0, i, j]
+                        if crd[0] < rows_valid and crd[1] < mC.shape[1]:
+                            cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
                 epi_count += 1
             t += clusters
-
-    @cute.jit
-    def store_subtile(self, tSgC, tScC, tSsC, rows_valid, n_cols):
-        """This thread's 16-byte vectors of an epilogue sub-tile, shared -> global,
-        only those inside the expert's rows and C's columns."""
-        for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-            for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                crd = tScC[0, i, j]
-                if crd[0] < rows_valid and crd[1] < n_cols:
-                    cute.autovec_copy(tSsC[None, i, j], tSgC[None, i, j])
 
     @staticmethod
     def accumulator_chunk(tRS_rAcc, chunk, tRS_rD):
