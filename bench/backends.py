@@ -10,7 +10,6 @@ this machine raises :class:`Unavailable` (or lets an ``ImportError`` out).
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,10 +75,9 @@ def segments(counts):
 
 def reference_grouped_gemm(inp: GemmInputs, out_dtype=torch.float32) -> torch.Tensor:
     """ts_moe's plain-torch reference: per-expert fp32 matmuls, zeros past the
-    last expert; fast enough on a GPU for the largest cases.  The row ends come
-    from the case's host-side counts: no sync, so it can be graph-captured."""
-    return grouped_gemm_reference(inp.a, inp.b, list(itertools.accumulate(inp.counts)),
-                                  out_dtype)
+    last expert; fast enough on a GPU for the largest cases.  Its row ends are
+    a CPU tensor made from the case's counts: no sync, so it can be graph-captured."""
+    return grouped_gemm_reference(inp.a, inp.b, torch.tensor(inp.counts).cumsum(0), out_dtype)
 
 
 def _require_cuda(device: torch.device, what: str) -> None:

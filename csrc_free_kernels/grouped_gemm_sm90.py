@@ -406,21 +406,21 @@ class GroupedGemmSm90:
                                   tma_bar_ptr=bar)
                     if cutlass.const_expr(cfg.multi_warp):
                         if warp_idx > 0:
-                            part = warp_idx - 1
-                            self.load_b(tma_atom_b,
-                                        tBgB[None, self.b_part_coord(n_tile, part, n_cols), k, expert],
-                                        tBsB[None, part, 0, state.index], bar)
+                            self.load_b(tma_atom_b, tBgB, tBsB, warp_idx - 1, n_tile, n_cols,
+                                        k, expert, state.index, bar)
                     else:
                         for part in cutlass.range_constexpr(cfg.b_warps):
-                            self.load_b(tma_atom_b,
-                                        tBgB[None, self.b_part_coord(n_tile, part, n_cols), k, expert],
-                                        tBsB[None, part, 0, state.index], bar)
+                            self.load_b(tma_atom_b, tBgB, tBsB, part, n_tile, n_cols,
+                                        k, expert, state.index, bar)
                     state.advance()
             t += clusters
         ring.producer_tail(state)
 
-    def load_b(self, tma_atom_b, src, dst, bar):
-        """One weight part (this CTA's share of it), multicast to the cluster."""
+    def load_b(self, tma_atom_b, tBgB, tBsB, part, n_tile, n_cols, k, expert, stage, bar):
+        """Weight part ``part`` of k-tile ``k`` (this CTA's share of it) into ``stage``,
+        multicast to the cluster."""
+        src = tBgB[None, self.b_part_coord(n_tile, part, n_cols), k, expert]
+        dst = tBsB[None, part, 0, stage]
         if self.cfg.cluster_m > 1:
             cute.copy(tma_atom_b, src, dst, tma_bar_ptr=bar,
                       mcast_mask=cutlass.Int16((1 << self.cfg.cluster_m) - 1))
@@ -576,14 +576,13 @@ _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float
                   torch.float32: cutlass.Float32}
 
 
-def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=None):
+def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
     """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides.
 
     Shared symbols are checked to agree at every call; ``N' = N`` except for
     the SwiGLU kernel, whose output has half the weight's columns."""
     m, k, n, e = kcompile.sym_dims(4)
-    n_out = (kcompile.sym_dims(1)[0] if kernel_cls and issubclass(kernel_cls, GroupedGemmSwigluSm90)
-             else n)
+    n_out = kcompile.sym_dims(1)[0] if issubclass(kernel_cls, GroupedGemmSwigluSm90) else n
     div = 8
     s = lambda: cute.sym_int64(divisibility=div)  # noqa: E731
     f = cute.runtime.make_fake_tensor
@@ -652,7 +651,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 
 
 def _small_check() -> None:
-    """A small ragged problem in both configurations (the compute-sanitizer target)."""
+    """A small ragged problem in every configuration (the compute-sanitizer target)."""
     from ts_moe.reference import grouped_gemm_reference
 
     torch.manual_seed(0)
@@ -683,13 +682,15 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
     cfg = config or choose_config(num_experts, two_i, k, m)
     if not swiglu_supported(inter, cfg):
         # I not a multiple of tile_n / 2: two passes (GEMM, then SwiGLU in fp32)
+        from ts_moe.reference import swiglu
+
         h = grouped_gemm(a, gate_up.transpose(-2, -1), offs, torch.float32, config=cfg)
-        res = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(a.dtype)
-        return res if out is None else out.copy_(res)
+        return swiglu(h, a.dtype) if out is None else out.copy_(swiglu(h, a.dtype))
     if out is None:
         out = torch.empty(m, inter, dtype=a.dtype, device=a.device)
     return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
                         kernel_cls=GroupedGemmSwigluSm90)
+
 
 if __name__ == "__main__":
     _small_check()

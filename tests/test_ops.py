@@ -73,11 +73,12 @@ def test_bad_offsets_are_safe_and_defined():
 
 
 def test_reference_takes_host_row_ends():
-    """The bench passes host row ends (no sync, so graph-capturable): same result."""
+    """The bench passes row ends built on the host (an int64 cumsum of its counts;
+    no sync, so graph-capturable): same result as the op's int32 offs."""
     from ts_moe.reference import grouped_gemm_reference, grouped_gemm_swiglu_reference
 
     a, b, offs = _problem()
-    ends = offs.tolist()
+    ends = torch.tensor(offs.tolist())
     assert torch.equal(grouped_gemm_reference(a, b, ends), grouped_gemm_reference(a, b, offs))
     gate_up = torch.randn(5, 64, a.shape[1]).bfloat16()
     assert torch.equal(grouped_gemm_swiglu_reference(a, gate_up, ends),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import grouped_gemm, grouped_gemm_swiglu
-from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference
+from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, swiglu
 from .routing import combine, nvtx_range, permute, route
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -97,9 +97,8 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         if fused:
             h = _gemm_swiglu(dispatch.x_sorted, gate_up_proj, dispatch.offs)
         else:
-            gate, up = _gemm(dispatch.x_sorted, gate_up_proj.transpose(-2, -1), dispatch.offs,
-                             torch.float32).float().chunk(2, dim=-1)
-            h = (F.silu(gate) * up).to(x.dtype)
+            h = swiglu(_gemm(dispatch.x_sorted, gate_up_proj.transpose(-2, -1), dispatch.offs,
+                             torch.float32), x.dtype)
     with nvtx_range("down"):
         y = _gemm(h, down_proj.transpose(-2, -1), dispatch.offs)
     with nvtx_range("combine"):

@@ -17,33 +17,32 @@ def segment_ends(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.cummax(ends, dim=0).values if ends.numel() else ends
 
 
-def _host_ends(offs, num_rows: int) -> list[int]:
-    """:func:`segment_ends` as host ints; ``offs`` given as a sequence of ints
-    (row ends the caller knows on the host) needs no device sync."""
-    if not isinstance(offs, torch.Tensor):
-        offs = torch.tensor(offs, dtype=torch.int64)
-    return segment_ends(offs, num_rows).tolist()
-
-
-def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs,
+def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[r] = a[r] @ b[e]`` for rows ``r`` of expert ``e``; zeros after the last expert.
 
-    fp32 accumulation, like the kernels.  ``offs``: the op's int32 tensor, read
-    on the host (a sync on CUDA: a reference, not a fast path), or the same row
-    ends as a sequence of ints (no sync: usable inside a CUDA-graph capture).
+    fp32 accumulation, like the kernels.  Reads ``offs`` on the host: a sync
+    when it is on the GPU (a reference, not a fast path); a CPU ``offs`` with
+    GPU ``a`` and ``b`` needs none, so it can run inside a CUDA-graph capture.
     """
     out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype or a.dtype, device=a.device)
     start = 0
-    for e, end in enumerate(_host_ends(offs, a.shape[0])):
+    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
         if end > start:
             out[start:end] = (a[start:end].float() @ b[e].float()).to(out.dtype)
         start = end
     return out
 
 
+def swiglu(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h = [gate | up]`` (..., 2I), in h's precision
+    (fp32 in every caller), rounded once to ``dtype``."""
+    inter = h.shape[-1] // 2
+    return (F.silu(h[..., :inter]) * h[..., inter:]).to(dtype)
+
+
 def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
-                                  offs) -> torch.Tensor:
+                                  offs: torch.Tensor) -> torch.Tensor:
     """``silu(a @ gate^T) * (a @ up^T)`` per expert; ``gate_up`` is (E, 2I, H), gate rows first.
 
     The activation is applied in fp32, before the single rounding to ``a.dtype``.
@@ -51,9 +50,8 @@ def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
     inter = gate_up.shape[1] // 2
     out = torch.zeros(a.shape[0], inter, dtype=a.dtype, device=a.device)
     start = 0
-    for e, end in enumerate(_host_ends(offs, a.shape[0])):
+    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
         if end > start:
-            h = a[start:end].float() @ gate_up[e].float().t()
-            out[start:end] = (F.silu(h[:, :inter]) * h[:, inter:]).to(out.dtype)
+            out[start:end] = swiglu(a[start:end].float() @ gate_up[e].float().t(), out.dtype)
         start = end
     return out
