@@ -117,7 +117,10 @@ def resolve(args, parser) -> dict:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device (use --device cpu)")
     known = suite.backends()
-    bad = [b for b in sel["backends"] if b not in known]
+    try:
+        bad = [b for b in sel["backends"] if b not in known]
+    except ValueError as exc:  # a malformed ts_moe:... variant
+        parser.error(str(exc))
     if bad:
         parser.error(f"unknown {args.suite} backends {bad}; known: {', '.join(known)}")
     return sel

@@ -265,6 +265,64 @@ def ts_moe_single_warp(case: Case, device: torch.device) -> Bind:
     return lambda inp: lambda: sm90.grouped_gemm(inp.a, inp.b, inp.offs, config=config)
 
 
+def ts_moe_variant(spec: str) -> Factory:
+    """``ts_moe:FIELD=VALUE:...``: the sm_90 kernel with fields of the config
+    ``choose_config`` picks replaced (``config=NAME`` starts from a named
+    configuration instead), e.g. ``ts_moe:band_m=16`` or
+    ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
+    with the peers in one run."""
+    from csrc_free_kernels import grouped_gemm_sm90 as sm90
+
+    fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
+    base, changes = None, {}
+    for item in spec.split(":"):
+        key, sep, value = item.partition("=")
+        if not sep or not value:
+            raise ValueError(f"ts_moe variant {spec!r}: {item!r} is not FIELD=VALUE")
+        if key == "config":
+            if value not in sm90.CONFIGS:
+                raise ValueError(f"ts_moe variant {spec!r}: no configuration {value!r}; "
+                                 f"known: {', '.join(sm90.CONFIGS)}")
+            base = sm90.CONFIGS[value]
+        elif key in fields and key != "name":
+            kind = fields[key]
+            try:
+                changes[key] = bool(int(value)) if kind is bool else kind(value)
+            except ValueError as exc:
+                raise ValueError(f"ts_moe variant {spec!r}: {key}={value!r}: {exc}") from None
+        else:
+            raise ValueError(f"ts_moe variant {spec!r}: no TileConfig field {key!r}; known: "
+                             f"config, {', '.join(k for k in fields if k != 'name')}")
+
+    def factory(case: Case, device: torch.device) -> Bind:
+        _require_cuda(device, "ts_moe variants")
+        if torch.cuda.get_device_capability(device) != (9, 0):
+            raise Unavailable("the sm_90 kernel needs an sm_90 GPU")
+        chosen = base or sm90.choose_config(case.E, case.N, case.K, case.M)
+        config = dataclasses.replace(chosen, name=f"{chosen.name}:{spec}", **changes)
+        return lambda inp: lambda: sm90.grouped_gemm(inp.a, inp.b, inp.offs, config=config)
+
+    return factory
+
+
+class Registry(dict):
+    """Backends by name; ``ts_moe:...`` names are made on lookup (:func:`ts_moe_variant`,
+    whose ``ValueError`` names what is wrong with a bad one)."""
+
+    def __contains__(self, name) -> bool:
+        try:
+            self[name]
+        except KeyError:
+            return False
+        return True
+
+    def __missing__(self, name):
+        if isinstance(name, str) and name.startswith("ts_moe:"):
+            factory = self[name] = ts_moe_variant(name[len("ts_moe:"):])
+            return factory
+        raise KeyError(name)
+
+
 BACKENDS: dict[str, Factory] = {
     "torch_grouped_mm": torch_grouped_mm,
     "cublas_grouped": cublas_grouped,

@@ -31,6 +31,7 @@ class Timing:
     ms: float  # median per call
     iters: int
     graphed: bool
+    samples: list  # ms per call of each timed unit
 
 
 def l2_bytes(device: torch.device) -> int:
@@ -123,7 +124,8 @@ def measure(thunks: Sequence[Callable], device: torch.device, *, target_ms: floa
     n = iterations(estimate, target_ms, min_iters, max_iters)
     with nvtx_range(f"timed x{n * per_call}"):
         times = _time_calls(units, n, device)
-    return Timing(statistics.median(times) / per_call, n * per_call, graph)
+    samples = [t / per_call for t in times]
+    return Timing(statistics.median(samples), n * per_call, graph, samples)
 
 
 @contextlib.contextmanager

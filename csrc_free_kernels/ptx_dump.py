@@ -87,6 +87,7 @@ BUILDS = {
     "gemm_prefill_bk": _gemm("prefill", b_n_major=False),
     "gemm_prefill_single_warp": _gemm("prefill", multi_warp=False),
     "gemm_prefill_f32_out": _gemm("prefill", out="float32"),
+    "gemm_prefill_whole_experts": _gemm("prefill", band_m=0),
     "swiglu_decode": _gemm("decode", b_n_major=False, swiglu=True),
     "swiglu_prefill": _gemm("prefill", b_n_major=False, swiglu=True),
     "swiglu_decode16": _gemm("decode16", b_n_major=False, swiglu=True),

@@ -61,6 +61,30 @@ def test_wrong_backend_is_reported_not_timed():
     assert right.calls > copies
 
 
+def test_backends_timed_in_order_then_reversed():
+    calls = []
+
+    def logging(tag):
+        def factory(case, device):
+            def bind(inp):
+                def run():
+                    calls.append(tag)
+                    return reference_grouped_gemm(inp, inp.a.dtype)
+                return run
+            return bind
+        return factory
+
+    factories = {"a": logging("a"), "b": logging("b"), "c": logging("c")}
+    (case,) = _cases()[:1]
+    records = run_suite(SUITES["grouped_gemm"], [case], list(factories), CPU,
+                        factories=factories, progress=None)
+    # runs of one backend in a row: checked a, b, c; timed a, b, c, then c, b, a
+    blocks = [t for i, t in enumerate(calls) if i == 0 or calls[i - 1] != t]
+    assert blocks == ["a", "b", "c", "a", "b", "c", "b", "a"]
+    for r in records:
+        assert len(r["pass_ms"]) == 2 and min(r["pass_ms"]) <= r["ms"] <= max(r["pass_ms"])
+
+
 @pytest.mark.parametrize("layout", ["nmajor", "kmajor"])
 def test_torch_backends_agree_on_cpu(layout):
     names = ["reference", "torch_grouped_mm", "cublas_loop", "ts_moe"]

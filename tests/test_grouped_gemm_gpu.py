@@ -89,20 +89,28 @@ def test_model_shapes(model, gemm, tokens):
 
 
 CONFIG_NAMES = ["decode16", "decode", "mid", "prefill", "prefill_c2"]
+# raster bands of two m-tiles, so that the small cases below span several bands
+VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
+            "mid:band": dict(band_m=2)}
 
 
-@pytest.mark.parametrize("config", CONFIG_NAMES)
+def config_named(name):
+    """A configuration of CONFIG_NAMES, or a VARIANTS entry."""
+    return dataclasses.replace(gg().CONFIGS[name.split(":")[0]], **VARIANTS.get(name, {}))
+
+
+@pytest.mark.parametrize("config", CONFIG_NAMES + list(VARIANTS))
 @pytest.mark.parametrize("multi_warp", [True, False])
 @pytest.mark.parametrize("kmajor", [False, True])
 def test_configs_and_layouts(config, multi_warp, kmajor):
-    cfg = dataclasses.replace(gg().CONFIGS[config], multi_warp=multi_warp)
+    cfg = dataclasses.replace(config_named(config), multi_warp=multi_warp)
     a, b, offs = make(1000, 256, 392, 6, counts=[0, 301, 1, 0, 500, 150], kmajor=kmajor)
     check(a, b, offs, config=cfg)  # 48 tail rows, N and M not tile multiples
 
 
-@pytest.mark.parametrize("config", CONFIG_NAMES)
+@pytest.mark.parametrize("config", CONFIG_NAMES + list(VARIANTS))
 def test_routing_extremes(config):
-    cfg = gg().CONFIGS[config]
+    cfg = config_named(config)
     k, n = 128, 256
     check(*make(777, k, n, 8, counts=[0, 0, 0, 777, 0, 0, 0, 0]), config=cfg)  # one expert
     check(*make(8, k, n, 8, counts=[1] * 8), config=cfg)  # one row per expert

@@ -1,0 +1,45 @@
+"""One bench case, each backend called once inside a profiler range: for Nsight Compute.
+
+    ncu --clock-control none --profile-from-start off --metrics ... \\
+        python scripts/profile_case.py mixtral gate_up 16384 skewed ts_moe ts_moe:band_m=8
+
+Each backend is bound and run once outside the range (compilation, autotuning),
+then once inside it, under an NVTX range named after it, so every kernel ncu
+reports belongs to exactly one backend call.  The inputs are the harness's
+(``torch.randn``, the same tensors for every backend).
+"""
+
+import sys
+
+import torch
+
+from bench import backends, cases
+from bench.timing import nvtx_range
+
+
+def main(argv) -> int:
+    if len(argv) < 5:
+        print(__doc__, file=sys.stderr)
+        return 2
+    model, gemm, tokens, routing, *names = argv
+    (full,) = [m for m in cases.MODELS if m.startswith(model)]
+    case = cases.make_case(cases.MODELS[full], gemm, int(tokens), routing)
+    device = torch.device("cuda")
+    inp = backends.make_gemm_inputs(case, device)
+    registry = backends.Registry(backends.BACKENDS)
+    runs = {name: registry[name](case, device)(inp) for name in names}
+    for run in runs.values():
+        run()
+    torch.cuda.synchronize()
+    print(case.describe(), file=sys.stderr)
+    torch.cuda.profiler.start()
+    for name, run in runs.items():
+        with nvtx_range(name):
+            run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
