@@ -6,6 +6,7 @@
     python -m bench --suite moe_layer --list         # show cases and backends only
     python -m bench report bench/results/nvidia-h200-grouped_gemm.json
     python -m bench overhead                         # host time of one op call
+    python -m bench targets bench/results/nvidia-h200-grouped_gemm.json  # issue 4 targets
 
 A run prints one progress line per case on stderr and the results table on
 stdout, then writes bench/results/<gpu>-<suite>.json, its plot
@@ -201,6 +202,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         return report_command(argv[1:])
+    if argv[:1] == ["targets"]:
+        from . import targets
+
+        return targets.main(argv[1:])
     if argv[:1] == ["overhead"]:
         from . import overhead
 

@@ -121,3 +121,44 @@ def test_plot_nothing_timed(tmp_path):
 def test_sanitize():
     assert report.sanitize("NVIDIA H200 NVL") == "nvidia-h200-nvl"
     assert report.sanitize("NVIDIA GeForce RTX 4090 (16GB)") == "nvidia-geforce-rtx-4090-16gb"
+
+
+def _rec(model, gemm, T, backend, ms, tbps, tflops=1.0, status="ok"):
+    return {"model": model, "gemm": gemm, "T": T, "routing": "uniform", "backend": backend,
+            "status": status, "ms": ms, "tbps": tbps, "tflops": tflops}
+
+
+def test_targets_rules():
+    from bench import targets
+
+    cases = [
+        # T=16: faster peer is cublas (1.0 ms); 1.10x would need 2.2 TB/s < 90% of 4 TB/s
+        _rec("qwen3-30b-a3b", "down", 16, "torch_grouped_mm", 1.5, 1.0),
+        _rec("qwen3-30b-a3b", "down", 16, "cublas_grouped", 1.0, 2.0),
+        _rec("qwen3-30b-a3b", "down", 16, "ts_moe", 0.90, 2.22),
+        # T=1024 at the HBM cap: 1.20x of 3.5 TB/s is over 3.6, so >= 3.6 TB/s counts
+        _rec("deepseek-v3", "down", 1024, "cublas_grouped", 1.0, 3.5),
+        _rec("deepseek-v3", "down", 1024, "ts_moe", 0.95, 3.68),
+        # T=16384 Mixtral gate_up: 1.10x torch and 700 TFLOP/s
+        _rec("mixtral-8x7b", "gate_up", 16384, "torch_grouped_mm", 12.0, 0.3, 600),
+        _rec("mixtral-8x7b", "gate_up", 16384, "cublas_grouped", 5.0, 0.3, 900),
+        _rec("mixtral-8x7b", "gate_up", 16384, "ts_moe", 10.5, 0.3, 690),
+        # no ts_moe timing: no verdict
+        _rec("qwen3-30b-a3b", "gate_up", 128, "torch_grouped_mm", 1.0, 1.0),
+        _rec("qwen3-30b-a3b", "gate_up", 128, "ts_moe", None, None, status="error"),
+    ]
+    result = {"suite": "grouped_gemm", "roofs": {"hbm_read_tbps": 4.0}, "cases": cases}
+    v = {x.case[:3]: x for x in targets.verdicts(result)}
+    assert set(v) == {("qwen3-30b-a3b", "down", 16), ("deepseek-v3", "down", 1024),
+                      ("mixtral-8x7b", "gate_up", 16384)}
+    small = v["qwen3-30b-a3b", "down", 16]
+    assert small.peer == "cublas_grouped" and small.met and small.target == ">= 1.10x"
+    capped = v["deepseek-v3", "down", 1024]
+    assert capped.met and "90% HBM" in capped.target and capped.ratio < 1.20
+    large = v["mixtral-8x7b", "gate_up", 16384]
+    # cuBLAS grouped is no peer at T >= 4096; 1.14x torch, but under 700 TFLOP/s
+    assert large.peer == "torch_grouped_mm" and not large.met and "700 TFLOP/s" in large.target
+    text = targets.render_markdown(targets.verdicts(result))
+    assert text.startswith("**2 of 3 met, 1 missed.**") and "| **no** |" in text
+    with pytest.raises(ValueError, match="roofs"):
+        targets.verdicts({**result, "roofs": None})

@@ -1,0 +1,76 @@
+"""Fixed cost per output tile, from a sweep over K at one (E, M, N).
+
+    python scripts/k_sweep.py --experts 256 --rows 512 --n 7168 --k 512,1024,2048,4096
+
+Times ``ts_moe`` and ``torch_grouped_mm`` (the same ``torch.randn`` inputs,
+rotated past L2, ragged routing: each expert ``rows`` +- 5 %) at each K and
+fits ``ms = fixed + per_k * K`` by least squares.  The mainloop scales with K;
+what does not (the epilogue, filling the pipeline, the schedule) is ``fixed``:
+the share of a case's time that overlapping the epilogue with the next tile's
+MMAs could win at most.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from bench.timing import measure, rotation_copies
+
+
+def inputs(experts, rows, n, k, seed):
+    g = torch.Generator("cuda").manual_seed(seed)
+    counts = (rows * (0.95 + 0.1 * torch.rand(experts, generator=g, device="cuda"))).int()
+    m = int(counts.sum())
+    a = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(experts, k, n, generator=g, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    return a, b, counts.cumsum(0).int()
+
+
+def fit(ks, ms):
+    """Least-squares line through (K, ms): (fixed ms, ms per K)."""
+    n = len(ks)
+    mk, mm = sum(ks) / n, sum(ms) / n
+    slope = sum((k - mk) * (t - mm) for k, t in zip(ks, ms)) / sum((k - mk) ** 2 for k in ks)
+    return mm - slope * mk, slope
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, required=True)
+    p.add_argument("--rows", type=int, required=True, help="rows per expert (about)")
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--k", required=True, help="comma-separated K values")
+    p.add_argument("--target-ms", type=float, default=100.0)
+    args = p.parse_args(argv)
+    import ts_moe
+
+    ks = [int(x) for x in args.k.split(",")]
+    fns = {"torch_grouped_mm": lambda a, b, o: torch._grouped_mm(a, b, offs=o),
+           "ts_moe": lambda a, b, o: ts_moe.grouped_gemm(a, b, o)}
+    times = {name: [] for name in fns}
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for k in ks:
+        first = inputs(args.experts, args.rows, args.n, k, seed=k)
+        size = first[0].nbytes + first[1].nbytes
+        copies = [first] + [(x.clone(), y.clone(), o) for x, y, o in
+                            [first] * (rotation_copies(size, size, l2, 30 << 30) - 1)]
+        for name, fn in fns.items():
+            thunks = [lambda c=c, fn=fn: fn(*c) for c in copies]
+            times[name].append(measure(thunks, torch.device("cuda"),
+                                       target_ms=args.target_ms).ms)
+        del copies, first
+    print(f"E={args.experts} rows/expert~{args.rows} N={args.n}")
+    print("K".rjust(8) + "".join(name.rjust(20) for name in fns))
+    for i, k in enumerate(ks):
+        print(f"{k:8d}" + "".join(f"{times[name][i]:17.3f} ms" for name in fns))
+    for name in fns:
+        fixed, per_k = fit(ks, times[name])
+        tiles = -(-args.rows // 128) * args.experts * -(-args.n // 256)
+        print(f"{name}: fixed {fixed:.3f} ms ({1e3 * fixed / max(tiles / 132, 1):.2f} us "
+              f"per wave of 132 128x256 tiles), {1e3 * per_k * 1024:.1f} us per 1024 of K")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
