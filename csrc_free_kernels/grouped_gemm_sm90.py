@@ -47,6 +47,13 @@ class TileConfig:
     so that the band's token rows stay in L2 while its weights stream past;
     with whole experts, an expert holding more token rows than L2 re-reads
     them from HBM for every wave.
+
+    ``pair_tiles`` (with ``cluster_m`` 2): the CTA pair takes two consecutive
+    ``tile_m``-row tiles of the schedule instead of one 2 x ``tile_m``-row
+    cluster tile, multicasting the weight tile when both tiles are of one
+    expert and n-tile and loading its own otherwise: the pair's weight sharing
+    without the idle spare half of a cluster tile when an expert's m-tiles
+    are odd.
     """
 
     name: str
@@ -59,6 +66,7 @@ class TileConfig:
     a_rows: int = 0
     cluster_m: int = 1
     band_m: int = 0
+    pair_tiles: bool = False
 
     @property
     def mma_warpgroups(self) -> int:
@@ -90,7 +98,9 @@ PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_w
                      band_m=8)
 # ...with CTA pairs sharing each weight tile through TMA multicast
 PREFILL_C2 = dataclasses.replace(PREFILL, name="prefill_c2", cluster_m=2)
-CONFIGS = {c.name: c for c in (DECODE16, DECODE, MID, PREFILL, PREFILL_C2)}
+# ...or with CTA pairs on consecutive 128-row tiles
+PREFILL_P2 = dataclasses.replace(PREFILL_C2, name="prefill_p2", pair_tiles=True)
+CONFIGS = {c.name: c for c in (DECODE16, DECODE, MID, PREFILL, PREFILL_C2, PREFILL_P2)}
 
 
 def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) -> TileConfig:
@@ -145,9 +155,12 @@ class GroupedGemmSm90:
     plus ``b_warps`` parts of ``tile_n / b_warps * tile_k * 2`` of weights.
 
     Schedule: tiles are numbered expert by expert (the rows past the last
-    expert form a final zero-filled pseudo-expert), and within an expert with
-    the m-tile fastest, so CTAs running at the same time share the weight
-    tile in L2; CTA ``b`` takes tiles ``b, b + grid, ...``.  The per-expert row
+    expert form a final zero-filled pseudo-expert), and within an expert band
+    by band (``band_m`` m-tiles), the m-tile fastest, so CTAs running at the
+    same time share the weight tile in L2; CTA ``b`` takes tiles ``b, b +
+    grid, ...`` (a cluster: cluster tiles ``c, c + clusters, ...``; with
+    ``pair_tiles``, the pair's CTAs the tiles ``2c`` and ``2c + 1``, ...,
+    both running every iteration's stages).  The per-expert row
     ends (``cummax(clamp(offs, 0, M))``) and tile counts are prefix-scanned by
     one warp into shared memory; each role maps a tile index to its expert by
     binary search.
@@ -170,6 +183,10 @@ class GroupedGemmSm90:
         self.epi_stages = 2
         if config.b_warps not in (1, 2) or config.tile_n % config.b_warps:
             raise ValueError(f"b_warps must be 1 or 2 and divide tile_n: {config}")
+        if config.pair_tiles and config.cluster_m != 2:
+            raise ValueError(f"pair_tiles needs cluster_m 2: {config}")
+        # rows per schedule tile: a cluster tile spans the cluster's CTAs
+        self.tile_rows = config.rows * (1 if config.pair_tiles else config.cluster_m)
 
     # ---------------------------------------------------------------- host
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -234,6 +251,12 @@ class GroupedGemmSm90:
             else cpasync.CopyBulkTensorTileG2SOp(),
             mB, self.b_part_smem_layout, (self.b_part_n, cfg.tile_k),
             num_multicast=cfg.cluster_m)
+        # pair_tiles: whole weight parts for a pair whose tiles differ
+        tma_atom_b1, mB1_tma = tma_atom_b, mB_tma
+        if cutlass.const_expr(cfg.pair_tiles):
+            tma_atom_b1, mB1_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mB, self.b_part_smem_layout,
+                (self.b_part_n, cfg.tile_k))
 
         @cute.struct
         class SharedStorage:
@@ -249,7 +272,8 @@ class GroupedGemmSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, mA_tma, tma_atom_b, mB_tma, mC, mOffs, self.tiled_mma,
+            tma_atom_a, mA_tma, tma_atom_b, mB_tma, tma_atom_b1, mB1_tma, mC, mOffs,
+            self.tiled_mma,
             self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
                  cluster=(cfg.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream)
@@ -257,7 +281,8 @@ class GroupedGemmSm90:
     # -------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
-               mB: cute.Tensor, mC: cute.Tensor, mOffs: cute.Tensor, tiled_mma: cute.TiledMma,
+               mB: cute.Tensor, tma_atom_b1: cute.CopyAtom, mB1: cute.Tensor, mC: cute.Tensor,
+               mOffs: cute.Tensor, tiled_mma: cute.TiledMma,
                a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
                epi_smem_layout: cute.ComposedLayout):
         cfg = self.cfg
@@ -266,12 +291,19 @@ class GroupedGemmSm90:
         grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        # clusters take tiles cluster, cluster + clusters, ...
+        # clusters take tiles cluster, cluster + clusters, ...; with pair_tiles
+        # CTA r of a cluster takes tile 2 * cluster + r, and so on, and both
+        # run an iteration while the pair's first tile exists (``lead``)
         cluster = bidx // cfg.cluster_m
         clusters = grid // cfg.cluster_m
+        lead = cta_rank if cfg.pair_tiles else 0
+        t0 = cluster * (2 if cfg.pair_tiles else 1) + lead
+        step = clusters * (2 if cfg.pair_tiles else 1)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
+            if cutlass.const_expr(cfg.pair_tiles):
+                cpasync.prefetch_descriptor(tma_atom_b1)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         sSegEnd = storage.seg_end.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
@@ -294,13 +326,13 @@ class GroupedGemmSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx <= (cfg.b_warps if cutlass.const_expr(cfg.multi_warp) else 0):
-                self.produce(tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx, cta_rank,
-                             sSegEnd, sTileEnd, num_experts, k_tiles, cluster, clusters,
-                             total_tiles, n_cols, n_tiles)
+                self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring,
+                             warp_idx, cta_rank, sSegEnd, sTileEnd, num_experts, k_tiles,
+                             t0, step, lead, total_tiles, n_cols, n_tiles)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, cta_rank, sSegEnd,
-                         sTileEnd, num_experts, k_tiles, cluster, clusters, total_tiles, n_tiles)
+                         sTileEnd, num_experts, k_tiles, t0, step, lead, total_tiles, n_tiles)
 
     def make_ring(self, barriers, warp_idx):
         cluster_m = self.cfg.cluster_m
@@ -326,7 +358,7 @@ class GroupedGemmSm90:
         """One warp: ``seg_end = cummax(clamp(offs, 0, M))`` and the inclusive
         prefix sum of each expert's tile count, 32 experts per step; entry
         ``num_experts`` is the zero-filled tail ``[seg_end[-1], M)``."""
-        tile_m = self.cfg.rows * self.cfg.cluster_m  # rows per (cluster) tile
+        tile_m = self.tile_rows
         lane = cute.arch.lane_idx()
         carry_end = cutlass.Int32(0)
         carry_tiles = cutlass.Int32(0)
@@ -380,7 +412,7 @@ class GroupedGemmSm90:
             tiles_before = sTileEnd[expert - 1]
             seg_start = sSegEnd[expert - 1]
         seg_end = sSegEnd[expert]
-        tile_rows = self.cfg.rows * self.cfg.cluster_m
+        tile_rows = self.tile_rows
         m_tiles = (seg_end - seg_start + tile_rows - 1) // tile_rows
         local = t - tiles_before
         band_tiles = m_tiles
@@ -391,13 +423,15 @@ class GroupedGemmSm90:
             local = local - band0 * n_tiles
         n_tile = local // band_tiles
         m_tile = band0 + local - n_tile * band_tiles
-        row0 = seg_start + m_tile * tile_rows + cta_rank * self.cfg.rows
+        row0 = seg_start + m_tile * tile_rows
+        if cutlass.const_expr(not self.cfg.pair_tiles):
+            row0 += cta_rank * self.cfg.rows  # this CTA's half of a cluster tile
         return expert, row0, seg_end, n_tile
 
     @cute.jit
-    def produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx, cta_rank,
-                sSegEnd, sTileEnd, num_experts, k_tiles, cluster, clusters, total_tiles,
-                n_cols, n_tiles):
+    def produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring, warp_idx,
+                cta_rank, sSegEnd, sTileEnd, num_experts, k_tiles, t0, step, lead,
+                total_tiles, n_cols, n_tiles):
         cfg = self.cfg
         # (rows, tile_k, stages): the token box, the first rows of each A stage
         sA_box = cute.flat_divide(sA, (cfg.rows, cfg.tile_k))[None, None, 0, 0, None]
@@ -409,12 +443,37 @@ class GroupedGemmSm90:
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b, cta_rank, cute.make_layout(cfg.cluster_m),
             cute.group_modes(sB_parts, 0, 2), cute.group_modes(gB, 0, 2))
+        tBsB1, tBgB1 = tBsB, tBgB
+        if cutlass.const_expr(cfg.pair_tiles):
+            # the same, whole parts, loaded by this CTA alone
+            tBsB1, tBgB1 = cpasync.tma_partition(
+                tma_atom_b1, 0, cute.make_layout(1), cute.group_modes(sB_parts, 0, 2),
+                cute.group_modes(cute.local_tile(mB1, (self.b_part_n, cfg.tile_k),
+                                                 (None, None, None)), 0, 2))
         state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.stages)
-        t = cluster
-        while t < total_tiles:
-            expert, row0, _, n_tile = self.tile_info(t, cta_rank, sSegEnd, sTileEnd,
+        t = t0
+        while t - lead < total_tiles:
+            expert, row0, _, n_tile = self.tile_info(cutlass.min(t, total_tiles - 1), cta_rank,
+                                                     sSegEnd, sTileEnd, num_experts, n_tiles)
+            run = expert < num_experts
+            shared = cutlass.Int32(1)  # the weight tile is multicast to the cluster
+            if cutlass.const_expr(cfg.pair_tiles):
+                # both CTAs of a pair fill every stage of every iteration: each
+                # stage is released by the consumers of both.  A missing tile
+                # or one of the zero tail loads expert 0's first tile, unused
+                peer = t + 1 - 2 * cta_rank
+                p_expert, _, _, p_n = self.tile_info(cutlass.min(peer, total_tiles - 1),
+                                                     cta_rank, sSegEnd, sTileEnd,
                                                      num_experts, n_tiles)
-            if expert < num_experts:
+                if t >= total_tiles or expert >= num_experts:
+                    expert = cutlass.Int32(0)
+                    row0 = cutlass.Int32(0)
+                    n_tile = cutlass.Int32(0)
+                    shared = cutlass.Int32(0)
+                if peer >= total_tiles or p_expert != expert or p_n != n_tile:
+                    shared = cutlass.Int32(0)
+                run = t - lead < total_tiles
+            if run:
                 # (rows, tile_k, k-tiles) of tokens starting at row0
                 gA = cute.local_tile(cute.domain_offset((row0, 0), mA),
                                      (cfg.rows, cfg.tile_k), (0, None))
@@ -429,26 +488,37 @@ class GroupedGemmSm90:
                                   tma_bar_ptr=bar)
                     if cutlass.const_expr(cfg.multi_warp):
                         if warp_idx > 0:
-                            self.load_b(tma_atom_b, tBgB, tBsB, warp_idx - 1, n_tile, n_cols,
-                                        k, expert, state.index, bar)
+                            self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
+                                        shared, warp_idx - 1, n_tile, n_cols, k, expert,
+                                        state.index, bar)
                     else:
                         for part in cutlass.range_constexpr(cfg.b_warps):
-                            self.load_b(tma_atom_b, tBgB, tBsB, part, n_tile, n_cols,
-                                        k, expert, state.index, bar)
+                            self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
+                                        shared, part, n_tile, n_cols, k, expert,
+                                        state.index, bar)
                     state.advance()
-            t += clusters
+            t += step
         ring.producer_tail(state)
 
-    def load_b(self, tma_atom_b, tBgB, tBsB, part, n_tile, n_cols, k, expert, stage, bar):
-        """Weight part ``part`` of k-tile ``k`` (this CTA's share of it) into ``stage``,
-        multicast to the cluster."""
-        src = tBgB[None, self.b_part_coord(n_tile, part, n_cols), k, expert]
+    @cute.jit
+    def load_b(self, tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1, shared, part, n_tile,
+               n_cols, k, expert, stage, bar):
+        """Weight part ``part`` of k-tile ``k`` into ``stage``: this CTA's share
+        of it, multicast to the cluster, or (``shared`` 0) all of it, for itself."""
+        coord = self.b_part_coord(n_tile, part, n_cols)
         dst = tBsB[None, part, 0, stage]
-        if self.cfg.cluster_m > 1:
-            cute.copy(tma_atom_b, src, dst, tma_bar_ptr=bar,
+        if cutlass.const_expr(self.cfg.cluster_m == 1):
+            cute.copy(tma_atom_b, tBgB[None, coord, k, expert], dst, tma_bar_ptr=bar)
+        elif cutlass.const_expr(not self.cfg.pair_tiles):
+            cute.copy(tma_atom_b, tBgB[None, coord, k, expert], dst, tma_bar_ptr=bar,
                       mcast_mask=cutlass.Int16((1 << self.cfg.cluster_m) - 1))
         else:
-            cute.copy(tma_atom_b, src, dst, tma_bar_ptr=bar)
+            if shared == 1:
+                cute.copy(tma_atom_b, tBgB[None, coord, k, expert], dst, tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16((1 << self.cfg.cluster_m) - 1))
+            else:
+                cute.copy(tma_atom_b1, tBgB1[None, coord, k, expert],
+                          tBsB1[None, part, 0, stage], tma_bar_ptr=bar)
 
     def b_part_coord(self, n_tile, part, n_cols):
         """Index (in ``b_part_n`` rows) of weight part ``part`` of n-tile ``n_tile``."""
@@ -456,7 +526,7 @@ class GroupedGemmSm90:
 
     @cute.jit
     def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, cta_rank, sSegEnd, sTileEnd,
-                num_experts, k_tiles, cluster, clusters, total_tiles, n_tiles):
+                num_experts, k_tiles, t0, step, lead, total_tiles, n_tiles):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(ctid)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -484,22 +554,35 @@ class GroupedGemmSm90:
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
-        t = cluster
+        t = t0
         epi_count = cutlass.Int32(0)
-        while t < total_tiles:
-            expert, row0, seg_end, n_tile = self.tile_info(t, cta_rank, sSegEnd, sTileEnd,
+        while t - lead < total_tiles:
+            expert, row0, seg_end, n_tile = self.tile_info(cutlass.min(t, total_tiles - 1),
+                                                           cta_rank, sSegEnd, sTileEnd,
                                                            num_experts, n_tiles)
             # rows of this expert in this CTA's tile (<= 0: the spare half of a
-            # pair, which still takes its share of the multicast but skips the
-            # MMAs: idle tensor cores leave power to clock the others higher)
+            # cluster tile, which still takes its share of the multicast but
+            # skips the MMAs: idle tensor cores leave power to clock the others
+            # higher)
             rows_valid = cutlass.min(seg_end - row0, cfg.rows)
+            run = expert < num_experts
+            if cutlass.const_expr(cfg.pair_tiles):
+                # every stage the pair's producers fill: the tile missing from
+                # a pair stores nothing, the zero tail computes nothing
+                if t >= total_tiles:
+                    rows_valid = cutlass.Int32(0)
+                if expert >= num_experts:
+                    run = t - lead < total_tiles
+            mma_rows = rows_valid
+            if expert >= num_experts:
+                mma_rows = cutlass.Int32(0)
             acc.fill(0.0)
-            if expert < num_experts:
+            if run:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
                 for k in cutlass.range(k_tiles, unroll=1):
                     ring.consumer_wait(read)
-                    if rows_valid > 0:
+                    if mma_rows > 0:
                         for kb in cutlass.range_constexpr(num_k_blocks):
                             cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
                                       tCrB[None, None, kb, read.index], acc)
@@ -533,7 +616,7 @@ class GroupedGemmSm90:
                         if crd[0] < rows_valid and crd[1] < mC.shape[1]:
                             cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
                 epi_count += 1
-            t += clusters
+            t += step
 
     @staticmethod
     def accumulator_chunk(tRS_rAcc, chunk, tRS_rD):

@@ -82,6 +82,8 @@ BUILDS = {
     "gemm_decode16_bk": _gemm("decode16", b_n_major=False),
     "gemm_prefill_c2": _gemm("prefill_c2"),
     "gemm_prefill_c2_bk": _gemm("prefill_c2", b_n_major=False),
+    "gemm_prefill_p2": _gemm("prefill_p2"),
+    "gemm_prefill_p2_bk": _gemm("prefill_p2", b_n_major=False),
     "gemm_mid": _gemm("mid"),
     "gemm_prefill": _gemm("prefill"),
     "gemm_prefill_bk": _gemm("prefill", b_n_major=False),
