@@ -170,7 +170,7 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
     base["copies"] = len(copies)
     # check everything first, then time in two passes, in order and reversed,
     # and take the median of both: timed once, in list order, one kernel
-    # measured up to 13 % slower as the fourth of five backends than as the
+    # measured up to 15 % slower as the fourth of five backends than as the
     # second (Qwen3 T=4096, H200, 2026-12-02), so a backend's place in the
     # list must not decide its time
     checked, records = {}, {}

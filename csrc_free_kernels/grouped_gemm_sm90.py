@@ -118,7 +118,11 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
       weight-streaming), tensor-core bound later.  128x256, unless that
       leaves under four waves of tiles (128x128: Mixtral down T=1024, 0.514
       against 0.608 ms), and with CTA pairs sharing weight tiles by multicast
-      once experts are large (Mixtral T=16384 gate_up 12.28 against 12.82 ms).
+      once experts are large (Mixtral T=16384 gate_up 12.28 against 12.82 ms),
+      or pairs on consecutive tiles where an expert's weights are large
+      (>= 24 MB, half of L2) but its rows fewer: DeepSeek-V3 T=4096 and
+      16384, 2-14 % faster than 128x256 tiles alone in 5 of 6 cases
+      (2026-12-02); Qwen3 (6 MB per expert) was up to 12 % slower with them.
     """
     rows = m / max(num_experts, 1)
     if rows < 6:
@@ -130,6 +134,8 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
         return MID
     if rows >= 2048 or (rows >= 1024 and k >= 8192):
         return PREFILL_C2
+    if n * k * 2 >= 24 << 20:
+        return PREFILL_P2
     return PREFILL
 
 

@@ -2,9 +2,10 @@
 
     python scripts/k_sweep.py --experts 256 --rows 512 --n 7168 --k 512,1024,2048,4096
 
-Times ``ts_moe`` and ``torch_grouped_mm`` (the same ``torch.randn`` inputs,
-rotated past L2, ragged routing: each expert ``rows`` +- 5 %) at each K and
-fits ``ms = fixed + per_k * K`` by least squares.  The mainloop scales with K;
+Times the ts_moe kernel in one tile configuration (``--config``: the same at
+every K, where the heuristic would switch) and ``torch_grouped_mm`` on the same
+``torch.randn`` inputs (rotated past L2; ragged routing, each expert ``rows``
++- 5 %) at each K, and fits ``ms = fixed + per_k * K`` by least squares.  The mainloop scales with K;
 what does not (the epilogue, filling the pipeline, the schedule) is ``fixed``:
 the share of a case's time that overlapping the epilogue with the next tile's
 MMAs could win at most.
@@ -42,12 +43,15 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--k", required=True, help="comma-separated K values")
     p.add_argument("--target-ms", type=float, default=100.0)
+    p.add_argument("--config", default="prefill",
+                   help="ts_moe tile configuration, the same at every K (default prefill)")
     args = p.parse_args(argv)
-    import ts_moe
+    from csrc_free_kernels import grouped_gemm_sm90 as sm90
 
     ks = [int(x) for x in args.k.split(",")]
+    config = sm90.CONFIGS[args.config]
     fns = {"torch_grouped_mm": lambda a, b, o: torch._grouped_mm(a, b, offs=o),
-           "ts_moe": lambda a, b, o: ts_moe.grouped_gemm(a, b, o)}
+           f"ts_moe {config.name}": lambda a, b, o: sm90.grouped_gemm(a, b, o, config=config)}
     times = {name: [] for name in fns}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for k in ks:
