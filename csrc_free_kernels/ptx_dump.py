@@ -94,6 +94,7 @@ BUILDS = {
     "swiglu_prefill": _gemm("prefill", b_n_major=False, swiglu=True),
     "swiglu_decode16": _gemm("decode16", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
+    "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
 }
 
 

@@ -237,3 +237,22 @@ def test_compute_sanitizer(tool):
     assert summary[tool] in proc.stdout + proc.stderr
     # every configuration ran and matched the reference under the tool
     assert proc.stdout.count("rel err") == len(gg().CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIG_NAMES)
+def test_swiglu_configs(config):
+    """The fused gate/up + SwiGLU kernel in every configuration, ragged, poisoned output."""
+    from ts_moe.reference import grouped_gemm_swiglu_reference
+
+    cfg = gg().CONFIGS[config]
+    e, h, inter = 6, 256, 384  # I a multiple of every config's tile_n / 2
+    a = torch.randn(1000, h, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h**-0.5
+    offs = counts_to_offs([0, 301, 1, 0, 500, 150])  # 48 rows past the last expert
+    out = torch.full((1000, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gg().grouped_gemm_swiglu(a, gate_up, offs, out=out, config=cfg)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "unwritten (NaN) output elements"
+    ref = grouped_gemm_swiglu_reference(a.float(), gate_up.float(), offs)
+    assert rel_err(out, ref) < 1e-2
+    assert (out[952:] == 0).all()

@@ -69,3 +69,26 @@ def test_kernel_ptx(ptx, name):
         assert "ex2.approx" in text  # silu in the epilogue
     assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
     assert "stmatrix" in text or "f32_out" in name
+
+
+@pytest.mark.parametrize("shape, name", [
+    ((8, 28672, 4096, 32), "decode16"),          # Mixtral gate_up T=16
+    ((256, 4096, 7168, 8192), "decode"),         # DeepSeek gate_up T=1024
+    ((8, 4096, 14336, 2048), "mid"),             # Mixtral down T=1024
+    ((128, 1536, 2048, 131072), "prefill"),      # Qwen3 gate_up T=16384: 6 MB per expert
+    ((256, 4096, 7168, 131072), "prefill_p2"),   # DeepSeek gate_up T=16384: 56 MB per expert
+    ((8, 28672, 4096, 32768), "prefill_c2"),     # Mixtral gate_up T=16384
+])
+def test_choose_config(shape, name):
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    assert g.choose_config(*shape).name == name
+
+
+def test_pair_tiles_need_a_cluster_pair():
+    import dataclasses
+
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    with pytest.raises(ValueError, match="pair_tiles needs cluster_m 2"):
+        g.GroupedGemmSm90(dataclasses.replace(g.PREFILL, pair_tiles=True))
