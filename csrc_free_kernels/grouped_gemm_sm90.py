@@ -120,9 +120,10 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
       against 0.608 ms), and with CTA pairs sharing weight tiles by multicast
       once experts are large (Mixtral T=16384 gate_up 12.28 against 12.82 ms),
       or pairs on consecutive tiles where an expert's weights are large
-      (>= 24 MB, half of L2) but its rows fewer: DeepSeek-V3 T=4096 and
-      16384, 2-14 % faster than 128x256 tiles alone in 5 of 6 cases
-      (2026-12-02); Qwen3 (6 MB per expert) was up to 12 % slower with them.
+      (>= 24 MB, half of L2) but its rows fewer: against 128x256 tiles alone,
+      DeepSeek-V3 T >= 4096 faster in 7 of 8 cases by 4-24 % (one 1 %
+      slower), Mixtral gate_up T=1024 and 4096 in 3 of 4 (one level); Qwen3
+      (6 MB per expert) up to 15 % slower (2026-12-02).
     """
     rows = m / max(num_experts, 1)
     if rows < 6:
