@@ -572,17 +572,17 @@ class GroupedGemmSm90:
             # skips the MMAs: idle tensor cores leave power to clock the others
             # higher)
             rows_valid = cutlass.min(seg_end - row0, cfg.rows)
+            mma_rows = rows_valid
             run = expert < num_experts
             if cutlass.const_expr(cfg.pair_tiles):
                 # every stage the pair's producers fill: the tile missing from
                 # a pair stores nothing, the zero tail computes nothing
                 if t >= total_tiles:
                     rows_valid = cutlass.Int32(0)
+                    mma_rows = cutlass.Int32(0)
                 if expert >= num_experts:
-                    run = t - lead < total_tiles
-            mma_rows = rows_valid
-            if expert >= num_experts:
-                mma_rows = cutlass.Int32(0)
+                    run = t - lead < total_tiles  # true in the loop: run the stages
+                    mma_rows = cutlass.Int32(0)
             acc.fill(0.0)
             if run:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
