@@ -252,17 +252,10 @@ def ts_moe(case: Case, device: torch.device) -> Bind:
 
 
 def ts_moe_single_warp(case: Case, device: torch.device) -> Bind:
-    """The sm_90 kernel with the config ``choose_config`` picks, but one warp
-    issuing every TMA load (``multi_warp=False``): what the multi-warp
-    producer earns."""
+    """``ts_moe:multi_warp=0`` under its own name: the config ``choose_config``
+    picks, but one warp issuing every TMA load: what the multi-warp producer earns."""
     _require_cuda(device, "ts_moe_single_warp")
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        raise Unavailable("the sm_90 kernel needs an sm_90 GPU")
-    from csrc_free_kernels import grouped_gemm_sm90 as sm90
-
-    config = dataclasses.replace(sm90.choose_config(case.E, case.N, case.K, case.M),
-                                 multi_warp=False)
-    return lambda inp: lambda: sm90.grouped_gemm(inp.a, inp.b, inp.offs, config=config)
+    return ts_moe_variant("multi_warp=0")(case, device)
 
 
 def ts_moe_variant(spec: str) -> Factory:
@@ -295,7 +288,7 @@ def ts_moe_variant(spec: str) -> Factory:
                              f"config, {', '.join(k for k in fields if k != 'name')}")
 
     def factory(case: Case, device: torch.device) -> Bind:
-        _require_cuda(device, "ts_moe variants")
+        _require_cuda(device, f"ts_moe:{spec}")
         if torch.cuda.get_device_capability(device) != (9, 0):
             raise Unavailable("the sm_90 kernel needs an sm_90 GPU")
         chosen = base or sm90.choose_config(case.E, case.N, case.K, case.M)
