@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cp
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 import ts_pipeline
 
@@ -83,6 +83,11 @@ class TileConfig:
 # 16-row variant loads only that many token rows per tile.
 DECODE = TileConfig("decode", tile_m=64, tile_n=128, tile_k=64, stages=8, b_warps=2)
 DECODE16 = dataclasses.replace(DECODE, name="decode16", a_rows=16)
+# ...on 64x256 tiles (five 40 KB stages) with CTA pairs on consecutive tiles,
+# for large experts: an expert holding more than 64 rows (skewed routing)
+# streams its weights once for the pair instead of once per m-tile
+DECODE_P2 = TileConfig("decode_p2", tile_m=64, tile_n=256, tile_k=64, stages=5, b_warps=2,
+                       cluster_m=2, pair_tiles=True)
 # Mid: 48 to 128 rows per expert, still weight-streaming: one 128-row tile
 # holds an expert's rows, so its weights stream once; 128 columns keep the
 # tile count up (six 32 KB stages)
@@ -100,7 +105,8 @@ PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_w
 PREFILL_C2 = dataclasses.replace(PREFILL, name="prefill_c2", cluster_m=2)
 # ...or with CTA pairs on consecutive 128-row tiles
 PREFILL_P2 = dataclasses.replace(PREFILL_C2, name="prefill_p2", pair_tiles=True)
-CONFIGS = {c.name: c for c in (DECODE16, DECODE, MID, PREFILL, PREFILL_C2, PREFILL_P2)}
+CONFIGS = {c.name: c for c in (DECODE16, DECODE, DECODE_P2, MID, PREFILL, PREFILL_C2,
+                               PREFILL_P2)}
 
 
 def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) -> TileConfig:
@@ -113,7 +119,15 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
       rows a 64-row tile would discard (Mixtral gate_up T=16: 0.470 ms
       against 0.511).  A box smaller than an expert's rows would stream its
       weights twice, hence only for a few rows per expert.
-    - ``r < 48``: the 64x128 tile, one token tile per expert.
+    - ``r < 48``: the 64x128 tile, one token tile per expert; 64x256 with
+      CTA pairs (``decode_p2``) where an expert's weights are large (>= 24
+      MB, half of L2) and its n-tiles make four waves: skewed routing gives
+      hot experts several m-tiles, and a pair streams their weights once.
+      Against ``decode`` (harness, 2026-12-03, ms): DeepSeek-V3 T=1024
+      gate_up 3.554/3.886 against 3.638/4.233 (uniform/skewed), down
+      1.796/1.913 against 1.835/2.058; Mixtral gate_up T=128 0.434/0.444
+      against 0.451/0.484; Mixtral down T=128 (one wave of 64x256 tiles)
+      skewed 0.299 against 0.278, hence the wave rule.
     - above: 128-row tiles: one per expert while ``r <= ~100`` (still
       weight-streaming), tensor-core bound later.  128x256, unless that
       leaves under four waves of tiles (128x128: Mixtral down T=1024, 0.514
@@ -128,14 +142,15 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     rows = m / max(num_experts, 1)
     if rows < 6:
         return DECODE16
+    large_experts = n * k * 2 >= 24 << 20
+    wide_tiles = -(-n // 256) * num_experts  # 256-column tiles, one m-tile per expert
     if rows < 48:
-        return DECODE
-    n_tiles = -(-n // PREFILL.tile_n) * num_experts * max(round(rows / PREFILL.tile_m), 1)
-    if n_tiles < 4 * num_sms:
+        return DECODE_P2 if large_experts and wide_tiles >= 4 * num_sms else DECODE
+    if wide_tiles * max(round(rows / PREFILL.tile_m), 1) < 4 * num_sms:
         return MID
     if rows >= 2048 or (rows >= 1024 and k >= 8192):
         return PREFILL_C2
-    if n * k * 2 >= 24 << 20:
+    if large_experts:
         return PREFILL_P2
     return PREFILL
 
@@ -204,10 +219,12 @@ class GroupedGemmSm90:
         # tile, so that it is a contiguous piece of the stage: 8 rows of 128
         # bytes (K-major), or 64 columns (MN-major)
         split_b = cfg.b_warps * cfg.cluster_m > 1
-        if b_layout.is_k_major_b():
-            assert cfg.tile_k * a_dtype.width == 1024 or not split_b
-        else:
-            assert (self.b_part_n // cfg.cluster_m) % 64 == 0 or not split_b
+        if split_b and b_layout.is_k_major_b() and cfg.tile_k * a_dtype.width != 1024:
+            raise ValueError(f"{cfg}: a split K-major weight tile needs 128-byte rows "
+                             f"(tile_k * element size), got {cfg.tile_k * a_dtype.width // 8}")
+        if split_b and not b_layout.is_k_major_b() and (self.b_part_n // cfg.cluster_m) % 64:
+            raise ValueError(f"{cfg}: each CTA's share of an N-major weight part, "
+                             f"{self.b_part_n // cfg.cluster_m} columns, must be a multiple of 64")
         assert a_layout.is_k_major_a(), "tokens are read K-major"
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype,
@@ -247,8 +264,8 @@ class GroupedGemmSm90:
         """mA (M, K), mB_ekn (E, K, N) as torch lays it out, mC (M, N), mOffs (E,)."""
         # (N, K, E): CuTe's B convention
         mB = cute.make_tensor(mB_ekn.iterator, cute.select(mB_ekn.layout, mode=[2, 1, 0]))
-        self._setup(mA.element_type, mC.element_type, utils.LayoutEnum.from_tensor(mA),
-                    utils.LayoutEnum.from_tensor(mB), utils.LayoutEnum.from_tensor(mC))
+        self._setup(mA.element_type, mC.element_type, LayoutEnum.from_tensor(mA),
+                    LayoutEnum.from_tensor(mB), LayoutEnum.from_tensor(mC))
         cfg = self.cfg
         tma_atom_a, mA_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, self.a_box_smem_layout,

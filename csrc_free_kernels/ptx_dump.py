@@ -62,6 +62,7 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False, **
         cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
         return cls(cfg), (*g._fake_args(ab, c, b_n_major, cls),
                                          cutlass.Int32(1), cute.runtime.make_fake_stream())
+    build.config = (config, kw)  # for the PTX tests: the configuration built
     return build
 
 
@@ -80,6 +81,8 @@ BUILDS = {
     "gemm_decode_fp16": _gemm("decode", dtype="float16"),
     "gemm_decode16": _gemm("decode16"),
     "gemm_decode16_bk": _gemm("decode16", b_n_major=False),
+    "gemm_decode_p2": _gemm("decode_p2"),
+    "gemm_decode_p2_bk": _gemm("decode_p2", b_n_major=False),
     "gemm_prefill_c2": _gemm("prefill_c2"),
     "gemm_prefill_c2_bk": _gemm("prefill_c2", b_n_major=False),
     "gemm_prefill_p2": _gemm("prefill_p2"),
@@ -93,6 +96,7 @@ BUILDS = {
     "swiglu_decode": _gemm("decode", b_n_major=False, swiglu=True),
     "swiglu_prefill": _gemm("prefill", b_n_major=False, swiglu=True),
     "swiglu_decode16": _gemm("decode16", b_n_major=False, swiglu=True),
+    "swiglu_decode_p2": _gemm("decode_p2", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
     "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
 }

@@ -22,12 +22,12 @@ def main(argv) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     model, gemm, tokens, routing, *names = argv
-    names = [m for m in cases.MODELS if m.startswith(model)]
-    if len(names) != 1:
-        print(f"model {model!r} matches {names or 'nothing'}; known: {', '.join(cases.MODELS)}",
+    models = [m for m in cases.MODELS if m.startswith(model)]
+    if len(models) != 1:
+        print(f"model {model!r} matches {models or 'nothing'}; known: {', '.join(cases.MODELS)}",
               file=sys.stderr)
         return 2
-    (full,) = names
+    (full,) = models
     case = cases.make_case(cases.MODELS[full], gemm, int(tokens), routing)
     device = torch.device("cuda")
     inp = backends.make_gemm_inputs(case, device)

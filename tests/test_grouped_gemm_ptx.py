@@ -16,12 +16,13 @@ def ptx(tmp_path_factory):
 
 
 def _config(name):
+    """The TileConfig that build ``name`` compiles."""
+    import dataclasses
+
     from csrc_free_kernels import grouped_gemm_sm90 as g
 
-    for cfg in sorted(g.CONFIGS, key=len, reverse=True):
-        if cfg in name:
-            return g.CONFIGS[cfg]
-    raise KeyError(name)
+    config, overrides = ptx_dump.BUILDS[name].config
+    return dataclasses.replace(g.CONFIGS[config], **overrides)
 
 
 def test_every_configuration_is_built(ptx):
@@ -48,7 +49,7 @@ def test_kernel_ptx(ptx, name):
     assert len(arms) == 1
     (value,) = re.findall(rf"mov\.b32\s+{re.escape(arms[0])},\s*(\d+);", text)
     assert int(value) == (cfg.rows + cfg.tile_n) * cfg.tile_k * 2
-    multi_warp = "single_warp" not in name
+    multi_warp = cfg.multi_warp
     body = text[text.index("setmaxnreg.dec"):]
     before_arm = body[:body.index("expect_tx")]
     # one token-box site (2-D); weight parts (3-D: E is a mode), one site
@@ -73,7 +74,10 @@ def test_kernel_ptx(ptx, name):
 
 @pytest.mark.parametrize("shape, name", [
     ((8, 28672, 4096, 32), "decode16"),          # Mixtral gate_up T=16
-    ((256, 4096, 7168, 8192), "decode"),         # DeepSeek gate_up T=1024
+    ((128, 1536, 2048, 4096), "decode"),         # Qwen3 gate_up T=512: 6 MB per expert
+    ((256, 4096, 7168, 8192), "decode_p2"),      # DeepSeek gate_up T=1024: 56 MB per expert
+    ((8, 28672, 4096, 256), "decode_p2"),        # Mixtral gate_up T=128: 7 waves of 64x256
+    ((8, 4096, 14336, 256), "decode"),           # Mixtral down T=128: one wave of 64x256
     ((8, 4096, 14336, 2048), "mid"),             # Mixtral down T=1024
     ((128, 1536, 2048, 131072), "prefill"),      # Qwen3 gate_up T=16384: 6 MB per expert
     ((256, 4096, 7168, 131072), "prefill_p2"),   # DeepSeek gate_up T=16384: 56 MB per expert
@@ -92,3 +96,19 @@ def test_pair_tiles_need_a_cluster_pair():
 
     with pytest.raises(ValueError, match="pair_tiles needs cluster_m 2"):
         g.GroupedGemmSm90(dataclasses.replace(g.PREFILL, pair_tiles=True))
+
+
+def test_unsplittable_weight_tile_is_refused():
+    import dataclasses
+
+    import cutlass
+    from cutlass.tensor_utils import LayoutEnum
+
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    # 64x128 pairs: each CTA would multicast a 32-column share of a 64-column
+    # N-major weight part, less than one 64-column swizzle atom
+    kernel = g.GroupedGemmSm90(dataclasses.replace(g.DECODE, cluster_m=2, pair_tiles=True))
+    with pytest.raises(ValueError, match="32 columns, must be a multiple of 64"):
+        kernel._setup(cutlass.BFloat16, cutlass.BFloat16, LayoutEnum.ROW_MAJOR,
+                      LayoutEnum.COL_MAJOR, LayoutEnum.ROW_MAJOR)
