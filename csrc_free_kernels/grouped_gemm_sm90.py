@@ -143,10 +143,13 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     if rows < 6:
         return DECODE16
     large_experts = n * k * 2 >= 24 << 20
-    wide_tiles = -(-n // 256) * num_experts  # 256-column tiles, one m-tile per expert
+
+    def waves(cfg, m_tiles=1):
+        return -(-n // cfg.tile_n) * num_experts * m_tiles / num_sms
+
     if rows < 48:
-        return DECODE_P2 if large_experts and wide_tiles >= 4 * num_sms else DECODE
-    if wide_tiles * max(round(rows / PREFILL.tile_m), 1) < 4 * num_sms:
+        return DECODE_P2 if large_experts and waves(DECODE_P2) >= 4 else DECODE
+    if waves(PREFILL, max(round(rows / PREFILL.tile_m), 1)) < 4:
         return MID
     if rows >= 2048 or (rows >= 1024 and k >= 8192):
         return PREFILL_C2
@@ -218,13 +221,14 @@ class GroupedGemmSm90:
         # a weight part (and a token box) must be whole swizzle atoms of the
         # tile, so that it is a contiguous piece of the stage: 8 rows of 128
         # bytes (K-major), or 64 columns (MN-major)
-        split_b = cfg.b_warps * cfg.cluster_m > 1
-        if split_b and b_layout.is_k_major_b() and cfg.tile_k * a_dtype.width != 1024:
-            raise ValueError(f"{cfg}: a split K-major weight tile needs 128-byte rows "
-                             f"(tile_k * element size), got {cfg.tile_k * a_dtype.width // 8}")
-        if split_b and not b_layout.is_k_major_b() and (self.b_part_n // cfg.cluster_m) % 64:
-            raise ValueError(f"{cfg}: each CTA's share of an N-major weight part, "
-                             f"{self.b_part_n // cfg.cluster_m} columns, must be a multiple of 64")
+        if cfg.b_warps * cfg.cluster_m > 1:
+            share_n = self.b_part_n // cfg.cluster_m
+            if b_layout.is_k_major_b() and cfg.tile_k * a_dtype.width != 1024:
+                raise ValueError(f"{cfg}: a split K-major weight tile needs 128-byte rows "
+                                 f"(tile_k * element size), got {cfg.tile_k * a_dtype.width // 8}")
+            if not b_layout.is_k_major_b() and share_n % 64:
+                raise ValueError(f"{cfg}: each CTA's share of an N-major weight part, "
+                                 f"{share_n} columns, must be a multiple of 64")
         assert a_layout.is_k_major_a(), "tokens are read K-major"
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype,
