@@ -403,7 +403,7 @@ class GroupedGemmSm90:
             start = cute.arch.shuffle_sync_up(end, 1)
             if lane == 0:
                 start = carry_end
-            tiles = (end - start + tile_m - 1) // tile_m * n_tiles
+            tiles = self.ceil_div(end - start, tile_m) * n_tiles
             for d in cutlass.range_constexpr(5):
                 other = cute.arch.shuffle_sync_up(tiles, 1 << d)
                 if lane >= (1 << d):
@@ -416,7 +416,14 @@ class GroupedGemmSm90:
             carry_tiles = cute.arch.shuffle_sync(tiles, 31)
         if lane == 0:
             sSegEnd[num_experts] = m_rows
-            sTileEnd[num_experts] = carry_tiles + (m_rows - carry_end + tile_m - 1) // tile_m * n_tiles
+            sTileEnd[num_experts] = carry_tiles + self.ceil_div(m_rows - carry_end, tile_m) * n_tiles
+
+    @staticmethod
+    def ceil_div(rows, tile_rows: int):
+        """``ceil(rows / tile_rows)`` for ``0 <= rows < 2**31``, in 64 bits: the
+        32-bit ``rows + tile_rows - 1`` wraps for rows within ``tile_rows`` of 2**31
+        (an expert of 2**31 - 8 rows counted no tiles and its output stayed zero)."""
+        return cutlass.Int32((cutlass.Int64(rows) + (tile_rows - 1)) // tile_rows)
 
     @cute.jit
     def tile_info(self, t: cutlass.Int32, cta_rank: cutlass.Int32, sSegEnd: cute.Tensor,
@@ -441,7 +448,7 @@ class GroupedGemmSm90:
             seg_start = sSegEnd[expert - 1]
         seg_end = sSegEnd[expert]
         tile_rows = self.tile_rows
-        m_tiles = (seg_end - seg_start + tile_rows - 1) // tile_rows
+        m_tiles = self.ceil_div(seg_end - seg_start, tile_rows)
         local = t - tiles_before
         band_tiles = m_tiles
         band0 = cutlass.Int32(0)  # first m-tile of the band
@@ -714,15 +721,21 @@ def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
     """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides.
 
     Shared symbols are checked to agree at every call; ``N' = N`` except for
-    the SwiGLU kernel, whose output has half the weight's columns."""
+    the SwiGLU kernel, whose output has half the weight's columns.  Only the
+    strides are aligned, not K or N: the TMA zero-fills the K and N tails, and
+    the epilogue's 16-byte stores of a ragged last vector land in the row's
+    padding (callers allocate C with 16-byte aligned rows, as torch does)."""
     m, k, n, e = kcompile.sym_dims(4)
     n_out = kcompile.sym_dims(1)[0] if issubclass(kernel_cls, GroupedGemmSwigluSm90) else n
-    div = 8
-    s = lambda: cute.sym_int64(divisibility=div)  # noqa: E731
+
+    def s(dtype):
+        return cute.sym_int64(divisibility=128 // dtype.width)
+
     f = cute.runtime.make_fake_tensor
-    a = f(a_dtype, (m, k), (s(), 1), assumed_align=16)
-    b = f(a_dtype, (e, k, n), (s(), s(), 1) if b_n_major else (s(), 1, s()), assumed_align=16)
-    c = f(c_dtype, (m, n_out), (s(), 1), assumed_align=16)
+    a = f(a_dtype, (m, k), (s(a_dtype), 1), assumed_align=16)
+    b = f(a_dtype, (e, k, n), (s(a_dtype), s(a_dtype), 1) if b_n_major
+          else (s(a_dtype), 1, s(a_dtype)), assumed_align=16)
+    c = f(c_dtype, (m, n_out), (s(c_dtype), 1), assumed_align=16)
     offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
     return a, b, c, offs
 
@@ -764,8 +777,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  config: TileConfig | None = None, kernel_cls=GroupedGemmSm90) -> torch.Tensor:
     """Launch the kernel on the current stream; arguments already validated.
 
-    ``out`` (contiguous (M, N); (M, N / 2) for the SwiGLU kernel) and ``config``
-    (instead of :func:`choose_config`) are for tests and benchmarks.
+    ``out``: (M, N) ((M, N / 2) for the SwiGLU kernel) with a 16-byte aligned
+    row stride; allocated here when omitted (then N must give aligned rows).
+    ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
     """
     m, k = a.shape
     num_experts, _, n = b.shape
@@ -784,47 +798,28 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     return out
 
 
-def _small_check() -> None:
-    """A small ragged problem in every configuration (the compute-sanitizer target)."""
-    from ts_moe.reference import grouped_gemm_reference
-
-    torch.manual_seed(0)
-    a = torch.randn(300, 128, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(4, 128, 136, device="cuda", dtype=torch.bfloat16)
-    offs = torch.tensor([40, 40, 171, 290], dtype=torch.int32, device="cuda")
-    ref = grouped_gemm_reference(a, b, offs, torch.float32)
-    for cfg in CONFIGS.values():
-        out = grouped_gemm(a, b, offs, config=cfg)
-        torch.cuda.synchronize()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        print(f"{cfg.name}: rel err {err:.2e}")
-        assert err < 1e-2
-
-
-def swiglu_supported(inter: int, config: TileConfig) -> bool:
-    """The fused kernel needs whole gate parts: I a multiple of tile_n / 2."""
-    return inter % (config.tile_n // 2) == 0
+def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfig | None:
+    """The fused SwiGLU kernel's tiles for these shapes, or None where it cannot
+    run: a tile's gate and up parts must be whole, so I must be a multiple of
+    ``tile_n / 2`` (the caller then runs a plain GEMM and the activation apart)."""
+    cfg = choose_config(num_experts, two_inter, k, m)
+    return cfg if (two_inter // 2) % (cfg.tile_n // 2) == 0 else None
 
 
 def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
                         out: torch.Tensor | None = None,
                         config: TileConfig | None = None) -> torch.Tensor:
-    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args."""
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args.
+
+    ``config`` defaults to :func:`swiglu_config`; a ValueError where I is not
+    a multiple of its ``tile_n / 2``."""
     m, k = a.shape
     num_experts, two_i, _ = gate_up.shape
-    inter = two_i // 2
     cfg = config or choose_config(num_experts, two_i, k, m)
-    if not swiglu_supported(inter, cfg):
-        # I not a multiple of tile_n / 2: two passes (GEMM, then SwiGLU in fp32)
-        from ts_moe.reference import swiglu
-
-        h = grouped_gemm(a, gate_up.transpose(-2, -1), offs, torch.float32, config=cfg)
-        return swiglu(h, a.dtype) if out is None else out.copy_(swiglu(h, a.dtype))
+    if (two_i // 2) % (cfg.tile_n // 2):
+        raise ValueError(f"the fused SwiGLU kernel needs I = {two_i // 2} to be a multiple of "
+                         f"{cfg.tile_n // 2} (half of {cfg.name}'s tile_n)")
     if out is None:
-        out = torch.empty(m, inter, dtype=a.dtype, device=a.device)
+        out = torch.empty(m, two_i // 2, dtype=a.dtype, device=a.device)
     return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
                         kernel_cls=GroupedGemmSwigluSm90)
-
-
-if __name__ == "__main__":
-    _small_check()

@@ -153,7 +153,8 @@ KERNEL_PATH_BAD = [
     (lambda a, b, o: (a, b, o[:-1]), ValueError, "one entry per expert"),
     (lambda a, b, o: (a, b, o.cpu()), ValueError, "one device"),
     (lambda a, b, o: (a, b[:, ::2], o), ValueError, "K mismatch"),
-    (lambda a, b, o: (a, b[:, :, :60], o), ValueError, "N = 60 must be a multiple of 8"),
+    (lambda a, b, o: (a, torch.empty(*b.shape[:2], 260, device="cuda", dtype=b.dtype)
+                      [:, :, :b.shape[2]].copy_(b), o), ValueError, "b: stride 260 of dim 1"),
     (lambda a, b, o: (torch.empty(a.numel() + 1, device="cuda", dtype=a.dtype)[1:].view(a.shape),
                       b, o), ValueError, "data pointer is not 16-byte aligned"),
     (lambda a, b, o: (a, b.transpose(0, 1), o), ValueError, "K mismatch|one entry"),
@@ -226,7 +227,7 @@ def test_compute_sanitizer(tool):
         # probe that fails as an error; device-side errors are what this checks
         [exe, f"--tool={tool}", "--report-api-errors=no", "--error-exitcode=3",
          sys.executable, "-m",
-         "csrc_free_kernels.grouped_gemm_sm90"],
+         "tests.gpu_small_check"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0

@@ -130,7 +130,7 @@ def test_fused_and_unfused_agree():
 
 
 def test_moe_fp32_runs_the_reference_gemms_exactly():
-    moe = ts_moe.MoE(48, 40, 6, 3).requires_grad_(False)  # sizes the bf16 kernels would refuse
+    moe = ts_moe.MoE(48, 40, 6, 3).requires_grad_(False)  # through the ops, on the CPU reference
     x = torch.randn(5, 9, 48)
     want = dense_reference(x, moe.router, moe.gate_up_proj, moe.down_proj, 3)
     assert rel_err(moe(x), want) < 1e-5
@@ -194,6 +194,24 @@ def test_moe_rejects_bad_arguments():
         ts_moe.MoE.from_weights({"router": p[0], "gate_up_proj": p[1], "down_proj": p[1]}, 2)
     with pytest.raises(KeyError, match="down_proj"):
         ts_moe.MoE.from_weights({"router": p[0], "gate_up_proj": p[1]}, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kwargs, name", [
+    ({"hidden_size": 60, "intermediate_size": 128}, "hidden_size = 60"),
+    ({"hidden_size": 64, "intermediate_size": 100}, "intermediate_size = 100"),
+    ({"hidden_size": 0, "intermediate_size": 128}, "hidden_size must be a positive int"),
+])
+def test_moe_sizes_checked_at_construction(dtype, kwargs, name):
+    """One rule for every dtype, at construction, naming the argument."""
+    with pytest.raises(ValueError, match=name):
+        ts_moe.MoE(**kwargs, num_experts=4, top_k=2, dtype=dtype)
+    h, inter = kwargs["hidden_size"] or 8, kwargs["intermediate_size"]
+    if h % 8 or inter % 8:  # the functional layer names the size too
+        with pytest.raises(ValueError, match=name.split(" =")[0]):
+            ts_moe.moe_forward(torch.randn(3, h, dtype=dtype), torch.randn(4, h, dtype=dtype),
+                               torch.randn(4, 2 * inter, h, dtype=dtype),
+                               torch.randn(4, h, inter, dtype=dtype), 2)
 
 
 def test_from_weights_shares_storage():

@@ -98,14 +98,17 @@ def test_edge_sizes(m, e):
 
 
 BAD = [
-    (lambda a, b, o: (a.float(), b, o), TypeError, "a must be bfloat16 or float16"),
+    (lambda a, b, o: (a.double(), b.double(), o), TypeError,
+     "a must be bfloat16, float16 or float32"),
+    (lambda a, b, o: (a.float(), b, o), TypeError, "b must have a's dtype"),
     (lambda a, b, o: (a, b.half(), o), TypeError, "b must have a's dtype"),
     (lambda a, b, o: (a, b, o.long()), TypeError, "offs must be int32"),
     (lambda a, b, o: (a[None], b, o), ValueError, "a must be 2-D"),
     (lambda a, b, o: (a, b[0], o), ValueError, "b must be 3-D"),
     (lambda a, b, o: (a, b, o[:-1]), ValueError, "one entry per expert"),
     (lambda a, b, o: (a[:, :56], b, o), ValueError, "K mismatch"),
-    (lambda a, b, o: (a, b[:, :, :44], o), ValueError, "N = 44 must be a multiple of 8"),
+    (lambda a, b, o: (a, torch.randn(5, 48, 68).bfloat16()[:, :, :64].transpose(1, 2), o),
+     ValueError, "b: stride 68 of dim 2 is not a multiple of 8"),
     (lambda a, b, o: (a[:, ::2], b[:, ::2], o), ValueError, "a needs one of its last two dims"),
     (lambda a, b, o: (torch.randn(37, 72).bfloat16()[:, :68][:, :64], b, o), None, None),
     (lambda a, b, o: ("a", b, o), TypeError, "a must be a torch.Tensor"),

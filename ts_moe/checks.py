@@ -1,13 +1,22 @@
 """Argument checks shared by the ops: metadata only, so no host sync, and all
 of them run before any kernel, so a bad call never half-writes an output.
 
+One rule set for every path (CPU reference, CUDA kernels, torch's grouped_mm,
+the fake kernel under ``torch.compile``), so that a call gives the same result
+or the same error everywhere.  The rules are ``F.grouped_mm``'s where it has
+one (16-byte aligned strides, any K and N), and accept more where the result is
+still well defined: size-1 dims (whose stride never matters), zero strides
+(broadcast inputs) and empty tensors (whose strides are never read).
+
 They run on every call, so they read each tensor's metadata once (the host
-overhead budget of an op call is 20 us)."""
+overhead budget of an op call is 20 us).
+"""
 
 import torch
 
-DTYPES = (torch.bfloat16, torch.float16)
-ALIGN_BYTES = 16  # TMA: base address and every non-unit stride
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ALIGN_BYTES = 16  # TMA and torch's grouped_mm: base address and every non-unit stride
+MAX_ROWS = 2**31 - 1  # offs is int32, and the kernels index rows in 32 bits
 
 
 def check_tensor_types(**tensors) -> None:
@@ -17,15 +26,34 @@ def check_tensor_types(**tensors) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _check_layout(name: str, shape, stride, elem: int) -> None:
-    """One of the last two dims contiguous (stride 1), the other strides 16-byte aligned."""
+def contiguous_dim(shape, stride) -> int | None:
+    """The dim of the last two with stride 1 (preferring one longer than 1), or None.
+
+    A dim of size 1 counts as contiguous whatever its stride: ``w.t()[None]``
+    of a (K, 1) weight, or ``x[:1]``."""
+    rank = len(shape)
     rows, cols = shape[-2:]
     s_row, s_col = stride[-2:]
-    if s_col == 1 or cols == 1:
-        major = len(shape) - 1
-    elif s_row == 1 or rows == 1:
-        major = len(shape) - 2
-    else:
+    if s_col == 1 and cols > 1:
+        return rank - 1
+    if s_row == 1 and rows > 1:
+        return rank - 2
+    if cols == 1:
+        return rank - 1
+    if rows == 1:
+        return rank - 2
+    return None
+
+
+def _check_layout(name: str, shape, stride, elem: int) -> None:
+    """One of the last two dims contiguous (stride 1), every other stride 16-byte aligned.
+
+    Dims of size 1 are free (their stride is never used); an empty tensor is
+    never read, so any strides do."""
+    if 0 in shape:
+        return
+    major = contiguous_dim(shape, stride)
+    if major is None:
         raise ValueError(
             f"{name} needs one of its last two dims contiguous (stride 1); got strides "
             f"{tuple(stride)} for shape {tuple(shape)}")
@@ -51,7 +79,7 @@ def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
             raise ValueError(f"{name} must be {rank}-D, got shape {tuple(shape)}")
     dtype = a.dtype
     if dtype not in DTYPES:
-        raise TypeError(f"a must be bfloat16 or float16, got {dtype}")
+        raise TypeError(f"a must be bfloat16, float16 or float32, got {dtype}")
     if b.dtype != dtype:
         raise TypeError(f"{b_name} must have a's dtype {dtype}, got {b.dtype}")
     if offs.dtype != torch.int32:
@@ -66,14 +94,14 @@ def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
         raise ValueError(
             f"offs must have one entry per expert: {b_name} has {b_shape[0]} experts, "
             f"offs has {offs.shape[0]} entries")
+    if a_shape[0] > MAX_ROWS:
+        raise ValueError(
+            f"a has {a_shape[0]} rows; at most 2**31 - 1 are supported (offs is int32)")
     k = a_shape[1]
     if b_shape[k_dim] != k:
         raise ValueError(
             f"K mismatch: a is {tuple(a_shape)} (K={k}), {b_name} is "
             f"{tuple(b_shape)} (K={b_shape[k_dim]})")
-    for dim_name, size in (("K", k), ("N", b_shape[3 - k_dim])):
-        if size % 8:
-            raise ValueError(f"{dim_name} = {size} must be a multiple of 8 (16-byte rows)")
     if offs.shape[0] > 1 and offs.stride(0) != 1:
         raise ValueError("offs must be contiguous")
     elem = a.element_size()
@@ -81,25 +109,37 @@ def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
     _check_layout(b_name, b_shape, b.stride(), elem)
     if not fake and device.type == "cuda":
         for name, t in (("a", a), (b_name, b)):
-            if t.data_ptr() % ALIGN_BYTES:
+            if t.numel() and t.data_ptr() % ALIGN_BYTES:
                 raise ValueError(f"{name}: data pointer is not {ALIGN_BYTES}-byte aligned")
+
+
+def check_swiglu_args(a, gate_up, offs, fake: bool = False) -> None:
+    """``grouped_gemm_swiglu``'s arguments: ``gate_up`` (E, 2I, H), K = H its last dim."""
+    check_grouped_gemm_args(a, gate_up, offs, b_name="gate_up", k_dim=2, fake=fake)
+    if gate_up.shape[1] % 2:
+        raise ValueError(
+            f"gate_up must be (E, 2I, H) (gate rows, then as many up rows), got "
+            f"{tuple(gate_up.shape)}: an odd number of rows")
 
 
 def plausible_kernel_args(a, b, offs, out_dtype) -> bool:
     """The cheap subset of :func:`check_grouped_gemm_args` for the kernel path.
 
-    The compiled kernels validate ranks, shapes (K and E agreement), the
-    stride-1 dims and 16-byte stride divisibility themselves, before launch
-    (TVM-FFI checks every argument against the kernel's symbolic signature);
-    this covers what they cannot: dtypes, devices, K a multiple of 8, pointer
-    alignment, and no empty dims (where no kernel launches).  When it is
-    False, or a kernel rejects its arguments, the full check runs and names
-    the bad argument.  Saves ~7 us of the 20 us host budget (H200 host).
+    The compiled kernels validate ranks, shapes (K and E agreement) and the
+    16-byte stride divisibility of ``b`` themselves, before launch (TVM-FFI
+    checks every argument against the kernel's symbolic signature); this
+    covers what they cannot: dtypes, devices, a K-major ``a`` with an aligned
+    row stride (anything else takes the full check, which also admits what
+    the launcher then copies or re-strides), pointer alignment, the row limit,
+    and no empty dims (where no kernel launches).  When it is False, or a
+    kernel rejects its arguments, the full check runs and names the bad
+    argument.  Saves ~7 us of the 20 us host budget (H200 host).
     """
     dtype = a.dtype
-    return (dtype in DTYPES and b.dtype == dtype and offs.dtype == torch.int32
+    return (b.dtype == dtype and offs.dtype == torch.int32
             and (out_dtype is None or out_dtype == dtype or out_dtype == torch.float32)
             and a.dim() == 2 and b.dim() == 3 and b.device == a.device
-            and offs.device == a.device and a.shape[0] > 0 and a.shape[1] % 8 == 0
-            and a.shape[1] > 0 and b.shape[0] > 0
+            and offs.device == a.device and 0 < a.shape[0] <= MAX_ROWS and a.shape[1] > 0
+            and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % ALIGN_BYTES == 0
+            and b.shape[0] > 0
             and a.data_ptr() % ALIGN_BYTES == 0 and b.data_ptr() % ALIGN_BYTES == 0)

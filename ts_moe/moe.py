@@ -14,10 +14,11 @@ Weights use the Hugging Face transformers-5 layouts: ``router`` (E, H),
 
 Nothing syncs with the host and every shape follows from the input's shape, so
 the layer compiles with ``torch.compile(fullgraph=True)`` and decode-sized
-calls can be captured in CUDA graphs.  bfloat16 and float16 run on the ts_moe
-ops; float32 runs the plain-torch reference GEMMs of :mod:`ts_moe.reference`
-(they read ``offs`` on the host, so float32 is for CPU checks, not for
-compilation or graphs).  The ops have no autograd formula: inference only.
+calls can be captured in CUDA graphs (on the paths of :mod:`ts_moe.ops` that
+read ``offs`` on the device).  The layer calls only the ops, whatever the
+dtype: :mod:`ts_moe.ops` alone chooses kernel, torch or reference.  H and I
+must be multiples of 8 (16-byte rows of the permuted activations).  The ops
+have no backward formula yet: ``backward()`` through the layer raises.
 """
 
 import json
@@ -29,22 +30,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import grouped_gemm, grouped_gemm_swiglu
-from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, swiglu
+from .reference import swiglu
 from .routing import combine, nvtx_range, permute, route
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SIZE_MULTIPLE = 8  # 16-byte rows of the bf16 activations the layer permutes
 
 
-def _gemm(a, b, offs, out_dtype=None):
-    if a.dtype == torch.float32:
-        return grouped_gemm_reference(a, b, offs)
-    return grouped_gemm(a, b, offs, out_dtype)
-
-
-def _gemm_swiglu(a, gate_up, offs):
-    if a.dtype == torch.float32:
-        return grouped_gemm_swiglu_reference(a, gate_up, offs)
-    return grouped_gemm_swiglu(a, gate_up, offs)
+def check_layer_sizes(**sizes) -> None:
+    """H and I of a layer: positive multiples of 8, named in the error."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if value % SIZE_MULTIPLE:
+            raise ValueError(
+                f"{name} = {value} must be a multiple of {SIZE_MULTIPLE} (the grouped GEMMs "
+                f"read 16-byte rows of the layer's activations)")
 
 
 def _check_tensor(name, t, rank):
@@ -65,6 +66,7 @@ def _check_expert_weights(x, gate_up_proj, down_proj, x_name):
         raise ValueError(
             f"gate_up_proj must be (E, 2I, H) with H = {x.shape[-1]} ({x_name}'s last dim), "
             f"got {tuple(gate_up_proj.shape)}")
+    check_layer_sizes(hidden_size=hidden, intermediate_size=two_inter // 2)
     if tuple(down_proj.shape) != (num_experts, hidden, two_inter // 2):
         raise ValueError(
             f"down_proj must be (E, H, I) = {(num_experts, hidden, two_inter // 2)} to match "
@@ -95,12 +97,12 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
         dispatch = permute(x, experts, gate_up_proj.shape[0])
     with nvtx_range("gate_up"):
         if fused:
-            h = _gemm_swiglu(dispatch.x_sorted, gate_up_proj, dispatch.offs)
+            h = grouped_gemm_swiglu(dispatch.x_sorted, gate_up_proj, dispatch.offs)
         else:
-            h = swiglu(_gemm(dispatch.x_sorted, gate_up_proj.transpose(-2, -1), dispatch.offs,
-                             torch.float32), x.dtype)
+            h = swiglu(grouped_gemm(dispatch.x_sorted, gate_up_proj.transpose(-2, -1),
+                                    dispatch.offs, torch.float32), x.dtype)
     with nvtx_range("down"):
-        y = _gemm(h, down_proj.transpose(-2, -1), dispatch.offs)
+        y = grouped_gemm(h, down_proj.transpose(-2, -1), dispatch.offs)
     with nvtx_range("combine"):
         return combine(y, weights, dispatch.inverse)
 
@@ -175,10 +177,10 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  *, fused: bool = True, device=None, dtype=None):
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
-                            ("num_experts", num_experts), ("top_k", top_k)):
+        for name, value in (("num_experts", num_experts), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_layer_sizes(hidden_size=hidden_size, intermediate_size=intermediate_size)
         if top_k > num_experts:
             raise ValueError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
@@ -234,8 +236,10 @@ class MoE(nn.Module):
         return moe
 
     @classmethod
-    def from_pretrained(cls, path, layer: int, *, device="cuda", fused: bool = True) -> "MoE":
-        """Layer ``layer`` of the Mixtral checkpoint directory ``path``; top-k from config.json."""
+    def from_pretrained(cls, path, layer: int, *, device=None, fused: bool = True) -> "MoE":
+        """Layer ``layer`` of the local Mixtral checkpoint directory ``path``; top-k
+        from config.json.  ``device``: as :func:`ts_moe.load_mixtral_experts`
+        (None: CUDA when there is one, else the CPU)."""
         from .loaders import load_mixtral_experts
 
         config = json.loads((Path(path) / "config.json").read_text())

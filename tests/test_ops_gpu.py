@@ -1,0 +1,185 @@
+"""The op surface on the H200: the same results and errors as on the CPU, no
+silently missing gradient, rows up to the int32 limit, and the sizes and dtypes
+F.grouped_mm accepts (odd K and N in aligned buffers, float32)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ts_moe
+from ts_moe.ops import Path, cuda_path
+
+from .conftest import rel_err
+from .test_ops_semantics import _aligned_buffers, _loop, _offs, _outcome
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _per_row_rel_err(out, ref) -> float:
+    """The largest ||out[r] - ref[r]|| / ||ref[r]|| over the rows whose reference is not zero."""
+    out, ref = out.double(), ref.double()
+    num = (out - ref).norm(dim=1)
+    den = ref.norm(dim=1)
+    live = den > 0
+    assert (num[~live] == 0).all(), "rows that must be zero are not"
+    return (num[live] / den[live]).max().item() if live.any() else 0.0
+
+
+def _same_on_cpu_and_cuda(make, out_dtype=None):
+    """CUDA eager gives the CPU's result (to bf16 rounding) or the CPU's error, on the
+    same values and strides (``make(device)`` builds the arguments on that device)."""
+    torch.manual_seed(0)
+    a, b, offs = make("cpu")
+    cpu = _outcome(ts_moe.grouped_gemm, a, b, offs, out_dtype)
+    torch.manual_seed(0)
+    ga, gb, goffs = make("cuda")
+    assert ga.stride() == a.stride() and gb.stride() == b.stride()
+    cuda = _outcome(ts_moe.grouped_gemm, ga, gb, goffs, out_dtype)
+    assert cpu[0] == cuda[0], (cpu, cuda)
+    if cpu[0] == "error":
+        assert cpu[1:] == cuda[1:]
+        return cuda
+    got = cuda[1]
+    assert got.shape == cpu[1].shape and got.dtype == cpu[1].dtype
+    assert got.stride() == cpu[1].stride()  # rows padded to 16 bytes on every path
+    if a.numel() and b.numel():
+        ref = _loop(a, b, offs)
+        assert rel_err(got.cpu(), ref) < 1e-2
+        assert _per_row_rel_err(got.cpu(), ref) < 2e-2
+    else:
+        assert (got == 0).all()
+    return cuda
+
+
+def _bf16(*shape):
+    return torch.randn(*shape).to(BF16)
+
+
+CASES = {  # device -> (a, b, offs), the views taken on the device
+    "k_zero": lambda d: (_bf16(50, 8).to(d)[:, :0], _bf16(3, 8, 24).to(d)[:, :0],
+                         _offs([10, 20, 15]).to(d)),
+    "n_zero": lambda d: (_bf16(50, 16).to(d), _bf16(3, 16, 0).to(d), _offs([10, 20, 15]).to(d)),
+    "m_zero": lambda d: (_bf16(0, 16).to(d), _bf16(3, 16, 24).to(d), _offs([0, 0, 0]).to(d)),
+    "m_major_unaligned": lambda d: (_bf16(64, 37).to(d).t(), _bf16(3, 64, 16).to(d),
+                                    _offs([10, 10, 17]).to(d)),
+    "m_major_aligned": lambda d: (_bf16(64, 40).to(d).t(), _bf16(3, 64, 16).to(d),
+                                  _offs([10, 10, 17]).to(d)),
+    "strided_a": lambda d: (_bf16(37, 128).to(d)[:, ::2], _bf16(3, 64, 16).to(d),
+                            _offs([10, 10, 17]).to(d)),
+    "a_one_row_transposed": lambda d: (_bf16(40, 1).to(d).t(), _bf16(3, 40, 24).to(d),
+                                       _offs([0, 1, 0]).to(d)),
+    "a_broadcast_row": lambda d: (_bf16(1, 40).to(d).expand(37, 40), _bf16(3, 40, 24).to(d),
+                                  _offs([10, 10, 17]).to(d)),
+    "b_broadcast_expert": lambda d: (_bf16(37, 40).to(d), _bf16(1, 40, 24).to(d).expand(3, 40, 24),
+                                     _offs([10, 10, 17]).to(d)),
+    "b_one_column_kmajor": lambda d: (_bf16(37, 40).to(d), _bf16(3, 1, 40).to(d).transpose(1, 2),
+                                      _offs([10, 10, 17]).to(d)),
+    "bad_offs": lambda d: (_bf16(37, 40).to(d), _bf16(3, 40, 24).to(d),
+                           torch.tensor([9, 4, 50], dtype=torch.int32).to(d)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_matches_cpu(case):
+    _same_on_cpu_and_cuda(CASES[case])
+
+
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_unaligned_k_and_n_like_grouped_mm(dtype, kmajor):
+    """PyTorch's own 2-D x 3-D test shape (n = 7, k = 259 in aligned buffers)."""
+    def make(device):
+        return _aligned_buffers(dtype=dtype, kmajor=kmajor, device=device)
+
+    _, out = _same_on_cpu_and_cuda(make)
+    ref = F.grouped_mm(*make("cuda")[:2], offs=make("cuda")[2])
+    assert rel_err(out[:58], ref[:58]) < 1e-2
+    assert (out[58:] == 0).all()
+    if dtype != torch.float32:  # fp32 output of the bf16/fp16 kernel, 4-element row padding
+        _same_on_cpu_and_cuda(make, torch.float32)
+
+
+@pytest.mark.parametrize("inter", [7, 96, 128])
+def test_swiglu_any_intermediate_size(inter):
+    """I = 7 and 96 are not whole tiles of the fused kernel: the two-pass path, padded rows."""
+    a = torch.randn(300, 264, device="cuda", dtype=BF16)[:, :259]
+    gate_up = torch.randn(4, 2 * inter, 264, device="cuda", dtype=BF16).mul_(0.06)[:, :, :259]
+    offs = _offs([40, 0, 171, 80]).cuda()
+    out = ts_moe.grouped_gemm_swiglu(a, gate_up, offs)
+    assert out.shape == (300, inter) and out.stride(0) % 8 == 0
+    h = _loop(a.cpu(), gate_up.cpu().transpose(1, 2), offs.cpu())
+    ref = F.silu(h[:, :inter]) * h[:, inter:]
+    assert rel_err(out.cpu(), ref) < 1e-2 and _per_row_rel_err(out[:291].cpu(), ref[:291]) < 2e-2
+    assert (out[291:] == 0).all()
+
+
+def test_paths_on_this_gpu():
+    index = torch.cuda.current_device()
+    assert cuda_path(index, BF16)[0] is Path.KERNEL_SM90
+    assert cuda_path(index, torch.float16, torch.float32)[0] is Path.KERNEL_SM90
+    assert cuda_path(index, torch.float32)[0] is Path.TORCH_GROUPED_MM
+    assert cuda_path(index, BF16, None, 600)[0] is Path.TORCH_GROUPED_MM
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_torch_grouped_mm_path(dtype):
+    """More experts than the kernel takes (bf16) and float32: torch's grouped_mm, with
+    this op's semantics (zero tail, bad offs read as the kernels read them)."""
+    experts = 600 if dtype == BF16 else 5
+    counts = torch.randint(0, 4, (experts,))
+    counts[3] = 0
+    a = torch.randn(int(counts.sum()) + 5, 64, device="cuda", dtype=dtype)
+    b = torch.randn(experts, 64, 40, device="cuda", dtype=dtype) * 0.125
+    offs = counts.cumsum(0).to(torch.int32).cuda()
+    out = ts_moe.grouped_gemm(a, b, offs)
+    ref = _loop(a.cpu(), b.cpu(), offs.cpu())
+    assert rel_err(out.cpu(), ref) < (1e-2 if dtype == BF16 else 1e-5)
+    assert (out[-5:] == 0).all()
+
+
+def test_backward_raises_on_cuda():
+    a = torch.randn(64, 128, device="cuda", dtype=BF16, requires_grad=True)
+    b = torch.randn(4, 128, 64, device="cuda", dtype=BF16, requires_grad=True)
+    offs = _offs([10, 0, 30, 20]).cuda()
+    with pytest.raises(RuntimeError, match="ts_moe::grouped_gemm has no backward formula"):
+        ts_moe.grouped_gemm(a, b, offs).float().sum().backward()
+    assert a.grad is None and b.grad is None
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, o: ts_moe.grouped_gemm(a, b, o).float().sum(), fullgraph=True)
+    loss = fn(a, b, offs)
+    with pytest.raises(RuntimeError, match="ts_moe::grouped_gemm has no backward formula"):
+        loss.backward()
+    layer = ts_moe.MoE(128, 64, 4, 2, device="cuda", dtype=BF16)
+    with pytest.raises(RuntimeError, match="has no backward formula"):
+        layer(a.detach()).float().sum().backward()
+    assert layer.down_proj.grad is None
+
+
+def test_rows_near_the_int32_limit():
+    """M = 2**31 - 8 rows: the tile count of one expert must not wrap (it did: zeros)."""
+    m, k, n = 2**31 - 8, 8, 8
+    torch.cuda.empty_cache()
+    a = torch.randn(m, k, device="cuda", dtype=BF16)
+    for offs_list in ([m], [m // 2 + 3, m]):
+        experts = len(offs_list)
+        b = torch.randn(experts, k, n, device="cuda", dtype=BF16)
+        offs = torch.tensor(offs_list, dtype=torch.int32, device="cuda")
+        out = ts_moe.grouped_gemm(a, b, offs)
+        worst, start = 0.0, 0
+        for e, end in enumerate(offs_list):
+            for lo in range(start, end, 1 << 27):  # fp32 reference, 128 M rows at a time
+                hi = min(lo + (1 << 27), end)
+                ref = a[lo:hi].float() @ b[e].float()
+                got = out[lo:hi]
+                assert torch.isfinite(got).all()
+                worst = max(worst, _per_row_rel_err(got, ref))
+                del ref, got
+            start = end
+        assert worst < 2e-2, f"{experts} experts: worst row rel err {worst}"
+        del out
+    torch.cuda.empty_cache()
+    big = torch.randn(1, 8, device="cuda", dtype=BF16).expand(2**31, 8)
+    with pytest.raises(ValueError, match="a has 2147483648 rows"):
+        ts_moe.grouped_gemm(big, torch.randn(1, 8, 8, device="cuda", dtype=BF16),
+                            torch.tensor([5], dtype=torch.int32, device="cuda"))

@@ -1,0 +1,264 @@
+"""The op surface's promises on the CPU and under torch.compile: the same result
+or the same error on every path, no silently missing gradient, the path each
+GPU generation gets, and the sizes F.grouped_mm accepts."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ts_moe
+from ts_moe.ops import Path, choose_path
+from ts_moe.reference import segment_ends
+
+from .conftest import rel_err
+
+BF16 = torch.bfloat16
+
+
+def _loop(a, b, offs):
+    """fp64 per expert: the yardstick."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
+        out[start:end] = a[start:end].double() @ b[e].double()
+        start = end
+    return out
+
+
+def _offs(counts):
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def _compiled(fn=None):
+    return torch.compile(fn or (lambda a, b, o: ts_moe.grouped_gemm(a, b, o)),
+                         backend="aot_eager", fullgraph=True, dynamic=True)
+
+
+def _outcome(fn, *args):
+    """("ok", result) or ("error", type name, argument named first) of ``fn(*args)``.
+
+    Under torch.compile the op's own error reaches the user wrapped by dynamo
+    (as any op's does), with symbolic sizes in its text: the original is
+    found through the exception chain, and compared by type and argument."""
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - compared, not swallowed
+        while type(exc).__module__.startswith("torch._dynamo"):
+            exc = exc.__cause__ or exc.__context__
+        return ("error", type(exc).__name__, str(exc).split()[0].rstrip(":"))
+
+
+def _same_everywhere(a, b, offs):
+    """Eager CPU and torch.compile agree on the result or on the error."""
+    torch._dynamo.reset()
+    eager = _outcome(ts_moe.grouped_gemm, a, b, offs)
+    compiled = _outcome(_compiled(), a, b, offs)
+    assert eager[0] == compiled[0], (eager, compiled)
+    if eager[0] == "ok":
+        assert eager[1].shape == compiled[1].shape
+        assert torch.equal(eager[1], compiled[1])
+    else:
+        assert eager[1:] == compiled[1:]
+    return eager
+
+
+# ---------------------------------------------------------------- item 8
+def test_k_zero_gives_zeros_everywhere():
+    a, b, offs = torch.randn(50, 0).to(BF16), torch.randn(3, 0, 24).to(BF16), _offs([10, 20, 15])
+    kind, out = _same_everywhere(a, b, offs)
+    assert kind == "ok" and out.shape == (50, 24) and (out == 0).all()
+    # F.grouped_mm gives zeros too (given 16-byte strides, which it checks even for K = 0)
+    ref = F.grouped_mm(torch.randn(50, 8).to(BF16)[:, :0], torch.randn(3, 8, 24).to(BF16)[:, :0],
+                       offs=offs)
+    assert torch.equal(out[:45], ref[:45])
+
+
+@pytest.mark.parametrize("m, n", [(0, 24), (50, 0), (0, 0)])
+def test_empty_outputs_everywhere(m, n):
+    a, b = torch.randn(m, 16).to(BF16), torch.randn(3, 16, n).to(BF16)
+    kind, out = _same_everywhere(a, b, _offs([min(m, 5), 0, 0]))
+    assert kind == "ok" and out.shape == (m, n)
+
+
+@pytest.mark.parametrize("make_a", [
+    lambda: torch.randn(64, 37).to(BF16).t(),        # M-major, 74-byte leading stride
+    lambda: torch.randn(37, 128).to(BF16)[:, ::2],   # no unit stride
+], ids=["m_major_unaligned", "strided"])
+def test_unreadable_a_rejected_everywhere(make_a):
+    a = make_a()
+    b = torch.randn(3, a.shape[1], 16).to(BF16)
+    kind, *error = _same_everywhere(a, b, _offs([10, 10, 17]))
+    assert kind == "error" and error == ["ValueError", "a"]
+
+
+@pytest.mark.parametrize("case", ["a_one_row_transposed", "a_broadcast_row", "b_broadcast_expert",
+                                  "b_one_column_kmajor"])
+def test_size_one_and_zero_strides_work_everywhere(case):
+    k, n, e = 40, 24, 3
+    a = torch.randn(37, k).to(BF16)
+    b = torch.randn(e, k, n).to(BF16)
+    offs = _offs([10, 10, 17])
+    if case == "a_one_row_transposed":
+        a, offs = torch.randn(k, 1).to(BF16).t(), _offs([0, 1, 0])  # (1, K), strides (1, 1)
+    elif case == "a_broadcast_row":
+        a = a[:1].expand(37, k)                                      # stride 0 on M
+    elif case == "b_broadcast_expert":
+        b = b[0][None].expand(e, k, n)                               # stride 0 on E
+    else:
+        b = torch.randn(e, 1, k).to(BF16).transpose(1, 2)            # (E, K, 1), K-major
+    kind, out = _same_everywhere(a, b, offs)
+    assert kind == "ok"
+    assert rel_err(out, _loop(a, b, offs)) < 1e-2
+
+
+# ---------------------------------------------------------------- item 10
+def _aligned_buffers(m=64, k=259, n=7, e=4, dtype=BF16, kmajor=False, device="cpu"):
+    """PyTorch's own test shapes: K and N odd, rows inside 16-byte aligned buffers
+    (made on ``device``: moving a strided view to another device would compact it)."""
+    g = torch.Generator().manual_seed(m + k + n)
+    a = torch.randn(m, 264, generator=g).to(dtype).to(device)[:, :k]
+    if kmajor:
+        b = torch.randn(e, n, 264, generator=g).to(dtype).to(device)[:, :, :k].transpose(-2, -1)
+    else:
+        b = torch.randn(e, k, 16, generator=g).to(dtype).to(device)[:, :, :n]
+    return a, b, _offs([13, 0, 30, 15]).to(device)
+
+
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_unaligned_k_and_n_like_grouped_mm(kmajor, dtype):
+    a, b, offs = _aligned_buffers(dtype=dtype, kmajor=kmajor)
+    kind, out = _same_everywhere(a, b, offs)
+    assert kind == "ok" and out.shape == (64, 7) and out.dtype == dtype
+    assert out.stride() == (16 // dtype.itemsize * (-(-7 * dtype.itemsize // 16)), 1)
+    assert rel_err(out, _loop(a, b, offs)) < (1e-2 if dtype != torch.float32 else 1e-5)
+    assert (out[58:] == 0).all()
+    ref = F.grouped_mm(a, b, offs=offs)
+    assert rel_err(out[:58], ref[:58].double()) < 1e-2
+
+
+def test_unaligned_sizes_pass_opcheck():
+    # test_aot_dispatch_dynamic remakes the inputs contiguous, which turns the
+    # aligned 264-element rows into unaligned 259-element ones: left out here
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    a, b, offs = _aligned_buffers()
+    torch.library.opcheck(torch.ops.ts_moe.grouped_gemm.default, (a, b, offs), test_utils=tests)
+    gate_up = torch.randn(4, 14, 264).to(BF16)[:, :, :259]  # I = 7
+    torch.library.opcheck(torch.ops.ts_moe.grouped_gemm_swiglu.default, (a, gate_up, offs),
+                          test_utils=tests)
+    h = ts_moe.grouped_gemm_swiglu(a, gate_up, offs)
+    ref = _loop(a, gate_up.transpose(1, 2), offs)
+    assert h.shape == (64, 7)
+    assert rel_err(h, F.silu(ref[:, :7]) * ref[:, 7:]) < 1e-2
+
+
+def test_float32_inputs_served():
+    a, b, offs = torch.randn(40, 32), torch.randn(3, 32, 16), _offs([10, 20, 5])
+    out = ts_moe.grouped_gemm(a, b, offs)
+    assert out.dtype == torch.float32 and rel_err(out, _loop(a, b, offs)) < 1e-5
+    with pytest.raises(TypeError, match="out_dtype"):
+        ts_moe.grouped_gemm(a, b, offs, out_dtype=BF16)
+
+
+# ---------------------------------------------------------------- item 7
+def test_more_rows_than_int32_rejected_everywhere():
+    """2**31 rows (a stride-0 view: no memory) fail on the CPU and in the fake kernel alike."""
+    a = torch.randn(1, 8).to(BF16).expand(2**31, 8)
+    b = torch.randn(1, 8, 8).to(BF16)
+    offs = torch.tensor([2**31 - 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"a has 2147483648 rows"):
+        ts_moe.grouped_gemm(a, b, offs)
+    meta = [t.to("meta") for t in (a, b, offs)]
+    with pytest.raises(ValueError, match=r"a has 2147483648 rows"):
+        ts_moe.grouped_gemm(*meta)
+
+
+# ---------------------------------------------------------------- item 6
+def _grad_inputs():
+    a = torch.randn(20, 16).to(BF16).requires_grad_()
+    b = torch.randn(3, 16, 8).to(BF16).requires_grad_()
+    return a, b, _offs([5, 5, 10])
+
+
+def test_backward_raises_naming_the_op():
+    a, b, offs = _grad_inputs()
+    out = ts_moe.grouped_gemm(a, b, offs)
+    assert out.requires_grad  # the forward still runs under grad mode
+    assert rel_err(out.detach(), _loop(a.detach(), b.detach(), offs)) < 1e-2
+    with pytest.raises(RuntimeError, match=r"ts_moe::grouped_gemm has no backward formula"):
+        out.float().sum().backward()
+    assert a.grad is None and b.grad is None
+    gate_up = torch.randn(3, 16, 16).to(BF16).requires_grad_()
+    h = ts_moe.grouped_gemm_swiglu(a.detach(), gate_up, offs)
+    with pytest.raises(RuntimeError, match=r"ts_moe::grouped_gemm_swiglu has no backward"):
+        h.float().sum().backward()
+
+
+def test_no_grad_and_detached_inputs_need_no_backward():
+    a, b, offs = _grad_inputs()
+    with torch.no_grad():
+        assert not ts_moe.grouped_gemm(a, b, offs).requires_grad
+    with torch.inference_mode():
+        ts_moe.grouped_gemm(a, b, offs)
+    assert not ts_moe.grouped_gemm(a.detach(), b.detach(), offs).requires_grad
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_backward_raises_and_forward_works(backend):
+    torch._dynamo.reset()
+    a, b, offs = _grad_inputs()
+    fn = torch.compile(lambda a, b, o: ts_moe.grouped_gemm(a, b, o).float().sum(),
+                       backend=backend, fullgraph=True)
+    loss = fn(a, b, offs)  # compiling a forward under grad mode is fine
+    assert torch.isfinite(loss)
+    with pytest.raises(RuntimeError, match=r"ts_moe::grouped_gemm has no backward formula"):
+        loss.backward()
+    assert a.grad is None and b.grad is None
+
+
+def test_layer_backward_raises():
+    layer = ts_moe.MoE(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2)
+    assert all(p.requires_grad for p in layer.parameters())
+    y = layer(torch.randn(5, 32))
+    with pytest.raises(RuntimeError, match=r"ts_moe::grouped_gemm(_swiglu)? has no backward"):
+        y.sum().backward()
+    assert layer.gate_up_proj.grad is None
+
+
+# ---------------------------------------------------------------- item 9
+@pytest.mark.parametrize("capability, dtype, out_dtype, experts, path", [
+    (None, BF16, None, 8, Path.REFERENCE),                         # CPU
+    ((9, 0), BF16, None, 8, Path.KERNEL_SM90),                     # H100 / H200
+    ((9, 0), torch.float16, torch.float32, 8, Path.KERNEL_SM90),
+    ((9, 0), BF16, None, 1024, Path.TORCH_GROUPED_MM),             # past the kernel's 512
+    ((9, 0), torch.float32, None, 8, Path.TORCH_GROUPED_MM),
+    ((10, 0), BF16, None, 8, Path.TORCH_GROUPED_MM),               # B200: torch's CUTLASS
+    ((10, 3), BF16, BF16, 8, Path.TORCH_GROUPED_MM),               # B300
+    ((10, 0), BF16, torch.float32, 8, Path.REFERENCE),             # torch would loop + sync
+    ((10, 0), torch.float16, None, 8, Path.REFERENCE),
+    ((8, 0), BF16, None, 8, Path.REFERENCE),                       # A100
+    ((12, 0), BF16, None, 8, Path.REFERENCE),                      # RTX 50xx
+    ((8, 9), torch.float32, None, 8, Path.TORCH_GROUPED_MM),
+])
+def test_path_per_compute_capability(capability, dtype, out_dtype, experts, path):
+    assert choose_path(capability, dtype, out_dtype, experts) is path
+
+
+def test_path_without_kernels_or_torch_grouped_mm():
+    assert choose_path((9, 0), BF16, None, 8, kernels_available=False) is Path.TORCH_GROUPED_MM
+    assert choose_path((9, 0), torch.float16, None, 8,
+                       kernels_available=False) is Path.REFERENCE
+    assert choose_path((10, 0), BF16, None, 8, has_torch_grouped_mm=False) is Path.REFERENCE
+
+
+def test_torch_grouped_mm_path_semantics():
+    """The torch path (run here on the CPU build of torch._grouped_mm) zeroes the
+    tail and reads bad offs as the kernels do."""
+    from ts_moe.ops import _torch_grouped_mm
+
+    a, b = torch.randn(30, 16).to(BF16), torch.randn(3, 16, 8).to(BF16)
+    for offs in (_offs([4, 10, 6]), torch.tensor([9, 4, 50], dtype=torch.int32)):
+        out = _torch_grouped_mm(a, b, offs)
+        assert rel_err(out, _loop(a, b, offs)) < 1e-2
+        end = int(segment_ends(offs, 30)[-1])
+        assert (out[end:] == 0).all()
