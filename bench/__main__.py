@@ -1,4 +1,4 @@
-"""``python -m bench``: run a benchmark suite; ``python -m bench report X.json``: redo its reports.
+"""``python -m bench``: run a benchmark suite, and the subcommands around it.
 
     python -m bench                                  # full grouped_gemm suite
     python -m bench --quick                          # ~2 minute subset
@@ -12,6 +12,12 @@ A run prints one progress line per case on stderr and the results table on
 stdout, then writes bench/results/<gpu>-<suite>.json, its plot
 (<gpu>-<suite>.png) and its section of bench/RESULTS.md.  Exit status 1 if
 any backend computed a wrong result.
+
+The suites are sized for an H200.  On a machine without CUDA (or with
+``--device cpu``) the run says so at once and, unless models or token counts
+are named, runs the CPU smoke suite instead (:data:`bench.cases.SMOKE_MODELS`):
+it checks the harness end to end in well under two minutes; its times are of
+the plain-torch reference path, not of any kernel.
 """
 
 import argparse
@@ -39,14 +45,25 @@ def _csv(kind):
     return parse
 
 
+SUBCOMMANDS = {
+    "report": "python -m bench report RESULT.json: rebuild a run's RESULTS.md section and plot",
+    "targets": "python -m bench targets RESULT.json: the grouped GEMM targets, met or not",
+    "overhead": "python -m bench overhead: host time of one op call (needs CUDA)",
+}
+CPU_TARGET_MS = 10.0  # timed work per backend and case in the CPU smoke suite
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench",
-                                description="MoE grouped-GEMM benchmarks, backends side by side.",
-                                epilog="python -m bench report RESULT.json [--results-md PATH] "
-                                       "[--no-plots]: rebuild the markdown and plot of a run.")
+    p = argparse.ArgumentParser(
+        prog="python -m bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="MoE grouped-GEMM benchmarks, backends side by side. Without CUDA: "
+                    "a CPU smoke suite of small models (see --device).",
+        epilog="subcommands (each takes --help):\n"
+               + "\n".join(f"  {name:9s} {text}" for name, text in SUBCOMMANDS.items()))
     p.add_argument("--suite", choices=sorted(SUITES), default="grouped_gemm")
     p.add_argument("--models", type=_csv(str),
-                   help=f"models (unique prefixes work); all: {','.join(case_lib.MODELS)}")
+                   help=f"models (unique prefixes work); all: {','.join(case_lib.MODELS)}; "
+                        f"CPU smoke: {','.join(case_lib.SMOKE_MODELS)}")
     p.add_argument("--T", type=_csv(int), help="token counts; default "
                    f"{','.join(map(str, case_lib.GEMM_T))} (moe_layer: also 1)")
     p.add_argument("--gemms", type=_csv(str), help="grouped_gemm: gate_up,down (default both)")
@@ -62,10 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time CUDA-graph replays (GPU time only) for cases with T <= --graph-max-t")
     p.add_argument("--graph-max-t", type=int, default=1024)
     p.add_argument("--no-roofs", action="store_true", help="skip measuring HBM and GEMM roofs")
-    p.add_argument("--target-ms", type=float, default=100.0,
-                   help="timed work per backend per case (5 to 200 calls)")
+    p.add_argument("--target-ms", type=float,
+                   help=f"timed work per backend per case (5 to 200 calls); default 100, "
+                        f"{CPU_TARGET_MS:g} on the CPU")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", help="default: cuda when torch sees a GPU, else cpu (the smoke "
+                                    "suite, unless --models or --T are given)")
     p.add_argument("--input-budget-gb", type=float, default=36.0,
                    help="memory for a case's rotated input copies")
     p.add_argument("--out-dir", type=Path, default=report.RESULTS_DIR)
@@ -98,15 +117,27 @@ def _pick(names, known, what: str, parser) -> list[str]:
 
 
 def resolve(args, parser) -> dict:
-    """The run's selection from the arguments: explicit filters, else --quick's, else all."""
+    """The run's selection from the arguments: explicit filters, else --quick's, else all;
+    on the CPU, the smoke suite's models and token counts unless named."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device (use --device cpu)")
+    cpu = torch.device(args.device).type == "cpu"
     suite = SUITES[args.suite]
     layer = args.suite == "moe_layer"
     full_t = case_lib.LAYER_T if layer else case_lib.GEMM_T
-    models = args.models or (case_lib.QUICK_MODELS if args.quick else list(case_lib.MODELS))
+    if cpu:
+        default_models, default_t = list(case_lib.SMOKE_MODELS), list(case_lib.SMOKE_T)
+    elif args.quick:
+        default_models, default_t = list(case_lib.QUICK_MODELS), list(case_lib.QUICK_T)
+    else:
+        default_models, default_t = list(case_lib.MODELS), list(full_t)
+    known_models = [*case_lib.MODELS, *case_lib.SMOKE_MODELS]
     sel = {
         "suite": suite,
-        "models": _pick(models, list(case_lib.MODELS), "model", parser),
-        "T": args.T or list(case_lib.QUICK_T if args.quick else full_t),
+        "models": _pick(args.models or default_models, known_models, "model", parser),
+        "T": args.T or default_t,
         "routing": _pick(args.routing or (case_lib.QUICK_ROUTINGS if args.quick
                                           else case_lib.ROUTINGS),
                          list(case_lib.ROUTINGS), "routing", parser),
@@ -115,8 +146,6 @@ def resolve(args, parser) -> dict:
     }
     if any(t < 1 for t in sel["T"]):
         parser.error("every T must be >= 1")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch sees no CUDA device (use --device cpu)")
     known = suite.backends()
     try:
         bad = [b for b in sel["backends"] if b not in known]
@@ -143,6 +172,19 @@ def run(argv) -> int:
     args = parser.parse_args(argv)
     sel = resolve(args, parser)
     cases = make_cases(args, sel)
+    if torch.device(args.device).type == "cpu" and not args.list:
+        big = [m for m in sel["models"] if m in case_lib.MODELS]
+        print("python -m bench: no CUDA device" if not torch.cuda.is_available()
+              else "python -m bench: --device cpu", end="", file=sys.stderr)
+        print(f"; running {len(cases)} cases of {', '.join(sel['models'])} at T="
+              f"{','.join(map(str, sel['T']))} on the CPU. CPU times are of the plain-torch "
+              f"reference path, not of the kernels"
+              + (f"; {', '.join(big)} {'is' if len(big) == 1 else 'are'} sized for an H200 and "
+                 f"will take long here." if big else "."), file=sys.stderr, flush=True)
+        if args.target_ms is None:
+            args.target_ms = CPU_TARGET_MS
+    if args.target_ms is None:
+        args.target_ms = 100.0
     if args.list:
         print(f"backends: {', '.join(sel['backends'])}")
         for case in cases:
@@ -209,7 +251,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["overhead"]:
         from . import overhead
 
-        return overhead.main()
+        return overhead.main(argv[1:])
     return run(argv)
 
 

@@ -34,6 +34,17 @@ MODELS = {
     )
 }
 
+# CPU smoke suite (a machine without CUDA): the three models' shapes scaled down
+# so that a run of the plain-torch reference path ends in well under two minutes
+SMOKE_MODELS = {
+    m.name: m
+    for m in (
+        Model("cpu-mixtral", experts=8, hidden=256, inter=512, top_k=2),
+        Model("cpu-qwen3", experts=16, hidden=128, inter=64, top_k=4),
+    )
+}
+SMOKE_T = (16, 128)
+
 GEMMS = ("gate_up", "down")
 ROUTINGS = ("uniform", "skewed")
 GEMM_T = (16, 128, 1024, 4096, 16384)
@@ -137,6 +148,11 @@ def expert_counts(topk_ids: torch.Tensor, experts: int) -> tuple[int, ...]:
     return tuple(torch.bincount(topk_ids.flatten(), minlength=experts).tolist())
 
 
+def model_named(name: str) -> Model:
+    """A model of :data:`MODELS` or :data:`SMOKE_MODELS`."""
+    return MODELS[name] if name in MODELS else SMOKE_MODELS[name]
+
+
 def make_case(model: Model, gemm: str, T: int, routing: str, base_seed: int = 0,
               weight_layout: str = "nmajor") -> Case:
     """The case with its routing drawn from the seed."""
@@ -148,13 +164,13 @@ def make_case(model: Model, gemm: str, T: int, routing: str, base_seed: int = 0,
 def gemm_cases(models, Ts, gemms, routings, base_seed: int = 0,
                weight_layout: str = "nmajor") -> list[Case]:
     """The grouped_gemm suite: every model x gemm x routing x T, T ascending innermost."""
-    return [make_case(MODELS[m], g, t, r, base_seed, weight_layout)
+    return [make_case(model_named(m), g, t, r, base_seed, weight_layout)
             for m in models for g in gemms for r in routings for t in sorted(Ts)]
 
 
 def layer_cases(models, Ts, routings, base_seed: int = 0) -> list[Case]:
     """The moe_layer suite: the whole expert MLP of each model at each T."""
-    return [make_case(MODELS[m], "layer", t, r, base_seed, "hf")
+    return [make_case(model_named(m), "layer", t, r, base_seed, "hf")
             for m in models for r in routings for t in sorted(Ts)]
 
 

@@ -10,7 +10,7 @@ The targets (issue 4), per case of a grouped_gemm run:
   >= 700 TFLOP/s.
 """
 
-import sys
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +90,14 @@ def render_markdown(vs: list[Verdict]) -> str:
 
 
 def main(argv) -> int:
-    if len(argv) != 1:
-        print("usage: python -m bench targets RESULT.json", file=sys.stderr)
-        return 2
-    print(render_markdown(verdicts(report.load_json(Path(argv[0])))), end="")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench targets",
+        description="The grouped GEMM performance targets of a grouped_gemm run, met or not "
+                    "(a markdown table on stdout).")
+    parser.add_argument("json", type=Path, help="a run's JSON, e.g. "
+                        "bench/results/nvidia-h200-grouped_gemm.json")
+    args = parser.parse_args(argv)
+    if not args.json.is_file():
+        parser.error(f"no such file: {args.json}")
+    print(render_markdown(verdicts(report.load_json(args.json))), end="")
     return 0

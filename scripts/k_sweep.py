@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Fixed cost per output tile, from a sweep over K at one (E, M, N).
 
     python scripts/k_sweep.py --experts 256 --rows 512 --n 7168 --k 512,1024,2048,4096
@@ -13,10 +14,13 @@ MMAs could win at most.
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from bench.timing import measure, rotation_copies
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from bench.timing import measure, rotation_copies  # noqa: E402
 
 
 def inputs(experts, rows, n, k, seed):
@@ -46,6 +50,10 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="prefill",
                    help="ts_moe tile configuration, the same at every K (default prefill)")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("scripts/k_sweep.py: needs a CUDA GPU (sm_90); torch sees none here",
+              file=sys.stderr)
+        return 2
     from csrc_free_kernels import grouped_gemm_sm90 as sm90
 
     ks = [int(x) for x in args.k.split(",")]

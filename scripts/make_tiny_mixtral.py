@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Write a tiny random Mixtral checkpoint (sharded safetensors, bf16) for tests and the demo.
 
     python scripts/make_tiny_mixtral.py OUT_DIR --layers 2 --hidden 64 --intermediate 128 \

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """One bench case, each backend called once inside a profiler range: for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --metrics ... \\
@@ -10,16 +11,22 @@ reports belongs to exactly one backend call.  The inputs are the harness's
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
-from bench import backends, cases
-from bench.timing import nvtx_range
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from bench import backends, cases  # noqa: E402
+from bench.timing import nvtx_range  # noqa: E402
 
 
 def main(argv) -> int:
-    if len(argv) < 5:
+    if len(argv) < 5 or argv[0] in ("-h", "--help"):
         print(__doc__, file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if not torch.cuda.is_available():
+        print("scripts/profile_case.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
         return 2
     model, gemm, tokens, routing, *names = argv
     models = [m for m in cases.MODELS if m.startswith(model)]

@@ -24,7 +24,18 @@ def tiny_model(monkeypatch):
     monkeypatch.setattr(cases, "MODELS", models)
 
 
-def test_defaults_are_the_full_suite():
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """What the selection is on a machine with CUDA (the H200-sized defaults)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_defaults_are_the_full_suite(gpu_machine):
     sel = _resolve([])
     assert sel["suite"].name == "grouped_gemm"
     assert sel["models"] == ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"]
@@ -35,7 +46,7 @@ def test_defaults_are_the_full_suite():
                                "ts_moe_single_warp"]
 
 
-def test_quick_and_explicit_filters():
+def test_quick_and_explicit_filters(gpu_machine):
     sel = _resolve(["--quick"])
     assert sel["models"] == ["mixtral-8x7b", "qwen3-30b-a3b"]
     assert sel["T"] == [16, 1024, 16384]
@@ -48,7 +59,7 @@ def test_quick_and_explicit_filters():
     assert sel["gemms"] == ["down"] and sel["backends"] == ["ts_moe", "reference"]
 
 
-def test_layer_suite_defaults():
+def test_layer_suite_defaults(gpu_machine):
     sel = _resolve(["--suite", "moe_layer"])
     assert sel["T"] == [1, 16, 128, 1024, 4096, 16384]
     assert sel["backends"] == ["ts_moe", "ts_moe_unfused", "hf_eager", "hf_grouped_mm",
@@ -84,7 +95,7 @@ def test_options_parsed():
     assert rep.json.name == "x.json" and rep.no_plots
 
 
-def test_list_prints_cases(capsys):
+def test_list_prints_cases(gpu_machine, capsys):
     assert cli.main(["--list", "--quick", "--gemms", "down"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("backends: torch_grouped_mm")
@@ -139,3 +150,77 @@ def test_wrong_result_sets_exit_status(tiny_model, tmp_path, monkeypatch):
     argv = ["--device", "cpu", "--models", "tiny", "--T", "4", "--routing", "uniform",
             "--gemms", "down", "--backends", "reference,wrong", "--target-ms", "1", "--no-save"]
     assert cli.main(argv) == 1
+
+
+def test_cpu_machine_runs_the_smoke_suite(cpu_machine, capsys):
+    """Without CUDA: say so before any work, and run small models in seconds."""
+    sel = _resolve(["--quick"])
+    assert sel["models"] == list(cases.SMOKE_MODELS) and sel["T"] == list(cases.SMOKE_T)
+    assert _resolve([])["models"] == list(cases.SMOKE_MODELS)
+    sel = _resolve(["--models", "mixtral", "--T", "16"])  # named: the user's choice wins
+    assert sel["models"] == ["mixtral-8x7b"] and sel["T"] == [16]
+    assert cli.main(["--quick", "--no-save", "--gemms", "down", "--target-ms", "1"]) == 0
+    captured = capsys.readouterr()
+    notice = captured.err.splitlines()[0]
+    assert notice.startswith("python -m bench: no CUDA device; running 4 cases of cpu-mixtral")
+    assert "reference path, not of the kernels" in notice
+    assert captured.out.count(" ok") >= 4 * 3  # reference-path backends ran on every case
+    cli.main(["--list", "--models", "mixtral", "--T", "16"])
+    assert "no CUDA device" not in capsys.readouterr().err  # --list runs nothing
+
+
+def test_cpu_machine_warns_about_h200_sized_models(cpu_machine, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run_suite", lambda *args, **kwargs: [])
+    monkeypatch.setattr(cli.report, "add_ratios", lambda records: None)
+    monkeypatch.setattr(cli.report, "render_text", lambda records: "")
+    cli.main(["--models", "deepseek", "--T", "16", "--no-save"])
+    assert "deepseek-v3 is sized for an H200" in capsys.readouterr().err
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("report", "targets", "overhead"):
+        assert f"  {name} " in out
+
+
+@pytest.mark.parametrize("sub", ["report", "targets", "overhead"])
+def test_subcommand_help_runs_nothing(sub, capsys, monkeypatch):
+    from bench import overhead
+
+    monkeypatch.setattr(overhead, "measure", lambda *a: pytest.fail("overhead ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main([sub, "--help"])
+    assert exc.value.code == 0
+    assert f"usage: python -m bench {sub}" in capsys.readouterr().out
+
+
+def test_targets_of_a_missing_file_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["targets", "no-such-run.json"])
+    assert exc.value.code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_overhead_without_cuda_says_so(cpu_machine, capsys):
+    assert cli.main(["overhead"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["k_sweep.py", "profile_case.py", "make_tiny_mixtral.py",
+                                    "profile_nsys.sh"])
+def test_scripts_run_as_the_readme_writes_them(script):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    assert os.access(path, os.X_OK), f"{script} is not executable"
+    if script.endswith(".py"):
+        env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        proc = subprocess.run([str(path), "--help"], capture_output=True, text=True, env=env,
+                              cwd=path.parent.parent, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr

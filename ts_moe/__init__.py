@@ -8,7 +8,7 @@ from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, se
 from .routing import combine, permute, route
 from .moe import MoE, experts_forward, moe_forward
 from .loaders import load_mixtral_experts
-from .tiny import make_tiny_mixtral
+from .tiny import make_tiny_mixtral, make_tiny_moe_checkpoint
 
 __all__ = [
     "grouped_gemm",
@@ -24,4 +24,5 @@ __all__ = [
     "experts_forward",
     "load_mixtral_experts",
     "make_tiny_mixtral",
+    "make_tiny_moe_checkpoint",
 ]

@@ -78,13 +78,37 @@ def _expected_shapes(plan: dict[str, str], shapes: dict[str, tuple], config: dic
     return {role: expected[role.split(".")[0]] for role in plan}
 
 
-def load_mixtral_experts(path, layers=None, device="cuda") -> dict[int, dict[str, torch.Tensor]]:
+def resolve_device(device) -> torch.device:
+    """``device``, or (None) CUDA when torch sees a GPU, else the CPU; a ValueError
+    naming ``device`` for one that does not exist here."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: torch sees no CUDA GPU here "
+                             f"(pass device='cpu', or None for the default)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: there are only "
+                             f"{torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def load_mixtral_experts(path, layers=None, device=None) -> dict[int, dict[str, torch.Tensor]]:
     """Read the MoE weights of a Mixtral checkpoint directory into the fused layouts.
 
-    path: checkpoint directory (``model.safetensors`` or a sharded index);
+    path: a local checkpoint directory (``model.safetensors`` or a sharded
+    index), not a Hub id: download one first, e.g. with
+    ``huggingface_hub.snapshot_download("mistralai/Mixtral-8x7B-v0.1",
+    allow_patterns=["*.safetensors", "*.json"], local_dir="Mixtral-8x7B")``
+    or ``hf download mistralai/Mixtral-8x7B-v0.1 --include "*.safetensors"
+    "*.json" --local-dir Mixtral-8x7B``;
     layers: a layer index, an iterable of them, or None for every MoE layer;
-    device: where the tensors are created (``safe_open(..., device=str(device))``
-    reads straight there).
+    device: where the tensors are created (``safe_open(..., device=...)`` reads
+    straight there); None: CUDA when there is a GPU, else the CPU.
 
     Returns ``{layer: {"router": (E, H), "gate_up_proj": (E, 2I, H),
     "down_proj": (E, H, I)}}`` with the checkpoint's values and dtype: in the
@@ -94,11 +118,19 @@ def load_mixtral_experts(path, layers=None, device="cuda") -> dict[int, dict[str
     layers' tensors are read; every shape and dtype is checked from the
     headers before any data is read.
 
-    Raises ``FileNotFoundError`` without a checkpoint, ``KeyError`` naming a
+    Raises ``ValueError`` for a device that does not exist here (before any
+    file is read), ``FileNotFoundError`` without a checkpoint, ``KeyError`` naming a
     layer that is not in it or a missing key, ``ValueError`` naming a key with
     the wrong shape or dtype (not bf16/fp16/fp32, or not the router's).
     """
+    device = resolve_device(device)
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a local directory: load_mixtral_experts reads a checkpoint "
+            f"directory on disk, not a Hugging Face Hub id. Download one first, e.g. "
+            f"huggingface_hub.snapshot_download('mistralai/Mixtral-8x7B-v0.1', "
+            f"allow_patterns=['*.safetensors', '*.json'], local_dir='Mixtral-8x7B')")
     index = _weight_index(path)
     config_file = path / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}

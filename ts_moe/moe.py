@@ -242,6 +242,6 @@ class MoE(nn.Module):
         (None: CUDA when there is one, else the CPU)."""
         from .loaders import load_mixtral_experts
 
-        config = json.loads((Path(path) / "config.json").read_text())
         weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
+        config = json.loads((Path(path) / "config.json").read_text())
         return cls.from_weights(weights, config["num_experts_per_tok"], fused=fused)

@@ -184,7 +184,7 @@ def _grouped_gemm_cpu(a, b, offs, out_dtype=None):
 
 
 def _grouped_gemm_cuda(a, b, offs, out_dtype=None):
-    path, kernels = cuda_path(a.device.index, a.dtype, out_dtype, b.shape[0])
+    path, kernels = cuda_path(a.get_device(), a.dtype, out_dtype, b.shape[0])
     if path is Path.KERNEL_SM90 and plausible_kernel_args(a, b, offs, out_dtype):
         try:  # the hot path: the compiled kernel checks the rest
             return kernels.grouped_gemm(
@@ -256,7 +256,7 @@ def _grouped_gemm_swiglu_cpu(a, gate_up, offs):
 
 
 def _grouped_gemm_swiglu_cuda(a, gate_up, offs):
-    path, kernels = cuda_path(a.device.index, a.dtype, None, gate_up.shape[0])
+    path, kernels = cuda_path(a.get_device(), a.dtype, None, gate_up.shape[0])
     if (path is Path.KERNEL_SM90 and plausible_kernel_args(a, gate_up, offs, None)
             and gate_up.shape[1] % 2 == 0):
         m, k = a.shape

@@ -1,11 +1,14 @@
-"""A tiny random Mixtral checkpoint in the real Hugging Face format, for tests and the demo.
+"""Tiny random Mixtral checkpoints in the real Hugging Face format, for tests and the demo.
 
-Needs ``transformers``: the model is ``MixtralForCausalLM(MixtralConfig(...))``
-with its own random init, in bfloat16.  ``names="v4"`` writes it with
-``save_pretrained`` (transformers 5 saves the transformers-4 expert names,
-``block_sparse_moe.experts.{e}.w1/w2/w3``); ``names="v5"`` writes the
-in-memory transformers-5 names (``mlp.experts.gate_up_proj`` / ``down_proj``)
-in the same sharded layout.
+* :func:`make_tiny_moe_checkpoint` writes only what a Mixtral checkpoint holds
+  for its MoE blocks (router and experts of each layer, and a config.json), with
+  ``safetensors`` alone: the demo's checkpoint, no optional extra needed.
+* :func:`make_tiny_mixtral` writes a whole ``MixtralForCausalLM(MixtralConfig(...))``
+  with its own random init, in bfloat16; it needs ``transformers`` (the ``hf``
+  extra).  ``names="v4"`` writes it with ``save_pretrained`` (transformers 5
+  saves the transformers-4 expert names, ``block_sparse_moe.experts.{e}.w1/w2/w3``);
+  ``names="v5"`` writes the in-memory transformers-5 names
+  (``mlp.experts.gate_up_proj`` / ``down_proj``) in the same sharded layout.
 """
 
 import argparse
@@ -47,18 +50,8 @@ def _save_sharded(state_dict: dict[str, torch.Tensor], out_dir: Path, max_shard_
         json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2) + "\n")
 
 
-def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediate: int = 128,
-                      experts: int = 4, top_k: int = 2, vocab: int = 256, names: str = "v4",
-                      shards: int = 2, seed: int = 0, init_std: float = 0.02) -> Path:
-    """Write a random bf16 Mixtral checkpoint to ``out_dir``; returns its path.
-
-    4 attention heads, 2 key/value heads.  ``shards``: the weights are split
-    into at least that many files by size (1: one ``model.safetensors``).
-    ``init_std``: the config's ``initializer_range``.  The global RNG state is
-    left as it was.
-    """
-    from transformers import MixtralConfig, MixtralForCausalLM
-
+def _check_tiny_args(*, layers, hidden, intermediate, experts, top_k, names, shards,
+                     vocab=1) -> None:
     if names not in ("v4", "v5"):
         raise ValueError(f"names must be 'v4' or 'v5', got {names!r}")
     for name, value in (("layers", layers), ("experts", experts), ("top_k", top_k),
@@ -70,6 +63,78 @@ def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediat
             raise ValueError(f"{name} must be a positive multiple of 8, got {value!r}")
     if top_k > experts:
         raise ValueError(f"top_k = {top_k} exceeds experts = {experts}")
+
+
+def _max_shard_bytes(state_dict: dict[str, torch.Tensor], shards: int) -> int:
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    return math.ceil(total / shards) if shards > 1 else total
+
+
+def make_tiny_moe_checkpoint(out_dir, *, layers: int = 2, hidden: int = 64,
+                             intermediate: int = 128, experts: int = 4, top_k: int = 2,
+                             names: str = "v4", shards: int = 2, seed: int = 0,
+                             init_std: float = 0.02) -> Path:
+    """Write the MoE tensors of a random bf16 Mixtral checkpoint to ``out_dir``; returns its path.
+
+    Per layer ``L``, in the transformers-4 names (``names="v4"``, what
+    checkpoints on the Hub hold): ``model.layers.{L}.block_sparse_moe.gate.weight``
+    (E, H) and per expert ``...experts.{e}.w1.weight`` (I, H) (gate),
+    ``w3.weight`` (I, H) (up), ``w2.weight`` (H, I) (down); in the
+    transformers-5 names (``"v5"``): ``model.layers.{L}.mlp.gate.weight``,
+    ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj``
+    (E, H, I).  Weights are N(0, ``init_std``), as Mixtral initializes them.
+    ``shards``: split by size into at least that many files (1: one
+    ``model.safetensors``), with the index a sharded checkpoint has.  A
+    config.json with Mixtral's fields.  Needs no ``transformers``; the global
+    RNG state is left as it was.
+    """
+    _check_tiny_args(layers=layers, hidden=hidden, intermediate=intermediate, experts=experts,
+                     top_k=top_k, names=names, shards=shards)
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(*shape):
+        return (torch.randn(*shape, generator=g) * init_std).to(torch.bfloat16)
+
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(layers):
+        if names == "v4":
+            prefix = f"model.layers.{layer}.block_sparse_moe."
+            state[prefix + "gate.weight"] = weight(experts, hidden)
+            for e in range(experts):
+                for w, shape in (("w1", (intermediate, hidden)), ("w2", (hidden, intermediate)),
+                                 ("w3", (intermediate, hidden))):
+                    state[f"{prefix}experts.{e}.{w}.weight"] = weight(*shape)
+        else:
+            prefix = f"model.layers.{layer}.mlp."
+            state[prefix + "gate.weight"] = weight(experts, hidden)
+            state[prefix + "experts.gate_up_proj"] = weight(experts, 2 * intermediate, hidden)
+            state[prefix + "experts.down_proj"] = weight(experts, hidden, intermediate)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _save_sharded(state, out_dir, _max_shard_bytes(state, shards))
+    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+              "hidden_size": hidden, "intermediate_size": intermediate,
+              "num_hidden_layers": layers, "num_local_experts": experts,
+              "num_experts_per_tok": top_k, "initializer_range": init_std,
+              "torch_dtype": "bfloat16"}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediate: int = 128,
+                      experts: int = 4, top_k: int = 2, vocab: int = 256, names: str = "v4",
+                      shards: int = 2, seed: int = 0, init_std: float = 0.02) -> Path:
+    """Write a random bf16 Mixtral model checkpoint to ``out_dir``; returns its path.
+
+    Needs ``transformers`` (the ``hf`` extra; :func:`make_tiny_moe_checkpoint`
+    does not).  4 attention heads, 2 key/value heads.  ``shards``: the weights
+    are split into at least that many files by size (1: one
+    ``model.safetensors``).  ``init_std``: the config's ``initializer_range``.
+    The global RNG state is left as it was.
+    """
+    _check_tiny_args(layers=layers, hidden=hidden, intermediate=intermediate, experts=experts,
+                     top_k=top_k, names=names, shards=shards, vocab=vocab)
+    from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -83,8 +148,7 @@ def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediat
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state_dict = model.state_dict()
-    total = sum(t.numel() * t.element_size() for t in state_dict.values())
-    max_shard_bytes = math.ceil(total / shards) if shards > 1 else total
+    max_shard_bytes = _max_shard_bytes(state_dict, shards)
     if names == "v4":
         model.save_pretrained(out_dir, max_shard_size=max_shard_bytes)
     else:
