@@ -68,6 +68,11 @@ class TileConfig:
     band_m: int = 0
     pair_tiles: bool = False
 
+    def __hash__(self) -> int:
+        # on every call's path (the launcher cache): the name's cached str hash,
+        # not one over all eleven fields (equal configs share their name)
+        return hash(self.name)
+
     @property
     def mma_warpgroups(self) -> int:
         return self.tile_m // 64
@@ -741,8 +746,9 @@ def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
 
 
 def _row_major(t: torch.Tensor) -> bool:
-    """Last dim contiguous: K-major tokens (M, K), N-major weights (E, K, N)."""
-    return t.stride(-1) == 1 or t.shape[-1] == 1
+    """Last dim contiguous: K-major tokens (M, K), N-major weights (E, K, N).  Its
+    stride must be 1 even where the dim has size 1: the compiled signature says so."""
+    return t.stride(-1) == 1
 
 
 def _k_major(a: torch.Tensor) -> torch.Tensor:
@@ -766,10 +772,13 @@ def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
 
 
 @functools.cache
-def _num_ctas(device_index: int, config: TileConfig) -> int:
-    """One CTA per SM, whole clusters."""
+def _launcher(config: TileConfig, a_dtype, c_dtype, b_n_major: bool, kernel_cls,
+              device_index: int):
+    """The compiled kernel and its grid (one CTA per SM, whole clusters): one
+    cache lookup per call."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return sms // config.cluster_m * config.cluster_m
+    return (compiled_kernel(config, a_dtype, c_dtype, b_n_major, kernel_cls),
+            sms // config.cluster_m * config.cluster_m)
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
@@ -793,8 +802,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
     cfg = config or choose_config(num_experts, n, k, m)
-    fn = compiled_kernel(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls)
-    fn(a, b, out, offs, _num_ctas(a.device.index, cfg))
+    fn, ctas = _launcher(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device())
+    fn(a, b, out, offs, ctas)
     return out
 
 

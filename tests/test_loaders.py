@@ -120,7 +120,7 @@ def test_missing_layer_is_a_key_error(checkpoints):
         ts_moe.load_mixtral_experts(checkpoints[("v4", 3)], layers=[0, 5], device="cpu")
     with pytest.raises(TypeError, match="layers"):
         ts_moe.load_mixtral_experts(checkpoints[("v4", 3)], layers=["0"], device="cpu")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="local directory"):
         ts_moe.load_mixtral_experts(checkpoints[("v4", 3)] / "nowhere", device="cpu")
 
 

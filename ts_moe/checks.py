@@ -122,8 +122,9 @@ def check_swiglu_args(a, gate_up, offs, fake: bool = False) -> None:
             f"{tuple(gate_up.shape)}: an odd number of rows")
 
 
-def plausible_kernel_args(a, b, offs, out_dtype) -> bool:
-    """The cheap subset of :func:`check_grouped_gemm_args` for the kernel path.
+def plausible_kernel_args(a, b, offs, out_dtype, device_index: int) -> bool:
+    """The cheap subset of :func:`check_grouped_gemm_args` for the kernel path,
+    where ``a`` is already known to be bf16/fp16 on CUDA device ``device_index``.
 
     The compiled kernels validate ranks, shapes (K and E agreement) and the
     16-byte stride divisibility of ``b`` themselves, before launch (TVM-FFI
@@ -138,8 +139,8 @@ def plausible_kernel_args(a, b, offs, out_dtype) -> bool:
     dtype = a.dtype
     return (b.dtype == dtype and offs.dtype == torch.int32
             and (out_dtype is None or out_dtype == dtype or out_dtype == torch.float32)
-            and a.dim() == 2 and b.dim() == 3 and b.device == a.device
-            and offs.device == a.device and 0 < a.shape[0] <= MAX_ROWS and a.shape[1] > 0
-            and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % ALIGN_BYTES == 0
-            and b.shape[0] > 0
-            and a.data_ptr() % ALIGN_BYTES == 0 and b.data_ptr() % ALIGN_BYTES == 0)
+            and a.dim() == 2 and b.dim() == 3 and b.get_device() == device_index
+            and offs.get_device() == device_index and 0 < a.shape[0] <= MAX_ROWS
+            and a.shape[1] > 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
+            and b.shape[0] > 0 and a.data_ptr() % ALIGN_BYTES == 0
+            and b.data_ptr() % ALIGN_BYTES == 0)

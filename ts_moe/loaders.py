@@ -9,6 +9,12 @@ A checkpoint directory holds ``model.safetensors``, or shards listed in
   ``w3.weight`` (I, H) (up), ``w2.weight`` (H, I) (down);
 * transformers 5 in memory: ``model.layers.{L}.mlp.gate.weight`` (E, H),
   ``...mlp.experts.gate_up_proj`` (E, 2I, H), ``...mlp.experts.down_proj`` (E, H, I).
+
+The directory must be on disk: a Hub id such as ``mistralai/Mixtral-8x7B-v0.1``
+is not downloaded here (``huggingface_hub.snapshot_download`` or ``hf download``
+fetch one).  Tensors are read straight onto the requested device; by default
+that is CUDA when torch sees a GPU and the CPU otherwise (:func:`resolve_device`,
+which :meth:`ts_moe.MoE.from_pretrained` shares).
 """
 
 import json
@@ -79,21 +85,41 @@ def _expected_shapes(plan: dict[str, str], shapes: dict[str, tuple], config: dic
 
 
 def resolve_device(device) -> torch.device:
-    """``device``, or (None) CUDA when torch sees a GPU, else the CPU; a ValueError
-    naming ``device`` for one that does not exist here."""
+    """``device`` as a ``torch.device`` that exists on this machine; None: CUDA when
+    torch sees a GPU, else the CPU.
+
+    Checked up front because the failures come late and name no argument:
+    safetensors opens a file for ``device="cuda"`` on a machine without CUDA
+    and only its first ``get_tensor`` fails (``RuntimeError: pin_memory=True
+    requires a CUDA or other accelerator backend``: it stages reads in pinned
+    host memory); ``"meta"`` and absent backends (``"xpu"``, ``"mps"``) fail
+    inside safetensors or torch.  Each of these is a ValueError naming
+    ``device`` here.
+    """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "meta":
+        raise ValueError(f"device {str(device)!r} holds no values: the weights need a real "
+                         f"device (pass device='cpu', or None for the default)")
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r}: torch sees no CUDA GPU here "
-                             f"(pass device='cpu', or None for the default)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(device)!r}: there are only "
-                             f"{torch.cuda.device_count()} CUDA devices")
+        available, count, what = torch.cuda.is_available, torch.cuda.device_count, "CUDA GPU"
+    else:  # another accelerator: torch.xpu, torch.mps, ... (torch.accelerator knows which)
+        def available():
+            current = torch.accelerator.current_accelerator()
+            return current is not None and current.type == device.type
+
+        count, what = torch.accelerator.device_count, f"{device.type} device"
+    if not available():
+        raise ValueError(f"device {str(device)!r}: torch sees no {what} here "
+                         f"(pass device='cpu', or None for the default)")
+    if device.index is not None and device.index >= count():
+        raise ValueError(f"device {str(device)!r}: there are only {count()} {what}s")
     return device
 
 
@@ -130,7 +156,9 @@ def load_mixtral_experts(path, layers=None, device=None) -> dict[int, dict[str, 
             f"{str(path)!r} is not a local directory: load_mixtral_experts reads a checkpoint "
             f"directory on disk, not a Hugging Face Hub id. Download one first, e.g. "
             f"huggingface_hub.snapshot_download('mistralai/Mixtral-8x7B-v0.1', "
-            f"allow_patterns=['*.safetensors', '*.json'], local_dir='Mixtral-8x7B')")
+            f"allow_patterns=['*.safetensors', '*.json'], local_dir='Mixtral-8x7B'), or "
+            f"`hf download mistralai/Mixtral-8x7B-v0.1 --include '*.safetensors' '*.json' "
+            f"--local-dir Mixtral-8x7B`, and pass that directory")
     index = _weight_index(path)
     config_file = path / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}

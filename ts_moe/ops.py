@@ -184,12 +184,18 @@ def _grouped_gemm_cpu(a, b, offs, out_dtype=None):
 
 
 def _grouped_gemm_cuda(a, b, offs, out_dtype=None):
-    path, kernels = cuda_path(a.get_device(), a.dtype, out_dtype, b.shape[0])
-    if path is Path.KERNEL_SM90 and plausible_kernel_args(a, b, offs, out_dtype):
+    index = a.get_device()
+    path, kernels = cuda_path(index, a.dtype, out_dtype, b.shape[0])
+    if path is Path.KERNEL_SM90 and plausible_kernel_args(a, b, offs, out_dtype, index):
+        m, n = a.shape[0], b.shape[2]
+        if n % 8:
+            out = _empty_output(a, m, n, out_dtype or a.dtype)
+        elif out_dtype is None or out_dtype == a.dtype:
+            out = a.new_empty(m, n)  # the cheapest allocation call (host budget)
+        else:
+            out = torch.empty(m, n, dtype=out_dtype, device=a.device)
         try:  # the hot path: the compiled kernel checks the rest
-            return kernels.grouped_gemm(
-                a, b, offs, out_dtype, out=_empty_output(a, a.shape[0], b.shape[2],
-                                                         out_dtype or a.dtype))
+            return kernels.grouped_gemm(a, b, offs, out_dtype, out=out)
         except ValueError:  # name the bad argument, or re-stride what the kernel can't take
             pass
     check_grouped_gemm_args(a, b, offs, out_dtype)
@@ -206,6 +212,7 @@ def _grouped_gemm_fake(a, b, offs, out_dtype=None):
 
 _lib.impl("grouped_gemm", _grouped_gemm_cpu, "CPU")
 _lib.impl("grouped_gemm", _grouped_gemm_cuda, "CUDA")
+_grouped_gemm_op = torch.ops.ts_moe.grouped_gemm.default
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
@@ -218,8 +225,10 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     ends.  Returns (M, N) in ``out_dtype`` (default ``a.dtype``; float32
     allowed), zeros past ``offs[-1]``.
     """
-    check_tensor_types(a=a, b=b, offs=offs)
-    return torch.ops.ts_moe.grouped_gemm(a, b, offs, out_dtype)
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and isinstance(offs, torch.Tensor)):
+        check_tensor_types(a=a, b=b, offs=offs)
+    return _grouped_gemm_op(a, b, offs, out_dtype)
 
 
 # ------------------------------------------------------ grouped_gemm_swiglu
@@ -256,8 +265,9 @@ def _grouped_gemm_swiglu_cpu(a, gate_up, offs):
 
 
 def _grouped_gemm_swiglu_cuda(a, gate_up, offs):
-    path, kernels = cuda_path(a.get_device(), a.dtype, None, gate_up.shape[0])
-    if (path is Path.KERNEL_SM90 and plausible_kernel_args(a, gate_up, offs, None)
+    index = a.get_device()
+    path, kernels = cuda_path(index, a.dtype, None, gate_up.shape[0])
+    if (path is Path.KERNEL_SM90 and plausible_kernel_args(a, gate_up, offs, None, index)
             and gate_up.shape[1] % 2 == 0):
         m, k = a.shape
         num_experts, two_i, _ = gate_up.shape
@@ -282,6 +292,7 @@ def _grouped_gemm_swiglu_fake(a, gate_up, offs):
 
 _lib.impl("grouped_gemm_swiglu", _grouped_gemm_swiglu_cpu, "CPU")
 _lib.impl("grouped_gemm_swiglu", _grouped_gemm_swiglu_cuda, "CUDA")
+_grouped_gemm_swiglu_op = torch.ops.ts_moe.grouped_gemm_swiglu.default
 
 
 def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor,
@@ -292,8 +303,10 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor,
     first.  Returns (M, I) in ``a.dtype``; rows past ``offs[-1]`` are zeros.
     The same ragged-expert rules as :func:`grouped_gemm`.
     """
-    check_tensor_types(a=a, gate_up=gate_up, offs=offs)
-    return torch.ops.ts_moe.grouped_gemm_swiglu(a, gate_up, offs)
+    if not (isinstance(a, torch.Tensor) and isinstance(gate_up, torch.Tensor)
+            and isinstance(offs, torch.Tensor)):
+        check_tensor_types(a=a, gate_up=gate_up, offs=offs)
+    return _grouped_gemm_swiglu_op(a, gate_up, offs)
 
 
 # ----------------------------------------------------------------- autograd
@@ -334,21 +347,37 @@ class _InferenceOnly(torch.autograd.Function):
         return None, None, *grads
 
 
-def _autograd_kernel(op: torch._ops.OpOverload):
+def _autograd_kernel(op: torch._ops.OpOverload, backends: dict):
     """The Autograd-key kernel of ``op`` (inputs 0 and 1 are the differentiable
-    ones): the autograd.Function only when a gradient is wanted; otherwise
-    straight below autograd (a ``register_autograd`` kernel costs ~1.3 us more
-    per call, 10 % of the host budget)."""
+    ones): the autograd.Function only when a gradient is wanted.  Otherwise,
+    for plain CPU or CUDA tensors (nothing traced, no mode or subclass below
+    autograd), the backend kernel ``backends[key]`` right here instead of a
+    second trip through the dispatcher (each Python kernel it enters costs
+    about 1.3 us of the 20 us host budget); anything else redispatches."""
     after_autograd = torch._C._after_autograd_keyset
+    # the exact keyset a plain tensor of each backend arrives with, as an int
+    # (a DispatchKeySet is not hashable; comparing raw bits costs 0.1 us)
+    plain = {_plain_keyset(key): fn for key, fn in backends.items()}
 
     def kernel(keyset, *args):
         if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad):
             return _InferenceOnly.apply(op, keyset, *args)
+        direct = plain.get(keyset.raw_repr())
+        if direct is not None:
+            return direct(*args)
         return op.redispatch(keyset & after_autograd, *args)
 
     return kernel
 
 
-for _name in ("grouped_gemm", "grouped_gemm_swiglu"):
-    _lib.impl(_name, _autograd_kernel(getattr(torch.ops.ts_moe, _name).default), "Autograd",
-              with_keyset=True)
+def _plain_keyset(backend: str) -> int:
+    key = torch._C.DispatchKey
+    return torch._C.DispatchKeySet(getattr(key, backend)).add(
+        getattr(key, "Autograd" + backend)).raw_repr()
+
+
+_lib.impl("grouped_gemm", _autograd_kernel(torch.ops.ts_moe.grouped_gemm.default, {
+    "CPU": _grouped_gemm_cpu, "CUDA": _grouped_gemm_cuda}), "Autograd", with_keyset=True)
+_lib.impl("grouped_gemm_swiglu", _autograd_kernel(torch.ops.ts_moe.grouped_gemm_swiglu.default, {
+    "CPU": _grouped_gemm_swiglu_cpu, "CUDA": _grouped_gemm_swiglu_cuda}), "Autograd",
+    with_keyset=True)

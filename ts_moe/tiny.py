@@ -82,7 +82,10 @@ def make_tiny_moe_checkpoint(out_dir, *, layers: int = 2, hidden: int = 64,
     ``w3.weight`` (I, H) (up), ``w2.weight`` (H, I) (down); in the
     transformers-5 names (``"v5"``): ``model.layers.{L}.mlp.gate.weight``,
     ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj``
-    (E, H, I).  Weights are N(0, ``init_std``), as Mixtral initializes them.
+    (E, H, I).  Weights are N(0, ``init_std``), as Mixtral initializes them;
+    the same ``seed`` gives the same weights in both namings (``w1``/``w3`` are
+    the gate/up rows of ``gate_up_proj[e]``, ``w2`` is ``down_proj[e]``), so
+    either naming can be checked against the other.
     ``shards``: split by size into at least that many files (1: one
     ``model.safetensors``), with the index a sharded checkpoint has.  A
     config.json with Mixtral's fields.  Needs no ``transformers``; the global
@@ -97,18 +100,21 @@ def make_tiny_moe_checkpoint(out_dir, *, layers: int = 2, hidden: int = 64,
 
     state: dict[str, torch.Tensor] = {}
     for layer in range(layers):
+        router = weight(experts, hidden)
+        gate_up = weight(experts, 2 * intermediate, hidden)
+        down = weight(experts, hidden, intermediate)
         if names == "v4":
             prefix = f"model.layers.{layer}.block_sparse_moe."
-            state[prefix + "gate.weight"] = weight(experts, hidden)
-            for e in range(experts):
-                for w, shape in (("w1", (intermediate, hidden)), ("w2", (hidden, intermediate)),
-                                 ("w3", (intermediate, hidden))):
-                    state[f"{prefix}experts.{e}.{w}.weight"] = weight(*shape)
+            state[prefix + "gate.weight"] = router
+            for e in range(experts):  # clones: safetensors refuses tensors sharing storage
+                for w, t in (("w1", gate_up[e, :intermediate]), ("w2", down[e]),
+                             ("w3", gate_up[e, intermediate:])):
+                    state[f"{prefix}experts.{e}.{w}.weight"] = t.clone()
         else:
             prefix = f"model.layers.{layer}.mlp."
-            state[prefix + "gate.weight"] = weight(experts, hidden)
-            state[prefix + "experts.gate_up_proj"] = weight(experts, 2 * intermediate, hidden)
-            state[prefix + "experts.down_proj"] = weight(experts, hidden, intermediate)
+            state[prefix + "gate.weight"] = router
+            state[prefix + "experts.gate_up_proj"] = gate_up
+            state[prefix + "experts.down_proj"] = down
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_sharded(state, out_dir, _max_shard_bytes(state, shards))
