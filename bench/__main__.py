@@ -14,10 +14,12 @@ stdout, then writes bench/results/<gpu>-<suite>.json, its plot
 any backend computed a wrong result.
 
 The suites are sized for an H200.  On a machine without CUDA (or with
-``--device cpu``) the run says so at once and, unless models or token counts
-are named, runs the CPU smoke suite instead (:data:`bench.cases.SMOKE_MODELS`):
-it checks the harness end to end in well under two minutes; its times are of
-the plain-torch reference path, not of any kernel.
+``--device cpu``) the run says so at once and runs the CPU smoke suite instead
+(:data:`bench.cases.SMOKE_MODELS` at :data:`bench.cases.SMOKE_T`; named
+``--models`` or ``--T`` win): it checks the harness end to end in well under
+two minutes, but its times are of the plain-torch reference path, not of any
+kernel, so a CPU run saves nothing unless ``--out-dir`` or ``--results-md``
+says where (bench/RESULTS.md holds GPU runs).
 """
 
 import argparse
@@ -53,11 +55,21 @@ SUBCOMMANDS = {
 CPU_TARGET_MS = 10.0  # timed work per backend and case in the CPU smoke suite
 
 
+def _rel(path: Path) -> str:
+    """A path of the checkout as the README writes it (relative to the repository root)."""
+    try:
+        return str(path.relative_to(report.BENCH_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="MoE grouped-GEMM benchmarks, backends side by side. Without CUDA: "
-                    "a CPU smoke suite of small models (see --device).",
+        description="MoE grouped-GEMM benchmarks, backends side by side, sized for an H200.\n"
+                    "Without CUDA (or with --device cpu): a CPU smoke suite of small models "
+                    "that\nchecks the harness in seconds; its times are of the plain-torch "
+                    "reference path.",
         epilog="subcommands (each takes --help):\n"
                + "\n".join(f"  {name:9s} {text}" for name, text in SUBCOMMANDS.items()))
     p.add_argument("--suite", choices=sorted(SUITES), default="grouped_gemm")
@@ -74,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of an (E,N,K) tensor")
     p.add_argument("--quick", action="store_true",
                    help=f"T {','.join(map(str, case_lib.QUICK_T))}, uniform routing, "
-                        f"{' and '.join(case_lib.QUICK_MODELS)} (explicit filters win)")
+                        f"{' and '.join(case_lib.QUICK_MODELS)} (explicit filters win; on the "
+                        f"CPU: the smoke suite, uniform routing)")
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA-graph replays (GPU time only) for cases with T <= --graph-max-t")
     p.add_argument("--graph-max-t", type=int, default=1024)
@@ -83,12 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed work per backend per case (5 to 200 calls); default 100, "
                         f"{CPU_TARGET_MS:g} on the CPU")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", help="default: cuda when torch sees a GPU, else cpu (the smoke "
-                                    "suite, unless --models or --T are given)")
+    p.add_argument("--device", help="default: cuda when torch sees a GPU, else cpu; on the cpu, "
+                                    "the smoke suite's models and T where --models, --T do not "
+                                    f"name them ({','.join(case_lib.SMOKE_MODELS)}; T "
+                                    f"{','.join(map(str, case_lib.SMOKE_T))})")
     p.add_argument("--input-budget-gb", type=float, default=36.0,
                    help="memory for a case's rotated input copies")
-    p.add_argument("--out-dir", type=Path, default=report.RESULTS_DIR)
-    p.add_argument("--results-md", type=Path, default=report.RESULTS_MD)
+    p.add_argument("--out-dir", type=Path,
+                   help=f"where the JSON and the plot go (default {_rel(report.RESULTS_DIR)}; "
+                        "on the CPU nothing is saved unless this or --results-md is given)")
+    p.add_argument("--results-md", type=Path,
+                   help=f"the markdown file the run's section goes into (default "
+                        f"{_rel(report.RESULTS_MD)}; on the CPU: RESULTS.md in --out-dir)")
     p.add_argument("--no-save", action="store_true", help="no JSON, markdown or plot")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--list", action="store_true", help="print the cases and backends, run nothing")
@@ -118,12 +137,18 @@ def _pick(names, known, what: str, parser) -> list[str]:
 
 def resolve(args, parser) -> dict:
     """The run's selection from the arguments: explicit filters, else --quick's, else all;
-    on the CPU, the smoke suite's models and token counts unless named."""
+    on the CPU, the smoke suite's models and token counts where they are not named."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device {args.device!r}: {exc}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device!r}: the harness runs on cuda or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device (use --device cpu)")
-    cpu = torch.device(args.device).type == "cpu"
+    cpu = device.type == "cpu"
     suite = SUITES[args.suite]
     layer = args.suite == "moe_layer"
     full_t = case_lib.LAYER_T if layer else case_lib.GEMM_T
@@ -143,6 +168,9 @@ def resolve(args, parser) -> dict:
                          list(case_lib.ROUTINGS), "routing", parser),
         "gemms": _pick(args.gemms or case_lib.GEMMS, list(case_lib.GEMMS), "gemm", parser),
         "backends": args.backends or list(suite.default_backends),
+        # on the CPU, what the smoke suite filled in because the user did not name it
+        "smoke": [what for what, given in (("models", args.models), ("token counts", args.T))
+                  if cpu and not given],
     }
     if any(t < 1 for t in sel["T"]):
         parser.error("every T must be >= 1")
@@ -154,6 +182,30 @@ def resolve(args, parser) -> dict:
     if bad:
         parser.error(f"unknown {args.suite} backends {bad}; known: {', '.join(known)}")
     return sel
+
+
+def _why_cpu(args) -> str:
+    return "no CUDA device" if not torch.cuda.is_available() else f"--device {args.device}"
+
+
+def cpu_notice(args, sel, n_cases: int) -> str:
+    """The line said before a CPU run starts: why the CPU, what runs instead of the
+    H200-sized suite, what its times mean, and whether they are saved."""
+    text = (f"python -m bench: {_why_cpu(args)}; running {n_cases} cases of "
+            f"{', '.join(sel['models'])} at T={','.join(map(str, sel['T']))} on the CPU")
+    if len(sel["smoke"]) == 2:
+        text += " (the CPU smoke suite instead of the H200-sized cases; --models and --T " \
+                "name others)"
+    elif sel["smoke"]:
+        text += f" (the CPU smoke suite's {sel['smoke'][0]})"
+    text += ". CPU times are of the plain-torch reference path, not of the kernels"
+    big = [m for m in sel["models"] if m in case_lib.MODELS]
+    if big:
+        text += (f"; {', '.join(big)} {'is' if len(big) == 1 else 'are'} sized for an H200 and "
+                 f"will take long here (the CPU smoke models: {', '.join(case_lib.SMOKE_MODELS)})")
+    if not args.no_save and args.out_dir is None and args.results_md is None:
+        text += "; not saved (--out-dir or --results-md to save)"
+    return text + "."
 
 
 def make_cases(args, sel) -> list:
@@ -172,24 +224,30 @@ def run(argv) -> int:
     args = parser.parse_args(argv)
     sel = resolve(args, parser)
     cases = make_cases(args, sel)
-    if torch.device(args.device).type == "cpu" and not args.list:
-        big = [m for m in sel["models"] if m in case_lib.MODELS]
-        print("python -m bench: no CUDA device" if not torch.cuda.is_available()
-              else "python -m bench: --device cpu", end="", file=sys.stderr)
-        print(f"; running {len(cases)} cases of {', '.join(sel['models'])} at T="
-              f"{','.join(map(str, sel['T']))} on the CPU. CPU times are of the plain-torch "
-              f"reference path, not of the kernels"
-              + (f"; {', '.join(big)} {'is' if len(big) == 1 else 'are'} sized for an H200 and "
-                 f"will take long here." if big else "."), file=sys.stderr, flush=True)
-        if args.target_ms is None:
-            args.target_ms = CPU_TARGET_MS
-    if args.target_ms is None:
-        args.target_ms = 100.0
-    if args.list:
+    cpu = torch.device(args.device).type == "cpu"
+    if args.list:  # runs nothing: say only where the smoke suite stands in for the named one
+        if sel["smoke"]:
+            print(f"python -m bench: {_why_cpu(args)}; the CPU smoke suite's "
+                  f"{' and '.join(sel['smoke'])} (--models, --T name others)", file=sys.stderr)
         print(f"backends: {', '.join(sel['backends'])}")
         for case in cases:
             print(case.describe())
         return 0
+    if cpu:
+        print(cpu_notice(args, sel, len(cases)), file=sys.stderr, flush=True)
+    if args.target_ms is None:
+        args.target_ms = CPU_TARGET_MS if cpu else 100.0
+    # where results go: the checkout's bench/results and bench/RESULTS.md hold GPU runs;
+    # a CPU run's times (of the reference path) go only where the user says
+    save = not args.no_save
+    if cpu:
+        save = save and (args.out_dir is not None or args.results_md is not None)
+        if save:  # the one not named goes next to the one named
+            args.out_dir = args.out_dir or args.results_md.parent
+            args.results_md = args.results_md or args.out_dir / "RESULTS.md"
+    else:
+        args.out_dir = args.out_dir or report.RESULTS_DIR
+        args.results_md = args.results_md or report.RESULTS_MD
     device = torch.device(args.device)
     roofs = None
     if not args.no_roofs and device.type == "cuda":
@@ -216,7 +274,7 @@ def run(argv) -> int:
         "cases": records,
     }
     print(report.render_text(records))
-    if not args.no_save:
+    if save:
         json_path = report.write_json(result, args.out_dir)
         md_path = report.update_results_md(json_path, args.results_md)
         print(f"wrote {json_path} and its section of {md_path}", file=sys.stderr)
@@ -227,9 +285,23 @@ def run(argv) -> int:
     return 1 if any(r["status"] == "wrong" for r in records) else 0
 
 
+def load_run(path: Path, parser: argparse.ArgumentParser) -> dict:
+    """A run's JSON, or a usage error that says what is wrong with the file."""
+    if not path.is_file():
+        parser.error(f"no such file: {path}")
+    try:
+        result = report.load_json(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        parser.error(f"{path} is not a run's JSON: {exc}")
+    if not isinstance(result, dict) or not {"suite", "device", "cases"} <= set(result):
+        parser.error(f"{path} is not a run's JSON (no suite, device and cases)")
+    return result
+
+
 def report_command(argv) -> int:
-    args = build_report_parser().parse_args(argv)
-    result = report.load_json(args.json)
+    parser = build_report_parser()
+    args = parser.parse_args(argv)
+    result = load_run(args.json, parser)
     md_path = report.update_results_md(args.json, args.results_md)
     print(report.render_markdown(result))
     print(f"updated {md_path}", file=sys.stderr)
@@ -242,6 +314,10 @@ def report_command(argv) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        # the suite takes no positional argument: a word first is a mistyped subcommand
+        build_parser().error(f"no subcommand {argv[0]!r}; the subcommands are "
+                             f"{', '.join(SUBCOMMANDS)} (each takes --help)")
     if argv[:1] == ["report"]:
         return report_command(argv[1:])
     if argv[:1] == ["targets"]:

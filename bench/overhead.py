@@ -15,6 +15,7 @@ import time
 import torch
 
 CALLS = 200
+MAX_CALLS = 500  # the launch queue holds ~1000 kernels; room for calls that launch two
 
 
 def _per_call_us(fn, calls: int = CALLS, batches: int = 7) -> float:
@@ -55,9 +56,12 @@ def main(argv=()) -> int:
         description="Host time of one op call, GPU work excluded: the calls queue behind a long "
                     "GPU sleep. Needs CUDA.")
     parser.add_argument("--calls", type=int, default=CALLS,
-                        help=f"calls per timed batch, under the launch queue's ~1000 "
-                             f"(default {CALLS})")
+                        help=f"calls per timed batch, 1 to {MAX_CALLS}: under the launch "
+                             f"queue's ~1000, or the host waits for the GPU (default {CALLS})")
     args = parser.parse_args(list(argv))
+    if not 1 <= args.calls <= MAX_CALLS:
+        parser.error(f"--calls {args.calls}: must be 1 to {MAX_CALLS} (a full launch queue "
+                     f"would block the host and count GPU time)")
     if not torch.cuda.is_available():
         print("python -m bench overhead: needs a CUDA GPU (it times op calls queued behind "
               "GPU work); torch sees none here", file=sys.stderr)

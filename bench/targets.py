@@ -69,7 +69,8 @@ def verdicts(result: dict, backend: str = "ts_moe") -> list[Verdict]:
     if result["suite"] != "grouped_gemm":
         raise ValueError(f"targets are for grouped_gemm runs, not {result['suite']!r}")
     if not result.get("roofs"):
-        raise ValueError("the run has no measured roofs (it ran with --no-roofs)")
+        raise ValueError("the run has no measured roofs (a CPU run, or one with --no-roofs): "
+                         "the targets need its HBM bandwidth")
     hbm = result["roofs"]["hbm_read_tbps"]
     out = [judge(g, hbm, backend) for g in report.case_groups(result["cases"]).values()]
     return [v for v in out if v is not None]
@@ -99,5 +100,18 @@ def main(argv) -> int:
     args = parser.parse_args(argv)
     if not args.json.is_file():
         parser.error(f"no such file: {args.json}")
-    print(render_markdown(verdicts(report.load_json(args.json))), end="")
+    try:
+        result = report.load_json(args.json)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        parser.error(f"{args.json} is not a run's JSON: {exc}")
+    try:
+        vs = verdicts(result)
+    except ValueError as exc:  # not a grouped_gemm run, or no roofs
+        parser.error(f"{args.json}: {exc}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        parser.error(f"{args.json} is not a run's JSON ({type(exc).__name__}: {exc})")
+    if not vs:
+        parser.error(f"{args.json}: no case has ts_moe and a peer (torch_grouped_mm, "
+                     f"cublas_grouped) both timed")
+    print(render_markdown(vs), end="")
     return 0

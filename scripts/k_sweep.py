@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fixed cost per output tile, from a sweep over K at one (E, M, N).
 
-    python scripts/k_sweep.py --experts 256 --rows 512 --n 7168 --k 512,1024,2048,4096
+    scripts/k_sweep.py --experts 256 --rows 512 --n 7168 --k 512,1024,2048,4096
 
 Times the ts_moe kernel in one tile configuration (``--config``: the same at
 every K, where the heuristic would switch) and ``torch_grouped_mm`` on the same
@@ -16,7 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError as exc:  # the shebang's python3 is not the project's environment
+    sys.exit(f"{Path(__file__).name}: {exc}: run it with the Python that ts_moe is installed "
+             f"in (activate its environment, or: path/to/python {sys.argv[0]} ...)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -40,12 +44,32 @@ def fit(ks, ms):
     return mm - slope * mk, slope
 
 
+def _ks(text: str) -> list[int]:
+    """--k: comma-separated K values, at least two different ones (a line needs two points)."""
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if any(k < 1 for k in ks) or len(set(ks)) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: need two or more different K >= 1")
+    return ks
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} < 1")
+    return value
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, required=True)
-    p.add_argument("--rows", type=int, required=True, help="rows per expert (about)")
-    p.add_argument("--n", type=int, required=True)
-    p.add_argument("--k", required=True, help="comma-separated K values")
+    p = argparse.ArgumentParser(
+        prog="scripts/k_sweep.py", description=__doc__.splitlines()[0] + " Needs an sm_90 GPU.",
+        epilog="e.g. scripts/k_sweep.py --experts 256 --rows 512 --n 7168 --k 512,1024,2048,4096")
+    p.add_argument("--experts", type=_positive, required=True)
+    p.add_argument("--rows", type=_positive, required=True, help="rows per expert (about)")
+    p.add_argument("--n", type=_positive, required=True)
+    p.add_argument("--k", type=_ks, required=True, help="comma-separated K values (two or more)")
     p.add_argument("--target-ms", type=float, default=100.0)
     p.add_argument("--config", default="prefill",
                    help="ts_moe tile configuration, the same at every K (default prefill)")
@@ -56,7 +80,9 @@ def main(argv=None) -> int:
         return 2
     from csrc_free_kernels import grouped_gemm_sm90 as sm90
 
-    ks = [int(x) for x in args.k.split(",")]
+    if args.config not in sm90.CONFIGS:
+        p.error(f"--config {args.config!r}: known: {', '.join(sm90.CONFIGS)}")
+    ks = args.k
     config = sm90.CONFIGS[args.config]
     fns = {"torch_grouped_mm": lambda a, b, o: torch._grouped_mm(a, b, offs=o),
            f"ts_moe {config.name}": lambda a, b, o: sm90.grouped_gemm(a, b, o, config=config)}

@@ -224,3 +224,206 @@ def test_scripts_run_as_the_readme_writes_them(script):
                               cwd=path.parent.parent, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_cpu_notice_comes_first_and_names_the_smoke_suite(cpu_machine, capsys, monkeypatch):
+    """The notice is the first line, before any case runs; nothing is saved by default."""
+    monkeypatch.setattr(cli.report, "write_json",
+                        lambda *a: pytest.fail("a CPU run saved into bench/results"))
+    seen = []
+    real_run_suite = cli.run_suite
+
+    def run_suite(*args, **kwargs):
+        seen.append(capsys.readouterr().err)  # what was said before the first case
+        records = real_run_suite(*args, **kwargs)
+        seen.append(records)
+        return records
+
+    monkeypatch.setattr(cli, "run_suite", run_suite)
+    assert cli.main(["--gemms", "gate_up", "--routing", "uniform", "--target-ms", "1"]) == 0
+    before, records = seen
+    assert before.count("\n") == 1 and before.startswith("python -m bench: no CUDA device; ")
+    assert "running 4 cases of cpu-mixtral, cpu-qwen3 at T=16,128 on the CPU" in before
+    assert "the CPU smoke suite instead of the H200-sized cases" in before
+    assert "not saved (--out-dir or --results-md to save)" in before
+    assert len(records) == 4 * 5  # cases x default backends
+    status = {r["backend"]: r["status"] for r in records}
+    assert status == {"torch_grouped_mm": "ok", "cublas_grouped": "unavailable",
+                      "cublas_loop": "ok", "ts_moe": "ok", "ts_moe_single_warp": "unavailable"}
+    assert all(r["ms"] > 0 for r in records if r["status"] == "ok")
+    assert "wrote" not in capsys.readouterr().err
+
+
+def test_cpu_defaults_are_the_smoke_suite_in_both_suites(cpu_machine):
+    for argv in ([], ["--suite", "moe_layer"], ["--device", "cpu"]):
+        sel = _resolve(argv)
+        assert sel["models"] == ["cpu-mixtral", "cpu-qwen3"] and sel["T"] == [16, 128], argv
+        assert sel["routing"] == ["uniform", "skewed"]
+        assert sel["smoke"] == ["models", "token counts"]
+    assert _resolve(["--models", "cpu-q"])["smoke"] == ["token counts"]
+    assert _resolve(["--T", "4"])["smoke"] == ["models"]
+    assert _resolve(["--models", "cpu-m", "--T", "4"])["smoke"] == []
+    cases_ = cli.make_cases(cli.build_parser().parse_args([]), _resolve([]))
+    assert max(c.M * c.N * c.K for c in cases_) <= 256 * 1024 * 256  # CPU-sized
+
+
+def test_cpu_smoke_models_are_small_and_named_everywhere(gpu_machine):
+    """The smoke models resolve on a GPU machine too (a CPU-sized run on purpose)."""
+    assert _resolve(["--models", "cpu-mixtral,cpu-qwen3"])["models"] == ["cpu-mixtral",
+                                                                        "cpu-qwen3"]
+    assert _resolve([])["smoke"] == []
+    for m in cases.SMOKE_MODELS.values():
+        assert m.hidden * m.inter * m.experts <= 8 * 256 * 512
+    with pytest.raises(SystemExit):  # "cpu" alone is ambiguous
+        _resolve(["--models", "cpu"])
+
+
+def test_cpu_partial_selection_and_list(cpu_machine, capsys):
+    assert cli.main(["--list", "--models", "cpu-q"]) == 0
+    captured = capsys.readouterr()
+    assert "the CPU smoke suite's token counts" in captured.err
+    assert captured.out.splitlines()[1] == "cpu-qwen3 gate_up T=16 uniform M=64 N=128 K=128 E=16"
+    assert cli.main(["--list"]) == 0
+    assert "the CPU smoke suite's models and token counts" in capsys.readouterr().err
+
+
+def test_cpu_run_saves_where_named(cpu_machine, tmp_path, capsys):
+    argv = ["--models", "cpu-qwen3", "--T", "16", "--gemms", "down", "--routing", "uniform",
+            "--backends", "reference", "--target-ms", "1", "--no-plots"]
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "out")]) == 0
+    assert "not saved" not in capsys.readouterr().err
+    assert (tmp_path / "out" / "cpu-grouped_gemm.json").is_file()
+    assert "bench:cpu-grouped_gemm begin" in (tmp_path / "out" / "RESULTS.md").read_text()
+    md = tmp_path / "md" / "R.md"
+    md.parent.mkdir()
+    assert cli.main([*argv, "--results-md", str(md)]) == 0
+    assert (tmp_path / "md" / "cpu-grouped_gemm.json").is_file() and md.is_file()
+
+
+def test_cpu_layer_suite_smoke_run(cpu_machine, capsys, monkeypatch):
+    """One moe_layer smoke case with the suite's default backends ends cleanly."""
+    seen = []
+    real_run_suite = cli.run_suite
+    monkeypatch.setattr(cli, "run_suite",
+                        lambda *a, **k: seen.extend(real_run_suite(*a, **k)) or seen)
+    assert cli.main(["--suite", "moe_layer", "--models", "cpu-qwen3", "--T", "16",
+                     "--routing", "uniform", "--target-ms", "1", "--no-save"]) == 0
+    assert [r["backend"] for r in seen] == list(cli.SUITES["moe_layer"].default_backends)
+    for r in seen:
+        ok = r["status"] == "ok" or (r["backend"].startswith("hf_")
+                                     and r["status"] == "unavailable")
+        assert ok, r
+    assert seen[0]["status"] == "ok"  # ts_moe runs its reference path on the CPU
+
+
+def test_cpu_run_of_h200_models_warns(cpu_machine, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run_suite", lambda *args, **kwargs: [])
+    monkeypatch.setattr(cli.report, "render_text", lambda records: "")
+    cli.main(["--models", "qwen3-30b,deep", "--no-save"])
+    notice = capsys.readouterr().err
+    assert "qwen3-30b-a3b, deepseek-v3 are sized for an H200" in notice
+    assert "at T=16,128 on the CPU (the CPU smoke suite's token counts)" in notice
+
+
+def test_a_mistyped_subcommand_is_named(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["reprot", "x.json"])
+    assert exc.value.code == 2
+    assert "no subcommand 'reprot'; the subcommands are report, targets, overhead" in \
+        capsys.readouterr().err
+
+
+def _run_json(tmp_path, **changes) -> str:
+    path = tmp_path / "run.json"
+    result = {"suite": "grouped_gemm", "device": "cpu", "roofs": None, "cases": [],
+              **changes}
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+@pytest.mark.parametrize("sub", ["report", "targets"])
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("{", "is not a run's JSON"),
+    ("[1, 2]", "is not a run's JSON"),
+])
+def test_subcommands_on_a_bad_file_are_usage_errors(sub, content, message, tmp_path, capsys):
+    path = tmp_path / "run.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([sub, str(path), *(["--no-plots"] if sub == "report" else [])])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"suite": "moe_layer"}, "targets are for grouped_gemm runs, not 'moe_layer'"),
+    ({}, "no measured roofs (a CPU run, or one with --no-roofs)"),
+    ({"roofs": {"hbm_read_tbps": 4.0}}, "no case has ts_moe and a peer"),
+])
+def test_targets_says_why_a_run_has_none(changes, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["targets", _run_json(tmp_path, **changes)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("calls", ["0", "5000"])
+def test_overhead_calls_are_checked(calls, capsys, monkeypatch):
+    from bench import overhead
+
+    monkeypatch.setattr(overhead, "measure", lambda *a: pytest.fail("overhead ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["overhead", "--calls", calls])
+    assert exc.value.code == 2 and "--calls" in capsys.readouterr().err
+
+
+def _script(name: str, *args, env_extra=None):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               **(env_extra or {}))
+    return subprocess.run([str(root / "scripts" / name), *args], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is there")
+@pytest.mark.parametrize("script, args", [
+    ("k_sweep.py", ["--experts", "256", "--rows", "512", "--n", "7168",
+                    "--k", "512,1024,2048,4096"]),
+    ("profile_case.py", ["deepseek", "gate_up", "16384", "skewed", "ts_moe",
+                         "torch_grouped_mm"]),
+])
+def test_scripts_without_cuda_say_so_in_one_line(script, args):
+    proc = _script(script, *args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"scripts/{script}: needs a CUDA GPU")
+    assert proc.stderr.endswith("torch sees none here\n")
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("k_sweep.py", ["--experts", "8", "--rows", "64", "--n", "256", "--k", "512"],
+     "need two or more different K"),
+    ("k_sweep.py", ["--experts", "8", "--rows", "64", "--n", "256", "--k", "512,x"],
+     "argument --k"),
+    ("profile_case.py", ["mixtral", "gate", "16", "skewed", "ts_moe"], "gemm 'gate'"),
+    ("profile_case.py", ["mixtral", "down", "16", "skewed", "magic"], "unknown backends"),
+    ("profile_case.py", ["llama", "down", "16", "skewed", "ts_moe"], "model 'llama'"),
+])
+def test_script_usage_errors_need_no_gpu(script, args, message):
+    proc = _script(script, *args)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_scripts_name_a_python_without_torch(tmp_path):
+    """The shebang's python3 may not be the project's: say so, not a traceback."""
+    (tmp_path / "torch.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+    proc = _script("k_sweep.py", "--help", env_extra={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "run it with the Python that ts_moe is installed in" in proc.stderr
