@@ -22,6 +22,7 @@ from cutlass.tensor_utils import LayoutEnum
 import ts_pipeline
 
 from . import compile as kcompile
+from .tile_schedule import RaggedTileSchedule, TileScheduler
 
 MAX_EXPERTS = 512
 SMEM_CAPACITY = 227 * 1024
@@ -184,16 +185,9 @@ class GroupedGemmSm90:
     ``(tile_m + tile_n) * tile_k * 2`` bytes: ``tile_m * tile_k * 2`` of tokens
     plus ``b_warps`` parts of ``tile_n / b_warps * tile_k * 2`` of weights.
 
-    Schedule: tiles are numbered expert by expert (the rows past the last
-    expert form a final zero-filled pseudo-expert), and within an expert band
-    by band (``band_m`` m-tiles), the m-tile fastest, so CTAs running at the
-    same time share the weight tile in L2; CTA ``b`` takes tiles ``b, b +
-    grid, ...`` (a cluster: cluster tiles ``c, c + clusters, ...``; with
-    ``pair_tiles``, the pair's CTAs the tiles ``2c`` and ``2c + 1``, ...,
-    both running every iteration's stages).  The per-expert row
-    ends (``cummax(clamp(offs, 0, M))``) and tile counts are prefix-scanned by
-    one warp into shared memory; each role maps a tile index to its expert by
-    binary search.
+    Schedule: :class:`csrc_free_kernels.tile_schedule.RaggedTileSchedule`
+    (built by warp 3 from ``offs`` in shared memory; a ``WorkTile`` per step
+    for every role), with the configuration's rows, cluster, pairs and bands.
     """
 
     def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32):
@@ -213,10 +207,9 @@ class GroupedGemmSm90:
         self.epi_stages = 2
         if config.b_warps not in (1, 2) or config.tile_n % config.b_warps:
             raise ValueError(f"b_warps must be 1 or 2 and divide tile_n: {config}")
-        if config.pair_tiles and config.cluster_m != 2:
-            raise ValueError(f"pair_tiles needs cluster_m 2: {config}")
-        # rows per schedule tile: a cluster tile spans the cluster's CTAs
-        self.tile_rows = config.rows * (1 if config.pair_tiles else config.cluster_m)
+        self.schedule = RaggedTileSchedule(
+            cta_rows=config.rows, cluster_m=config.cluster_m, pair_tiles=config.pair_tiles,
+            band_m=config.band_m, max_experts=MAX_EXPERTS)
 
     # ---------------------------------------------------------------- host
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -251,7 +244,7 @@ class GroupedGemmSm90:
         # as many stages as fit, up to the config's: an fp32 epilogue buffer
         # costs the 128x256 tile one of its four
         fixed = (cute.cosize(self.epi_smem_layout) * c_dtype.width // 8
-                 + 8 * (MAX_EXPERTS + 1) + 3 * 1024)
+                 + 8 * self.schedule.table_words + 3 * 1024)
         self.stages = min(cfg.stages, (SMEM_CAPACITY - fixed) // self.stage_bytes)
         if self.stages < 2:
             raise ValueError(f"{cfg} leaves room for {self.stages} stages")
@@ -294,8 +287,8 @@ class GroupedGemmSm90:
         @cute.struct
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            seg_end: cute.struct.MemRange[cutlass.Int32, MAX_EXPERTS + 1]
-            tile_end: cute.struct.MemRange[cutlass.Int32, MAX_EXPERTS + 1]
+            seg_end: cute.struct.MemRange[cutlass.Int32, self.schedule.table_words]
+            tile_end: cute.struct.MemRange[cutlass.Int32, self.schedule.table_words]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout)], 1024]
             sB: cute.struct.Align[
@@ -324,14 +317,7 @@ class GroupedGemmSm90:
         grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        # clusters take tiles cluster, cluster + clusters, ...; with pair_tiles
-        # CTA r of a cluster takes tile 2 * cluster + r, and so on, and both
-        # run an iteration while the pair's first tile exists (``lead``)
-        cluster = bidx // cfg.cluster_m
-        clusters = grid // cfg.cluster_m
-        lead = cta_rank if cfg.pair_tiles else 0
-        t0 = cluster * (2 if cfg.pair_tiles else 1) + lead
-        step = clusters * (2 if cfg.pair_tiles else 1)
+        sched = TileScheduler.create(self.schedule, cta_rank, bidx, grid)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
@@ -339,18 +325,17 @@ class GroupedGemmSm90:
                 cpasync.prefetch_descriptor(tma_atom_b1)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        sSegEnd = storage.seg_end.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
-        sTileEnd = storage.tile_end.get_tensor(cute.make_layout(MAX_EXPERTS + 1))
-        num_experts = mOffs.shape[0]
+        table = cute.make_layout(self.schedule.table_words)
         m_rows, n_cols = mC.shape
-        n_tiles = (n_cols + self.out_tile_n - 1) // self.out_tile_n
+        sched = sched.bind(storage.seg_end.get_tensor(table), storage.tile_end.get_tensor(table),
+                           mOffs.shape[0], (n_cols + self.out_tile_n - 1) // self.out_tile_n)
         k_tiles = (mA.shape[1] + cfg.tile_k - 1) // cfg.tile_k
         if warp_idx == self.sched_warp:
-            self.build_schedule(mOffs, sSegEnd, sTileEnd, num_experts, m_rows, n_tiles)
+            sched.build(mOffs, m_rows)
         cute.arch.sync_threads()  # the schedule, for every role
 
         ring = self.make_ring(storage.ring_barriers.data_ptr(), warp_idx)  # syncs the cluster
-        total_tiles = sTileEnd[num_experts]
+        sched = sched.with_total()
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -360,12 +345,10 @@ class GroupedGemmSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx <= (cfg.b_warps if cutlass.const_expr(cfg.multi_warp) else 0):
                 self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring,
-                             warp_idx, cta_rank, sSegEnd, sTileEnd, num_experts, k_tiles,
-                             t0, step, lead, total_tiles, n_cols, n_tiles)
+                             warp_idx, sched, k_tiles, n_cols)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, cta_rank, sSegEnd,
-                         sTileEnd, num_experts, k_tiles, t0, step, lead, total_tiles, n_tiles)
+            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, sched, k_tiles)
 
     def make_ring(self, barriers, warp_idx):
         cluster_m = self.cfg.cluster_m
@@ -386,93 +369,10 @@ class GroupedGemmSm90:
         return cp.PipelineTmaAsync.create(**common)
 
     @cute.jit
-    def build_schedule(self, mOffs: cute.Tensor, sSegEnd: cute.Tensor, sTileEnd: cute.Tensor,
-                       num_experts: cutlass.Int32, m_rows: cutlass.Int32, n_tiles: cutlass.Int32):
-        """One warp: ``seg_end = cummax(clamp(offs, 0, M))`` and the inclusive
-        prefix sum of each expert's tile count, 32 experts per step; entry
-        ``num_experts`` is the zero-filled tail ``[seg_end[-1], M)``."""
-        tile_m = self.tile_rows
-        lane = cute.arch.lane_idx()
-        carry_end = cutlass.Int32(0)
-        carry_tiles = cutlass.Int32(0)
-        for base in cutlass.range(0, num_experts, 32, unroll=1):
-            e = base + lane
-            end = cutlass.Int32(0)
-            if e < num_experts:
-                end = mOffs[e]
-            end = cutlass.max(cutlass.min(end, m_rows), carry_end)
-            for d in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(end, 1 << d)
-                if lane >= (1 << d):
-                    end = cutlass.max(end, other)
-            start = cute.arch.shuffle_sync_up(end, 1)
-            if lane == 0:
-                start = carry_end
-            tiles = self.ceil_div(end - start, tile_m) * n_tiles
-            for d in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(tiles, 1 << d)
-                if lane >= (1 << d):
-                    tiles = tiles + other
-            tiles = tiles + carry_tiles
-            if e < num_experts:
-                sSegEnd[e] = end
-                sTileEnd[e] = tiles
-            carry_end = cute.arch.shuffle_sync(end, 31)
-            carry_tiles = cute.arch.shuffle_sync(tiles, 31)
-        if lane == 0:
-            sSegEnd[num_experts] = m_rows
-            sTileEnd[num_experts] = carry_tiles + self.ceil_div(m_rows - carry_end, tile_m) * n_tiles
-
-    @staticmethod
-    def ceil_div(rows, tile_rows: int):
-        """``ceil(rows / tile_rows)`` for ``0 <= rows < 2**31``, in 64 bits: the
-        32-bit ``rows + tile_rows - 1`` wraps for rows within ``tile_rows`` of 2**31
-        (an expert of 2**31 - 8 rows counted no tiles and its output stayed zero)."""
-        return cutlass.Int32((cutlass.Int64(rows) + (tile_rows - 1)) // tile_rows)
-
-    @cute.jit
-    def tile_info(self, t: cutlass.Int32, cta_rank: cutlass.Int32, sSegEnd: cute.Tensor,
-                  sTileEnd: cute.Tensor, num_experts: cutlass.Int32, n_tiles: cutlass.Int32):
-        """Tile ``t`` -> (expert, this CTA's first row, expert's row end, n-tile).
-
-        Within an expert: band by band (``band_m`` m-tiles), n-tile by n-tile
-        within a band, m-tile fastest."""
-        lo = cutlass.Int32(0)
-        hi = num_experts
-        for _ in cutlass.range_constexpr(math.ceil(math.log2(MAX_EXPERTS + 1))):
-            mid = (lo + hi) // 2
-            if sTileEnd[mid] > t:
-                hi = mid
-            else:
-                lo = cutlass.min(mid + 1, hi)
-        expert = lo
-        tiles_before = cutlass.Int32(0)
-        seg_start = cutlass.Int32(0)
-        if expert > 0:
-            tiles_before = sTileEnd[expert - 1]
-            seg_start = sSegEnd[expert - 1]
-        seg_end = sSegEnd[expert]
-        tile_rows = self.tile_rows
-        m_tiles = self.ceil_div(seg_end - seg_start, tile_rows)
-        local = t - tiles_before
-        band_tiles = m_tiles
-        band0 = cutlass.Int32(0)  # first m-tile of the band
-        if cutlass.const_expr(self.cfg.band_m > 0):
-            band0 = local // (self.cfg.band_m * n_tiles) * self.cfg.band_m
-            band_tiles = cutlass.min(m_tiles - band0, self.cfg.band_m)
-            local = local - band0 * n_tiles
-        n_tile = local // band_tiles
-        m_tile = band0 + local - n_tile * band_tiles
-        row0 = seg_start + m_tile * tile_rows
-        if cutlass.const_expr(not self.cfg.pair_tiles):
-            row0 += cta_rank * self.cfg.rows  # this CTA's half of a cluster tile
-        return expert, row0, seg_end, n_tile
-
-    @cute.jit
     def produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring, warp_idx,
-                cta_rank, sSegEnd, sTileEnd, num_experts, k_tiles, t0, step, lead,
-                total_tiles, n_cols, n_tiles):
+                sched: TileScheduler, k_tiles, n_cols):
         cfg = self.cfg
+        cta_rank, lead, total_tiles = sched.cta_rank, sched.lead, sched.total_tiles
         # (rows, tile_k, stages): the token box, the first rows of each A stage
         sA_box = cute.flat_divide(sA, (cfg.rows, cfg.tile_k))[None, None, 0, 0, None]
         # (b_part_n, tile_k, b_warps, 1, stages): the weight parts of each stage
@@ -491,21 +391,18 @@ class GroupedGemmSm90:
                 cute.group_modes(cute.local_tile(mB1, (self.b_part_n, cfg.tile_k),
                                                  (None, None, None)), 0, 2))
         state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.stages)
-        t = t0
+        t = sched.first
         while t - lead < total_tiles:
-            expert, row0, _, n_tile = self.tile_info(cutlass.min(t, total_tiles - 1), cta_rank,
-                                                     sSegEnd, sTileEnd, num_experts, n_tiles)
-            run = expert < num_experts
+            expert, row0, _, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
+            run = expert < sched.num_experts
             shared = cutlass.Int32(1)  # the weight tile is multicast to the cluster
             if cutlass.const_expr(cfg.pair_tiles):
                 # both CTAs of a pair fill every stage of every iteration: each
                 # stage is released by the consumers of both.  A missing tile
                 # or one of the zero tail loads expert 0's first tile, unused
                 peer = t + 1 - 2 * cta_rank
-                p_expert, _, _, p_n = self.tile_info(cutlass.min(peer, total_tiles - 1),
-                                                     cta_rank, sSegEnd, sTileEnd,
-                                                     num_experts, n_tiles)
-                if t >= total_tiles or expert >= num_experts:
+                p_expert, _, _, p_n = sched.work_tile(cutlass.min(peer, total_tiles - 1))
+                if t >= total_tiles or expert >= sched.num_experts:
                     expert = cutlass.Int32(0)
                     row0 = cutlass.Int32(0)
                     n_tile = cutlass.Int32(0)
@@ -537,7 +434,7 @@ class GroupedGemmSm90:
                                         shared, part, n_tile, n_cols, k, expert,
                                         state.index, bar)
                     state.advance()
-            t += step
+            t += sched.step
         ring.producer_tail(state)
 
     @cute.jit
@@ -565,8 +462,7 @@ class GroupedGemmSm90:
         return n_tile * self.cfg.b_warps + part
 
     @cute.jit
-    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, cta_rank, sSegEnd, sTileEnd,
-                num_experts, k_tiles, t0, step, lead, total_tiles, n_tiles):
+    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: TileScheduler, k_tiles):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(ctid)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -594,26 +490,25 @@ class GroupedGemmSm90:
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
-        t = t0
+        lead, total_tiles = sched.lead, sched.total_tiles
+        t = sched.first
         epi_count = cutlass.Int32(0)
         while t - lead < total_tiles:
-            expert, row0, seg_end, n_tile = self.tile_info(cutlass.min(t, total_tiles - 1),
-                                                           cta_rank, sSegEnd, sTileEnd,
-                                                           num_experts, n_tiles)
+            expert, row0, seg_end, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
             # rows of this expert in this CTA's tile (<= 0: the spare half of a
             # cluster tile, which still takes its share of the multicast but
             # skips the MMAs: idle tensor cores leave power to clock the others
             # higher)
             rows_valid = cutlass.min(seg_end - row0, cfg.rows)
             mma_rows = rows_valid
-            run = expert < num_experts
+            run = expert < sched.num_experts
             if cutlass.const_expr(cfg.pair_tiles):
                 # every stage the pair's producers fill: the tile missing from
                 # a pair stores nothing, the zero tail computes nothing
                 if t >= total_tiles:
                     rows_valid = cutlass.Int32(0)
                     mma_rows = cutlass.Int32(0)
-                if expert >= num_experts:
+                if expert >= sched.num_experts:
                     run = t - lead < total_tiles  # true in the loop: run the stages
                     mma_rows = cutlass.Int32(0)
             acc.fill(0.0)
@@ -656,7 +551,7 @@ class GroupedGemmSm90:
                         if crd[0] < rows_valid and crd[1] < mC.shape[1]:
                             cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
                 epi_count += 1
-            t += step
+            t += sched.step
 
     @staticmethod
     def accumulator_chunk(tRS_rAcc, chunk, tRS_rD):
