@@ -183,3 +183,33 @@ def test_rows_near_the_int32_limit():
     with pytest.raises(ValueError, match="a has 2147483648 rows"):
         ts_moe.grouped_gemm(big, torch.randn(1, 8, 8, device="cuda", dtype=BF16),
                             torch.tensor([5], dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_a_index_on_the_gpu(dtype, swiglu):
+    """Gathered rows (duplicates, out-of-range indices read as zero rows) on the kernel
+    path (bf16) and torch's (fp32): the CPU's result, and no host sync."""
+    torch.manual_seed(0)
+    m, k, n, e, rows = 300, 264, 96, 6, 700
+    a = torch.randn(m, 272, dtype=dtype)[:, :k]
+    b = torch.randn(e, k, n, dtype=dtype) * k**-0.5
+    gate_up = torch.randn(e, n, k, dtype=dtype) * k**-0.5
+    a_index = torch.randint(0, m, (rows,), dtype=torch.int32)
+    a_index[::50] = torch.tensor([-7, m, 2**31 - 1, 12] * 4, dtype=torch.int32)[:14]
+    offs = _offs([100, 0, 250, 1, 300, 20])
+    op = ts_moe.grouped_gemm_swiglu if swiglu else ts_moe.grouped_gemm
+    w = gate_up if swiglu else b
+    want = op(a, w, offs, a_index=a_index)
+    ga = torch.empty(m, 272, dtype=dtype, device="cuda")[:, :k].copy_(a)
+    gw, goffs, gidx = w.cuda(), offs.cuda(), a_index.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = op(ga, gw, goffs, a_index=gidx)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert got.shape == want.shape
+    assert rel_err(got.cpu(), want) < (1e-2 if dtype == BF16 else 1e-5)
+    assert (got[int(offs[-1]):] == 0).all()
+    assert (got[:int(offs[-1])][(a_index[:int(offs[-1])] < 0).cuda()] == 0).all()

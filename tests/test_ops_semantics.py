@@ -262,3 +262,92 @@ def test_torch_grouped_mm_path_semantics():
         assert rel_err(out, _loop(a, b, offs)) < 1e-2
         end = int(segment_ends(offs, 30)[-1])
         assert (out[end:] == 0).all()
+
+
+# ------------------------------------------------------- a_index (gather-A)
+def _gathered_loop(a, b, offs, a_index):
+    """fp64: rows a[a_index], zero where an index is out of range."""
+    idx = a_index.long()
+    valid = (idx >= 0) & (idx < a.shape[0])
+    rows = torch.zeros(idx.shape[0], a.shape[1], dtype=a.dtype)
+    rows[valid] = a[idx[valid]]
+    return _loop(rows, b, offs)
+
+
+@pytest.mark.parametrize("case", ["ragged", "duplicates_and_bad", "more_rows", "unaligned_k",
+                                  "fp32", "empty"])
+def test_a_index_gathers_rows(case):
+    g = torch.Generator().manual_seed(3)
+    m, k, n, e = 40, 64, 24, 4
+    dtype = torch.float32 if case == "fp32" else BF16
+    a = torch.randn(m, 72 if case == "unaligned_k" else k, generator=g).to(dtype)
+    if case == "unaligned_k":  # a's own strides are free: it is gathered
+        a, k = a[:, :67], 67
+    b = (torch.randn(e, k, n, generator=g) * k**-0.5).to(dtype)
+    rows = {"more_rows": 90, "empty": 0}.get(case, 33)
+    a_index = torch.randint(0, m, (rows,), generator=g, dtype=torch.int32)
+    if case == "duplicates_and_bad":
+        a_index[:6] = torch.tensor([-1, m, 2**31 - 1, -(2**31), 5, 5], dtype=torch.int32)
+    offs = _offs([rows // 3, 0, rows // 3, rows - 2 * (rows // 3) - min(rows, 2)])
+    out = ts_moe.grouped_gemm(a, b, offs, a_index=a_index)
+    assert out.shape == (rows, n)
+    ref = _gathered_loop(a, b, offs, a_index)
+    if rows:
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert (out[int(offs[-1]):] == 0).all()
+    if case == "duplicates_and_bad":
+        assert (out[:4] == 0).all() and torch.equal(out[4], out[5])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, o, i: ts_moe.grouped_gemm(a, b, o, a_index=i),
+                             backend="aot_eager", fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(a, b, offs, a_index), out)
+
+
+def test_a_index_swiglu_and_opcheck():
+    a, b, offs = torch.randn(30, 64).to(BF16), None, _offs([10, 0, 15])
+    gate_up = (torch.randn(3, 32, 64) * 0.125).to(BF16)
+    a_index = torch.randint(-2, 32, (25,), dtype=torch.int32)
+    h = ts_moe.grouped_gemm_swiglu(a, gate_up, offs, a_index=a_index)
+    ref = _gathered_loop(a, gate_up.transpose(1, 2), offs, a_index)
+    assert h.shape == (25, 16)
+    assert rel_err(h, F.silu(ref[:, :16]) * ref[:, 16:]) < 1e-2
+    b = (torch.randn(3, 64, 16) * 0.125).to(BF16)
+    torch.library.opcheck(torch.ops.ts_moe.grouped_gemm.default, (a, b, offs),
+                          {"a_index": a_index})
+    torch.library.opcheck(torch.ops.ts_moe.grouped_gemm_swiglu.default, (a, gate_up, offs),
+                          {"a_index": a_index})
+
+
+@pytest.mark.parametrize("bad, exc, msg", [
+    (lambda i: i.long(), TypeError, "a_index must be int32"),
+    (lambda i: i[None], ValueError, "a_index must be 1-D"),
+    (lambda i: i.to("meta"), ValueError, "a_index must be on a's device"),
+    (lambda i: "rows", TypeError, "a_index must be a torch.Tensor"),
+])
+def test_a_index_validated(bad, exc, msg):
+    a, b, offs = torch.randn(30, 64).to(BF16), torch.randn(3, 64, 16).to(BF16), _offs([10, 0, 5])
+    a_index = torch.arange(15, dtype=torch.int32)
+    with pytest.raises(exc, match=msg):
+        ts_moe.grouped_gemm(a, b, offs, a_index=bad(a_index))
+    meta = [t.to("meta") for t in (a, b, offs)]
+    if not isinstance(bad(a_index), str) and bad(a_index).device.type != "meta":
+        with pytest.raises(exc, match=msg):  # the fake kernel names it alike
+            ts_moe.grouped_gemm(*meta, a_index=bad(a_index).to("meta"))
+
+
+def test_a_index_backward_raises():
+    a, b, offs = _grad_inputs()
+    out = ts_moe.grouped_gemm(a, b, offs, a_index=torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="ts_moe::grouped_gemm has no backward formula"):
+        out.float().sum().backward()
+
+
+def test_sort_slots_is_permutes_order():
+    experts = torch.tensor([[2, 0], [1, 2], [0, 3], [2, 1]])
+    slots = ts_moe.sort_slots(experts, 4)
+    x = torch.randn(4, 8)
+    dispatch = ts_moe.permute(x, experts, 4)
+    assert slots.token_index.dtype == torch.int32
+    assert torch.equal(x[slots.token_index.long()], dispatch.x_sorted)
+    assert torch.equal(slots.offs, dispatch.offs) and torch.equal(slots.inverse, dispatch.inverse)
+    assert slots.token_index.tolist() == [0, 2, 1, 3, 0, 1, 3, 2]

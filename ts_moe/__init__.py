@@ -5,7 +5,7 @@
 
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends
-from .routing import combine, permute, route
+from .routing import combine, permute, route, sort_slots
 from .moe import MoE, experts_forward, moe_forward
 from .loaders import load_mixtral_experts
 from .tiny import make_tiny_mixtral, make_tiny_moe_checkpoint
@@ -18,6 +18,7 @@ __all__ = [
     "segment_ends",
     "route",
     "permute",
+    "sort_slots",
     "combine",
     "MoE",
     "moe_forward",

@@ -65,12 +65,15 @@ def _check_layout(name: str, shape, stride, elem: int) -> None:
 
 
 def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
-                            k_dim: int = 1, fake: bool = False) -> None:
+                            k_dim: int = 1, fake: bool = False, a_index=None) -> None:
     """Validate ``grouped_gemm``-style arguments; ``b``'s K is dim ``k_dim`` (1 or 2).
 
     ``fake``: the tensors are fake (tracing): skip the data-pointer check,
     which is also skipped off the GPU, where only the TMA needs aligned
     pointers (safetensors memory-maps CPU weights at 8-byte offsets).
+    ``a_index``: the rows are ``a[a_index]``, gathered into a fresh aligned
+    tensor, so ``a``'s own strides and pointer are free and the row limit
+    applies to ``a_index``'s length.
     """
     check_tensor_types(a=a, **{b_name: b}, offs=offs)
     a_shape, b_shape = a.shape, b.shape
@@ -97,6 +100,8 @@ def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
     if a_shape[0] > MAX_ROWS:
         raise ValueError(
             f"a has {a_shape[0]} rows; at most 2**31 - 1 are supported (offs is int32)")
+    if a_index is not None:
+        _check_a_index(a_index, device)
     k = a_shape[1]
     if b_shape[k_dim] != k:
         raise ValueError(
@@ -105,17 +110,32 @@ def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
     if offs.shape[0] > 1 and offs.stride(0) != 1:
         raise ValueError("offs must be contiguous")
     elem = a.element_size()
-    _check_layout("a", a_shape, a.stride(), elem)
+    if a_index is None:
+        _check_layout("a", a_shape, a.stride(), elem)
     _check_layout(b_name, b_shape, b.stride(), elem)
     if not fake and device.type == "cuda":
-        for name, t in (("a", a), (b_name, b)):
+        for name, t in ((("a", a),) if a_index is None else ()) + ((b_name, b),):
             if t.numel() and t.data_ptr() % ALIGN_BYTES:
                 raise ValueError(f"{name}: data pointer is not {ALIGN_BYTES}-byte aligned")
 
 
-def check_swiglu_args(a, gate_up, offs, fake: bool = False) -> None:
+def _check_a_index(a_index, device) -> None:
+    check_tensor_types(a_index=a_index)
+    if a_index.dim() != 1:
+        raise ValueError(f"a_index must be 1-D, got shape {tuple(a_index.shape)}")
+    if a_index.dtype != torch.int32:
+        raise TypeError(f"a_index must be int32, got {a_index.dtype}")
+    if a_index.device != device:
+        raise ValueError(f"a_index must be on a's device {device}, got {a_index.device}")
+    if a_index.shape[0] > MAX_ROWS:
+        raise ValueError(f"a_index has {a_index.shape[0]} entries; at most 2**31 - 1 are "
+                         f"supported (offs is int32)")
+
+
+def check_swiglu_args(a, gate_up, offs, fake: bool = False, a_index=None) -> None:
     """``grouped_gemm_swiglu``'s arguments: ``gate_up`` (E, 2I, H), K = H its last dim."""
-    check_grouped_gemm_args(a, gate_up, offs, b_name="gate_up", k_dim=2, fake=fake)
+    check_grouped_gemm_args(a, gate_up, offs, b_name="gate_up", k_dim=2, fake=fake,
+                            a_index=a_index)
     if gate_up.shape[1] % 2:
         raise ValueError(
             f"gate_up must be (E, 2I, H) (gate rows, then as many up rows), got "

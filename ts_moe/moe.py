@@ -4,8 +4,9 @@ Mixtral's sparse MoE block on the ``torch.ops.ts_moe`` grouped GEMMs::
 
     logits = x @ router.T                                   (T, E)
     weights, experts = route(logits, top_k)                 (T, k) fp32, int64
-    x_sorted, offs, inverse = permute(x, experts, E)        (T*k, H)
-    h = grouped_gemm_swiglu(x_sorted, gate_up_proj, offs)   (T*k, I)
+    token, offs, inverse = sort_slots(experts, E)           (T*k,) slot order
+    h = grouped_gemm_swiglu(x, gate_up_proj, offs,          (T*k, I): rows x[token]
+                            a_index=token)
     y = grouped_gemm(h, down_proj^T, offs)                  (T*k, H)
     out = combine(y, weights, inverse)                      (T, H)
 
@@ -31,7 +32,7 @@ from torch import nn
 
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import swiglu
-from .routing import combine, nvtx_range, permute, route
+from .routing import combine, nvtx_range, route, sort_slots
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SIZE_MULTIPLE = 8  # 16-byte rows of the bf16 activations the layer permutes
@@ -94,17 +95,17 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     _check_tensor("x", x, 2)
     _check_expert_weights(x, gate_up_proj, down_proj, "x")
     with nvtx_range("permute"):
-        dispatch = permute(x, experts, gate_up_proj.shape[0])
-    with nvtx_range("gate_up"):
+        slots = sort_slots(experts, gate_up_proj.shape[0])
+    with nvtx_range("gate_up"):  # the token rows gathered by the GEMM (a_index)
         if fused:
-            h = grouped_gemm_swiglu(dispatch.x_sorted, gate_up_proj, dispatch.offs)
+            h = grouped_gemm_swiglu(x, gate_up_proj, slots.offs, a_index=slots.token_index)
         else:
-            h = swiglu(grouped_gemm(dispatch.x_sorted, gate_up_proj.transpose(-2, -1),
-                                    dispatch.offs, torch.float32), x.dtype)
+            h = swiglu(grouped_gemm(x, gate_up_proj.transpose(-2, -1), slots.offs,
+                                    torch.float32, a_index=slots.token_index), x.dtype)
     with nvtx_range("down"):
-        y = grouped_gemm(h, down_proj.transpose(-2, -1), dispatch.offs)
+        y = grouped_gemm(h, down_proj.transpose(-2, -1), slots.offs)
     with nvtx_range("combine"):
-        return combine(y, weights, dispatch.inverse)
+        return combine(y, weights, slots.inverse)
 
 
 def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,

@@ -39,11 +39,14 @@ import torch
 
 from .checks import (ALIGN_BYTES, check_grouped_gemm_args, check_swiglu_args,
                      check_tensor_types, contiguous_dim, plausible_kernel_args)
-from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends, swiglu
+from .reference import (gather_rows, grouped_gemm_reference, grouped_gemm_swiglu_reference,
+                        segment_ends, swiglu)
 
 _lib = torch.library.Library("ts_moe", "DEF")
-_lib.define("grouped_gemm(Tensor a, Tensor b, Tensor offs, ScalarType? out_dtype=None) -> Tensor")
-_lib.define("grouped_gemm_swiglu(Tensor a, Tensor gate_up, Tensor offs) -> Tensor")
+_lib.define("grouped_gemm(Tensor a, Tensor b, Tensor offs, ScalarType? out_dtype=None, *, "
+            "Tensor? a_index=None) -> Tensor")
+_lib.define("grouped_gemm_swiglu(Tensor a, Tensor gate_up, Tensor offs, *, "
+            "Tensor? a_index=None) -> Tensor")
 _lib.define("backward_unsupported(Tensor grad, str op) -> Tensor")
 
 
@@ -178,14 +181,20 @@ def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None) -> torch.
     return _empty_output(a, m, n, out_dtype).copy_(grouped_gemm_reference(a, b, offs, out_dtype))
 
 
-def _grouped_gemm_cpu(a, b, offs, out_dtype=None):
-    check_grouped_gemm_args(a, b, offs, out_dtype)
+def _grouped_gemm_cpu(a, b, offs, out_dtype=None, *, a_index=None):
+    check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
+    if a_index is not None:
+        a = gather_rows(a, a_index)
     return _grouped_gemm_run(Path.REFERENCE, None, a, b, offs, out_dtype)
 
 
-def _grouped_gemm_cuda(a, b, offs, out_dtype=None):
+def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
     index = a.get_device()
     path, kernels = cuda_path(index, a.dtype, out_dtype, b.shape[0])
+    if a_index is not None:
+        # no Hopper gather path yet: validate, gather on the device, then as usual
+        check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
+        a = gather_rows(a, a_index)
     if path is Path.KERNEL_SM90 and plausible_kernel_args(a, b, offs, out_dtype, index):
         m, n = a.shape[0], b.shape[2]
         if n % 8:
@@ -203,11 +212,12 @@ def _grouped_gemm_cuda(a, b, offs, out_dtype=None):
 
 
 @torch.library.register_fake("ts_moe::grouped_gemm", lib=_lib)
-def _grouped_gemm_fake(a, b, offs, out_dtype=None):
-    check_grouped_gemm_args(a, b, offs, out_dtype, fake=True)
+def _grouped_gemm_fake(a, b, offs, out_dtype=None, *, a_index=None):
+    check_grouped_gemm_args(a, b, offs, out_dtype, fake=True, a_index=a_index)
     dtype = out_dtype or a.dtype
     n = b.shape[2]
-    return a.new_empty_strided((a.shape[0], n), (_row_pad(n, dtype), 1), dtype=dtype)
+    m = a.shape[0] if a_index is None else a_index.shape[0]
+    return a.new_empty_strided((m, n), (_row_pad(n, dtype), 1), dtype=dtype)
 
 
 _lib.impl("grouped_gemm", _grouped_gemm_cpu, "CPU")
@@ -216,7 +226,8 @@ _grouped_gemm_op = torch.ops.ts_moe.grouped_gemm.default
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, *,
+                 a_index: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.ops.ts_moe.grouped_gemm``: ``out[r] = a[r] @ b[e]`` for the rows of expert ``e``.
 
     a: (M, K) bf16/fp16/fp32; b: (E, K, N), either of its last two dims
@@ -224,11 +235,20 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     works), other strides 16-byte aligned; offs: int32 (E,) cumulative row
     ends.  Returns (M, N) in ``out_dtype`` (default ``a.dtype``; float32
     allowed), zeros past ``offs[-1]``.
+
+    ``a_index``: int32 (M',): gather the rows first, ``out[r] = a[a_index[r]]
+    @ b[e(r)]``, (M', N) (the MoE layer's token rows in expert order, without
+    a separate permuted copy).  Indices are read on the device only: one
+    outside ``[0, M)`` reads as a zero row (its output row is zero), never
+    out of bounds.  ``a``'s own strides are then free.
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and isinstance(offs, torch.Tensor)):
         check_tensor_types(a=a, b=b, offs=offs)
-    return _grouped_gemm_op(a, b, offs, out_dtype)
+    if a_index is None:
+        return _grouped_gemm_op(a, b, offs, out_dtype)
+    check_tensor_types(a_index=a_index)
+    return _grouped_gemm_op(a, b, offs, out_dtype, a_index=a_index)
 
 
 # ------------------------------------------------------ grouped_gemm_swiglu
@@ -259,14 +279,19 @@ def _swiglu_run(path: Path, kernels, a, gate_up, offs) -> torch.Tensor:
     return out.copy_(swiglu(h, a.dtype))
 
 
-def _grouped_gemm_swiglu_cpu(a, gate_up, offs):
-    check_swiglu_args(a, gate_up, offs)
+def _grouped_gemm_swiglu_cpu(a, gate_up, offs, *, a_index=None):
+    check_swiglu_args(a, gate_up, offs, a_index=a_index)
+    if a_index is not None:
+        a = gather_rows(a, a_index)
     return _swiglu_run(Path.REFERENCE, None, a, gate_up, offs)
 
 
-def _grouped_gemm_swiglu_cuda(a, gate_up, offs):
+def _grouped_gemm_swiglu_cuda(a, gate_up, offs, *, a_index=None):
     index = a.get_device()
     path, kernels = cuda_path(index, a.dtype, None, gate_up.shape[0])
+    if a_index is not None:  # no Hopper gather path yet
+        check_swiglu_args(a, gate_up, offs, a_index=a_index)
+        a = gather_rows(a, a_index)
     if (path is Path.KERNEL_SM90 and plausible_kernel_args(a, gate_up, offs, None, index)
             and gate_up.shape[1] % 2 == 0):
         m, k = a.shape
@@ -284,10 +309,11 @@ def _grouped_gemm_swiglu_cuda(a, gate_up, offs):
 
 
 @torch.library.register_fake("ts_moe::grouped_gemm_swiglu", lib=_lib)
-def _grouped_gemm_swiglu_fake(a, gate_up, offs):
-    check_swiglu_args(a, gate_up, offs, fake=True)
+def _grouped_gemm_swiglu_fake(a, gate_up, offs, *, a_index=None):
+    check_swiglu_args(a, gate_up, offs, fake=True, a_index=a_index)
     inter = gate_up.shape[1] // 2
-    return a.new_empty_strided((a.shape[0], inter), (_row_pad(inter, a.dtype), 1))
+    m = a.shape[0] if a_index is None else a_index.shape[0]
+    return a.new_empty_strided((m, inter), (_row_pad(inter, a.dtype), 1))
 
 
 _lib.impl("grouped_gemm_swiglu", _grouped_gemm_swiglu_cpu, "CPU")
@@ -295,18 +321,21 @@ _lib.impl("grouped_gemm_swiglu", _grouped_gemm_swiglu_cuda, "CUDA")
 _grouped_gemm_swiglu_op = torch.ops.ts_moe.grouped_gemm_swiglu.default
 
 
-def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor,
-                        offs: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
+                        a_index: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.ops.ts_moe.grouped_gemm_swiglu``: ``silu(a @ gate^T) * (a @ up^T)`` per expert.
 
     gate_up: (E, 2I, H), the Hugging Face (transformers 5) layout, gate rows
     first.  Returns (M, I) in ``a.dtype``; rows past ``offs[-1]`` are zeros.
-    The same ragged-expert rules as :func:`grouped_gemm`.
+    The same ragged-expert rules, and ``a_index``, as :func:`grouped_gemm`.
     """
     if not (isinstance(a, torch.Tensor) and isinstance(gate_up, torch.Tensor)
             and isinstance(offs, torch.Tensor)):
         check_tensor_types(a=a, gate_up=gate_up, offs=offs)
-    return _grouped_gemm_swiglu_op(a, gate_up, offs)
+    if a_index is None:
+        return _grouped_gemm_swiglu_op(a, gate_up, offs)
+    check_tensor_types(a_index=a_index)
+    return _grouped_gemm_swiglu_op(a, gate_up, offs, a_index=a_index)
 
 
 # ----------------------------------------------------------------- autograd
@@ -332,19 +361,19 @@ class _InferenceOnly(torch.autograd.Function):
     backward graph runs (so a compiled forward under grad mode still works)."""
 
     @staticmethod
-    def forward(ctx, op, keyset, *args):
+    def forward(ctx, op, keyset, kwargs, *args):
         ctx.op_name = op.name()
         ctx.input_meta = [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else None
                           for t in args]
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
     @staticmethod
     def backward(ctx, grad):
         stop = torch.ops.ts_moe.backward_unsupported(grad, ctx.op_name)
         grads = [stop.to(meta[1]).expand(meta[0]) if needed and meta is not None else None
-                 for needed, meta in zip(ctx.needs_input_grad[2:], ctx.input_meta)]
-        return None, None, *grads
+                 for needed, meta in zip(ctx.needs_input_grad[3:], ctx.input_meta)]
+        return None, None, None, *grads
 
 
 def _autograd_kernel(op: torch._ops.OpOverload, backends: dict):
@@ -359,13 +388,13 @@ def _autograd_kernel(op: torch._ops.OpOverload, backends: dict):
     # (a DispatchKeySet is not hashable; comparing raw bits costs 0.1 us)
     plain = {_plain_keyset(key): fn for key, fn in backends.items()}
 
-    def kernel(keyset, *args):
+    def kernel(keyset, *args, **kwargs):
         if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad):
-            return _InferenceOnly.apply(op, keyset, *args)
+            return _InferenceOnly.apply(op, keyset, kwargs, *args)
         direct = plain.get(keyset.raw_repr())
         if direct is not None:
-            return direct(*args)
-        return op.redispatch(keyset & after_autograd, *args)
+            return direct(*args, **kwargs)
+        return op.redispatch(keyset & after_autograd, *args, **kwargs)
 
     return kernel
 

@@ -17,6 +17,23 @@ def segment_ends(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.cummax(ends, dim=0).values if ends.numel() else ends
 
 
+def gather_rows(a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
+    """``a[a_index]`` on the device, rows padded to 16 bytes; an index outside
+    ``[0, M)`` reads as a zero row (no host sync: the range is never checked
+    on the host, and no access is out of bounds)."""
+    m, k = a.shape
+    rows = a_index.shape[0]
+    align = 16 // a.element_size()
+    pad = -(-k // align) * align
+    if m == 0:
+        return a.new_zeros((rows, pad))[:, :k]
+    index = a_index.long()
+    out = a.index_select(0, index.clamp(0, m - 1))
+    if pad != k:
+        out = a.new_empty((rows, pad))[:, :k].copy_(out)
+    return out.masked_fill_(((index < 0) | (index >= m)).unsqueeze(1), 0)
+
+
 def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[r] = a[r] @ b[e]`` for rows ``r`` of expert ``e``; zeros after the last expert.

@@ -113,26 +113,47 @@ class Dispatch(NamedTuple):
     inverse: torch.Tensor
 
 
-def _check_permute_args(x, experts, num_experts) -> None:
-    for name, t in (("x", x), ("experts", experts)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+def _check_experts(experts, num_experts) -> None:
+    if not isinstance(experts, torch.Tensor):
+        raise TypeError(f"experts must be a torch.Tensor, got {type(experts).__name__}")
+    if experts.dim() != 2:
+        raise ValueError(f"experts must be 2-D, got shape {tuple(experts.shape)}")
     if experts.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"experts must be int32 or int64, got {experts.dtype}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+
+
+def _check_permute_args(x, experts, num_experts) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    _check_experts(experts, num_experts)
     if experts.shape[0] != x.shape[0]:
         raise ValueError(
             f"experts has {experts.shape[0]} rows (tokens) but x has {x.shape[0]}")
     if experts.device != x.device:
         raise ValueError(
             f"x and experts must be on one device, got {x.device} and {experts.device}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
 
 
-def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatch:
-    """Gather the token rows of ``x`` (T, H) into expert order for ``experts`` (T, top_k).
+class SlotOrder(NamedTuple):
+    """The (token, k) slots of a batch in expert order, without the token rows.
+
+    token_index: int32 (T * top_k,), the token of each slot in expert order
+    (the ``a_index`` of the first grouped GEMM); offs: int32 (E,) cumulative
+    row ends per expert; inverse: int64 (T * top_k,), ``inverse[t * top_k + k]``
+    is the position of slot (t, k) in that order.
+    """
+
+    token_index: torch.Tensor
+    offs: torch.Tensor
+    inverse: torch.Tensor
+
+
+def sort_slots(experts: torch.Tensor, num_experts: int) -> SlotOrder:
+    """The expert order of the slots of ``experts`` (T, top_k), on the device.
 
     The slots are ordered by a stable sort of the flattened expert ids, so
     within an expert they keep (token, k) order and the result is deterministic.
@@ -143,14 +164,25 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatc
     sentinels) are dropped: their slots sort after ``offs[-1]``, where the
     grouped GEMMs write zeros.
     """
-    _check_permute_args(x, experts, num_experts)
+    _check_experts(experts, num_experts)
     top_k = experts.shape[1]
     sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)
-    ids = torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype)
+    ids = torch.arange(num_experts, device=experts.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
     inverse = torch.empty_like(order).scatter_(
-        0, order, torch.arange(order.numel(), device=x.device))
-    return Dispatch(x.index_select(0, order // top_k), offs, inverse)
+        0, order, torch.arange(order.numel(), device=experts.device))
+    return SlotOrder((order // top_k).to(torch.int32), offs, inverse)
+
+
+def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatch:
+    """Gather the token rows of ``x`` (T, H) into the expert order of :func:`sort_slots`.
+
+    The MoE layer itself passes :func:`sort_slots`'s ``token_index`` to the
+    first grouped GEMM as ``a_index`` instead (no separate permuted copy).
+    """
+    _check_permute_args(x, experts, num_experts)
+    slots = sort_slots(experts, num_experts)
+    return Dispatch(x.index_select(0, slots.token_index), slots.offs, slots.inverse)
 
 
 def permute_reference(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatch:
