@@ -189,7 +189,7 @@ def test_rows_near_the_int32_limit():
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_a_index_on_the_gpu(dtype, swiglu):
     """Gathered rows (duplicates, out-of-range indices read as zero rows) on the kernel
-    path (bf16) and torch's (fp32): the CPU's result, and no host sync."""
+    path (bf16: no host sync) and torch's (fp32, whose loop syncs): the CPU's result."""
     torch.manual_seed(0)
     m, k, n, e, rows = 300, 264, 96, 6, 700
     a = torch.randn(m, 272, dtype=dtype)[:, :k]
@@ -204,7 +204,7 @@ def test_a_index_on_the_gpu(dtype, swiglu):
     ga = torch.empty(m, 272, dtype=dtype, device="cuda")[:, :k].copy_(a)
     gw, goffs, gidx = w.cuda(), offs.cuda(), a_index.cuda()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error" if dtype == BF16 else 0)
     try:
         got = op(ga, gw, goffs, a_index=gidx)
     finally:
