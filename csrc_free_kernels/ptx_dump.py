@@ -66,6 +66,22 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False, **
     return build
 
 
+def _gemm100(config, b_n_major=True, gather=True, swiglu=False, out="same"):
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        from . import grouped_gemm_sm100 as g
+
+        cfg = g.CONFIGS[config]
+        c = cutlass.Float32 if out == "float32" else cutlass.BFloat16
+        return g.GroupedGemmSm100(cfg, gather=gather, b_n_major=b_n_major, swiglu=swiglu), (
+            *g.fake_args(cutlass.BFloat16, c, b_n_major, swiglu), cutlass.Int32(2),
+            cute.runtime.make_fake_stream())
+    build.config = (config, {"gather": gather, "swiglu": swiglu})
+    return build
+
+
 BUILDS = {
     **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
     **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
@@ -99,6 +115,14 @@ BUILDS = {
     "swiglu_decode_p2": _gemm("decode_p2", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
     "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
+    # sm_100a (Blackwell): compile- and schedule-verified only
+    "sm100_gemm_n256": _gemm100("n256"),
+    "sm100_gemm_n256_bk": _gemm100("n256", b_n_major=False),
+    "sm100_gemm_n256_dense": _gemm100("n256", gather=False),
+    "sm100_gemm_n256_f32_out": _gemm100("n256", out="float32"),
+    "sm100_gemm_n128": _gemm100("n128"),
+    "sm100_swiglu_n256": _gemm100("n256", b_n_major=False, swiglu=True),
+    "sm100_swiglu_n128": _gemm100("n128", b_n_major=False, swiglu=True),
 }
 
 

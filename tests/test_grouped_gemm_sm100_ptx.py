@@ -1,0 +1,91 @@
+"""CPU: every sm_100a configuration of the Blackwell grouped GEMM compiles, and its
+PTX has the instructions its design relies on.  No Blackwell GPU exists here:
+this (with the protocol model check) is all the verification the kernel has."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from csrc_free_kernels import ptx_dump
+
+BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("sm100_")]
+PEER_BIT = 1 << 24
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    return ptx_dump.dump("sm_100a", BUILDS, str(tmp_path_factory.mktemp("sm100")))
+
+
+def test_every_configuration_is_built(ptx):
+    from csrc_free_kernels import grouped_gemm_sm100 as g
+
+    assert set(BUILDS) <= set(ptx)
+    built = {ptx_dump.BUILDS[n].config[0] for n in BUILDS}
+    assert built == set(g.CONFIGS)
+    assert any(ptx_dump.BUILDS[n].config[1]["swiglu"] for n in BUILDS)
+    assert any(not ptx_dump.BUILDS[n].config[1]["gather"] for n in BUILDS)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_two_cta_mma_and_commits(ptx, name):
+    text = ptx[name]
+    assert re.search(r"tcgen05\.mma\.cta_group::2\.kind::f16", text)
+    assert "tcgen05.mma.cta_group::1" not in text
+    # the MMA releases the token and weight stages and commits the accumulator:
+    # tcgen05.commit multicast to the pair
+    commits = re.findall(r"tcgen05\.commit\.cta_group::2\.mbarrier::arrive::one"
+                         r"\.shared::cluster\.multicast::cluster\.b64", text)
+    assert len(commits) >= 3
+    assert re.search(r"tcgen05\.alloc\.cta_group::2", text)
+    assert re.search(r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32", text)
+    assert ".local" not in text  # nothing spilled to local memory in the PTX
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_gather_commits_to_the_leader_barrier(ptx, name):
+    """Each gather thread: 16-byte cp.async, wait, proxy fence, then one
+    mbarrier.arrive...shared::cluster on its full barrier's address with the peer
+    bit cleared (the leader CTA's barrier), never a destination-rank arrive."""
+    text = ptx[name]
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 16;", text)) >= 1
+    masked = dict(re.findall(r"and\.b32\s+(%r\d+),\s*%r\d+,\s*(-?\d+);", text))
+    commits = [m for m in re.finditer(
+        r"fence\.proxy\.async\.shared::cta;\s*and\.b32\s+(%r\d+),\s*%r\d+,\s*(-?\d+);"
+        r"(?:\s*//[^\n]*)*\s*mbarrier\.arrive(\.release\.cluster)?\.shared::cluster\.b64\s+_,"
+        r"\s*\[(%r\d+)\];", text)]
+    assert len(commits) == 1, "one per-thread commit site in the gather loop"
+    reg, mask, _, arrive_reg = commits[0].groups()
+    assert reg == arrive_reg and masked[reg] == mask
+    assert (int(mask) & 0xFFFFFFFF) & PEER_BIT == 0, "the peer bit must be cleared"
+    assert (int(mask) & 0xFFFFFFFF) | 0xFF == 0xFEFFFFFF | 0xFF, "only the peer bit (and alignment)"
+    # the gather barrier counts every gather thread of both CTAs: 256 arrivals
+    assert re.search(r"mov\.b32\s+%r\d+, 256;\s*mbarrier\.init\.shared\.b64", text)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_weights_by_tma_armed_once_per_stage(ptx, name):
+    text = ptx[name]
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\.tile"
+                       r"\.mbarrier::complete_tx::bytes[^ ]*\.cta_group::2", text)
+    assert loads, "2-CTA TMA loads of the weight halves"
+    # one arming site: the leader's expect_tx with both halves' bytes
+    assert len(re.findall(r"mbarrier\.arrive\.expect_tx", text)) == 1
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
+@pytest.mark.parametrize("name", BUILDS)
+def test_no_spills_when_assembled(ptx, name, tmp_path):
+    """ptxas for sm_100a: registers per configuration, and no spill."""
+    src = tmp_path / f"{name}.ptx"
+    src.write_text(ptx[name])
+    proc = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(src), "-o", str(tmp_path / "k")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = proc.stderr + proc.stdout
+    registers = int(re.search(r"Used (\d+) registers", info).group(1))
+    print(f"{name}: {registers} registers")
+    assert "0 bytes spill stores, 0 bytes spill loads" in info
+    assert registers * 320 <= 65536  # one CTA of 320 threads per SM
