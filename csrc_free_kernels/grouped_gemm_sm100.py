@@ -81,6 +81,23 @@ GATHER_WARPS = 4
 THREADS = 32 * (Warp.GATHER + GATHER_WARPS)
 
 
+@dataclass(frozen=True)
+class Protocol:
+    """Arrival counts of the kernel's mbarriers, per stage: the pipelines are built
+    from these, and ``tests/sm100_protocol_model.py`` model-checks them.  The
+    full barriers that matter are the leader CTA's: the MMA waits only there."""
+
+    a_full: int = 2 * 32 * GATHER_WARPS   # every gather thread of both CTAs
+    a_empty: int = 1                      # the MMA's tcgen05.commit, multicast to the pair
+    b_full: int = 1                       # the leader's expect_tx (both halves' bytes)
+    b_empty: int = 1                      # tcgen05.commit, multicast
+    acc_full: int = 1                     # tcgen05.commit, multicast
+    acc_empty: int = 2 * EPILOGUE_WARPS   # one elected thread per epilogue warp of both CTAs
+
+
+PROTOCOL = Protocol()
+
+
 class Barrier(enum.IntEnum):
     """Named barriers (id 0 is the CTA-wide one)."""
 
@@ -294,28 +311,27 @@ class GroupedGemmSm100:
     def make_pipelines(self, storage, cluster_layout_vmnk):
         """The three pipelines of the class docstring (inits fenced; the caller
         syncs the cluster once for all of them and the schedule)."""
+        counts = PROTOCOL
         a_pipe = ts_pipeline.TSPipelineAsyncUmma.create(
             num_stages=self.stages,
-            # every gather thread of both CTAs arrives on the leader's barrier
-            producer_group=cp.CooperativeGroup(cp.Agent.Thread, 2 * 32 * GATHER_WARPS),
-            consumer_group=cp.CooperativeGroup(cp.Agent.Thread),
+            producer_group=cp.CooperativeGroup(cp.Agent.Thread, counts.a_full),
+            consumer_group=cp.CooperativeGroup(cp.Agent.Thread, counts.a_empty),
             barrier_storage=storage.a_barriers.data_ptr(),
             cta_layout_vmnk=cluster_layout_vmnk,
             producer_op=cp.PipelineOp.AsyncThread,
             defer_sync=True)
         b_pipe = cp.PipelineTmaUmma.create(
             num_stages=self.stages,
-            producer_group=cp.CooperativeGroup(cp.Agent.Thread),
-            consumer_group=cp.CooperativeGroup(cp.Agent.Thread),
+            producer_group=cp.CooperativeGroup(cp.Agent.Thread, counts.b_full),
+            consumer_group=cp.CooperativeGroup(cp.Agent.Thread, counts.b_empty),
             tx_count=self.b_tx_bytes,
             barrier_storage=storage.b_barriers.data_ptr(),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True)
         acc_pipe = cp.PipelineUmmaAsync.create(
             num_stages=self.acc_stages,
-            producer_group=cp.CooperativeGroup(cp.Agent.Thread),
-            # the epilogue warps of both CTAs release a stage
-            consumer_group=cp.CooperativeGroup(cp.Agent.Thread, 2 * EPILOGUE_WARPS),
+            producer_group=cp.CooperativeGroup(cp.Agent.Thread, counts.acc_full),
+            consumer_group=cp.CooperativeGroup(cp.Agent.Thread, counts.acc_empty),
             barrier_storage=storage.acc_barriers.data_ptr(),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True)
