@@ -580,6 +580,13 @@ def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, 
     return kcompile.get_compiled(key, build)
 
 
+def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfigSm100 | None:
+    """The fused SwiGLU tiles for these shapes, or None where I is not a multiple
+    of ``tile_n / 2`` (the caller then runs the GEMM and the activation apart)."""
+    cfg = choose_config(num_experts, two_inter, k, m)
+    return cfg if (two_inter // 2) % (cfg.tile_n // 2) == 0 else None
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *,
                  a_index: torch.Tensor | None = None, swiglu: bool = False,
                  config: TileConfigSm100 | None = None) -> torch.Tensor:

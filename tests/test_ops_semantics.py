@@ -351,3 +351,79 @@ def test_sort_slots_is_permutes_order():
     assert torch.equal(x[slots.token_index.long()], dispatch.x_sorted)
     assert torch.equal(slots.offs, dispatch.offs) and torch.equal(slots.inverse, dispatch.inverse)
     assert slots.token_index.tolist() == [0, 2, 1, 3, 0, 1, 3, 2]
+
+
+# ------------------------------------------------- sm_100 kernel: opt-in only
+def test_sm100_kernel_only_on_opt_in():
+    for cap in ((10, 0),):
+        assert choose_path(cap, BF16, None, 8) is Path.TORCH_GROUPED_MM
+        assert choose_path(cap, BF16, None, 8, sm100_opt_in=True) is Path.KERNEL_SM100
+        assert choose_path(cap, torch.float16, torch.float32, 8,
+                           sm100_opt_in=True) is Path.KERNEL_SM100
+    assert choose_path((10, 0), torch.float32, None, 8, sm100_opt_in=True) is \
+        Path.TORCH_GROUPED_MM
+    assert choose_path((10, 3), BF16, None, 8, sm100_opt_in=True) is Path.TORCH_GROUPED_MM
+    assert choose_path((10, 0), BF16, None, 1024, sm100_opt_in=True) is Path.TORCH_GROUPED_MM
+
+
+class _FakeSm100:
+    """Stands in for csrc_free_kernels.grouped_gemm_sm100 on the CPU: records the launch."""
+
+    MAX_EXPERTS = 512
+
+    def __init__(self):
+        self.calls = []
+
+    def grouped_gemm(self, a, b, offs, out, *, a_index=None, swiglu=False):
+        self.calls.append(dict(a=a, b=b, offs=offs, out=out, a_index=a_index, swiglu=swiglu))
+        return out.fill_(7)
+
+    @staticmethod
+    def swiglu_config(num_experts, two_inter, k, m):
+        return "n256" if (two_inter // 2) % 128 == 0 else None
+
+
+def test_use_sm100_kernel_switches_the_path(monkeypatch):
+    from ts_moe import ops
+
+    fake = _FakeSm100()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
+    monkeypatch.setattr(ops, "_kernels", lambda index: fake)
+    ops._cuda_path.cache_clear()
+    try:
+        assert ops.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
+        ts_moe.use_sm100_kernel()
+        assert ops.cuda_path(0, BF16) == (Path.KERNEL_SM100, fake)
+        ts_moe.use_sm100_kernel(False)
+        assert ops.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
+    finally:
+        ts_moe.use_sm100_kernel(False)
+        ops._cuda_path.cache_clear()
+
+
+def test_sm100_path_passes_the_gather_to_the_kernel():
+    from ts_moe.ops import _grouped_gemm_run, _swiglu_run
+
+    fake = _FakeSm100()
+    a, b, offs = torch.randn(40, 64).to(BF16), torch.randn(3, 64, 24).to(BF16), _offs([9, 0, 20])
+    a_index = torch.randint(0, 40, (33,), dtype=torch.int32)
+    out = _grouped_gemm_run(Path.KERNEL_SM100, fake, a, b, offs, None, a_index)
+    call = fake.calls[-1]
+    assert call["a_index"] is a_index and call["out"].shape == (33, 24) and not call["swiglu"]
+    assert (out == 7).all()
+    gate_up = torch.randn(3, 256, 64).to(BF16)  # I = 128: the fused kernel's tiles fit
+    h = _swiglu_run(Path.KERNEL_SM100, fake, a, gate_up, offs, a_index)
+    call = fake.calls[-1]
+    assert call["swiglu"] and call["b"].shape == (3, 64, 256) and call["b"].stride(1) == 1
+    assert h.shape == (33, 128)
+    # what the kernel cannot take goes to torch's grouped_mm, with the same results
+    n_calls = len(fake.calls)
+    odd_k, b60 = torch.randn(40, 72).to(BF16)[:, :60], torch.randn(3, 60, 24).to(BF16)
+    got = _grouped_gemm_run(Path.KERNEL_SM100, fake, odd_k, b60, offs, None, a_index)
+    assert len(fake.calls) == n_calls  # K = 60: not whole 16-byte chunks
+    assert rel_err(got, _gathered_loop(odd_k, b60, offs, a_index)) < 1e-2
+    small_i = torch.randn(3, 96, 64).to(BF16)  # I = 48: two passes
+    h = _swiglu_run(Path.KERNEL_SM100, fake, a, small_i, offs, a_index)
+    ref = _gathered_loop(a, small_i.transpose(1, 2), offs, a_index)
+    assert len(fake.calls) == n_calls
+    assert rel_err(h, F.silu(ref[:, :48]) * ref[:, 48:]) < 1e-2

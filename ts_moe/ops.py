@@ -33,6 +33,7 @@ graphs alike, instead of leaving gradients silently missing.
 
 import enum
 import functools
+import importlib
 import os
 
 import torch
@@ -53,6 +54,7 @@ _lib.define("backward_unsupported(Tensor grad, str op) -> Tensor")
 # ------------------------------------------------------------------ paths
 class Path(enum.Enum):
     KERNEL_SM90 = "ts_moe CuTeDSL kernels (sm_90a)"
+    KERNEL_SM100 = "ts_moe CuTeDSL kernel (sm_100a; opted in, never run on hardware here)"
     TORCH_GROUPED_MM = "torch._grouped_mm"
     REFERENCE = "plain-torch reference (reads offs on the host)"
 
@@ -60,19 +62,24 @@ class Path(enum.Enum):
 def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
                 out_dtype: torch.dtype | None, num_experts: int, *,
                 kernels_available: bool = True, kernel_max_experts: int = 512,
-                has_torch_grouped_mm: bool = True) -> Path:
+                has_torch_grouped_mm: bool = True, sm100_opt_in: bool = False) -> Path:
     """The path of a call on a device of compute ``capability`` (None: the CPU).
 
     torch's grouped_mm takes its CUTLASS fast path only on sm_90 and sm_100
     (10.x) for bf16 in and out; elsewhere it loops over the experts with a host
     sync, which the reference does too, so it serves only float32 (which our
-    kernels don't take).
+    kernels don't take).  Capability 10.0 runs the sm_100a kernel only after
+    :func:`use_sm100_kernel` (it has never run on a Blackwell GPU).
     """
     if capability is None:
         return Path.REFERENCE
-    if (capability == (9, 0) and kernels_available and dtype in (torch.bfloat16, torch.float16)
+    half = dtype in (torch.bfloat16, torch.float16)
+    if (capability == (9, 0) and kernels_available and half
             and num_experts <= kernel_max_experts):
         return Path.KERNEL_SM90
+    if (capability == (10, 0) and sm100_opt_in and kernels_available and half
+            and num_experts <= kernel_max_experts):
+        return Path.KERNEL_SM100
     if has_torch_grouped_mm:
         if dtype == torch.float32:
             return Path.TORCH_GROUPED_MM
@@ -84,28 +91,49 @@ def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
 
 @functools.cache
 def _kernels(device_index: int):
-    """The sm_90 kernel module when it can run on this CUDA device, else None."""
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
+    """The kernel module for this CUDA device's arch (sm_90, sm_100), else None."""
+    module = {(9, 0): "grouped_gemm_sm90", (10, 0): "grouped_gemm_sm100"}.get(
+        torch.cuda.get_device_capability(device_index))
+    if module is None:
         return None
     try:
-        from csrc_free_kernels import grouped_gemm_sm90
+        return importlib.import_module(f"csrc_free_kernels.{module}")
     except ImportError:  # no cutlass (nvidia-cutlass-dsl) in this environment
         return None
-    return grouped_gemm_sm90
 
 
-@functools.cache
+_sm100_opt_in = False
+
+
+def use_sm100_kernel(enabled: bool = True) -> None:
+    """Run bf16/fp16 calls on Blackwell (capability 10.0) on ts_moe's sm_100a kernel.
+
+    Off by default: the kernel compiles, its PTX is checked and its barrier
+    protocol model-checked, but it has never run on a Blackwell GPU here, so
+    sm_100 gets ``torch._grouped_mm`` unless a user opts in (for example to
+    try it on hardware).  Takes effect on the next call.
+    """
+    global _sm100_opt_in
+    _sm100_opt_in = bool(enabled)
+
+
 def cuda_path(device_index: int, dtype: torch.dtype, out_dtype: torch.dtype | None = None,
               num_experts: int = 1):
     """``(path, kernel module or None)`` of a call on CUDA device ``device_index``
     (``TS_MOE_REFERENCE=1``, read at a device's first call: the reference)."""
+    return _cuda_path(device_index, dtype, out_dtype, num_experts, _sm100_opt_in)
+
+
+@functools.cache
+def _cuda_path(device_index, dtype, out_dtype, num_experts, sm100_opt_in):
     if os.environ.get("TS_MOE_REFERENCE") == "1":
         return Path.REFERENCE, None
     kernels = _kernels(device_index)
     path = choose_path(torch.cuda.get_device_capability(device_index), dtype, out_dtype,
                        num_experts, kernels_available=kernels is not None,
                        kernel_max_experts=kernels.MAX_EXPERTS if kernels else 0,
-                       has_torch_grouped_mm=hasattr(torch, "_grouped_mm"))
+                       has_torch_grouped_mm=hasattr(torch, "_grouped_mm"),
+                       sm100_opt_in=sm100_opt_in)
     return path, kernels
 
 
@@ -166,17 +194,24 @@ def _torch_grouped_mm(a, b, offs, out_dtype=None) -> torch.Tensor:
 
 
 # ------------------------------------------------------------- grouped_gemm
-def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None) -> torch.Tensor:
-    """Any validated call on ``path``, the degenerate sizes included."""
-    m, n = a.shape[0], b.shape[2]
+def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None, a_index=None):
+    """Any validated call on ``path``, the degenerate sizes included; ``a_index``
+    only for the sm_100 kernel (which gathers), the others take gathered rows."""
+    m, n = (a if a_index is None else a_index).shape[0], b.shape[2]
     out_dtype = out_dtype or a.dtype
     if m == 0 or n == 0 or a.shape[1] == 0 or b.shape[0] == 0:
         return _empty_output(a, m, n, out_dtype).zero_()
+    if path is Path.KERNEL_SM100 and a.shape[1] % 8 == 0:  # 16-byte gathered chunks
+        return kernels.grouped_gemm(_tma_view(a, 1),
+                                    _tma_view(b, contiguous_dim(b.shape, b.stride())), offs,
+                                    _empty_output(a, m, n, out_dtype), a_index=a_index)
+    if a_index is not None:
+        a = gather_rows(a, a_index)
     if path is Path.KERNEL_SM90:
         out = _empty_output(a, m, n, out_dtype)
         return kernels.grouped_gemm(_tma_view(a, 1), _tma_view(b, contiguous_dim(b.shape, b.stride())),
                                     offs, out_dtype, out=out)
-    if path is Path.TORCH_GROUPED_MM:
+    if path is Path.TORCH_GROUPED_MM or path is Path.KERNEL_SM100:
         return _torch_grouped_mm(a, b, offs, out_dtype)
     return _empty_output(a, m, n, out_dtype).copy_(grouped_gemm_reference(a, b, offs, out_dtype))
 
@@ -192,9 +227,10 @@ def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
     index = a.get_device()
     path, kernels = cuda_path(index, a.dtype, out_dtype, b.shape[0])
     if a_index is not None:
-        # no Hopper gather path yet: validate, gather on the device, then as usual
         check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
-        a = gather_rows(a, a_index)
+        if path is Path.KERNEL_SM100:  # the kernel gathers itself
+            return _grouped_gemm_run(path, kernels, a, b, offs, out_dtype, a_index)
+        a = gather_rows(a, a_index)  # no Hopper gather path yet: on the device, first
     if path is Path.KERNEL_SM90 and plausible_kernel_args(a, b, offs, out_dtype, index):
         m, n = a.shape[0], b.shape[2]
         if n % 8:
@@ -252,13 +288,26 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 
 
 # ------------------------------------------------------ grouped_gemm_swiglu
-def _swiglu_run(path: Path, kernels, a, gate_up, offs) -> torch.Tensor:
+def _swiglu_run(path: Path, kernels, a, gate_up, offs, a_index=None) -> torch.Tensor:
     """Any validated call on ``path``: the fused kernel where its tiles fit I,
-    else the GEMM to (M, 2I) and the activation in fp32 apart."""
-    m, k = a.shape
+    else the GEMM to (M, 2I) and the activation in fp32 apart; ``a_index`` only
+    for the sm_100 kernel (which gathers), the others take gathered rows."""
+    k = a.shape[1]
+    m = (a if a_index is None else a_index).shape[0]
     num_experts, two_i, _ = gate_up.shape
     if m == 0 or two_i == 0 or k == 0 or num_experts == 0:
         return _empty_output(a, m, two_i // 2, a.dtype).zero_()
+    if path is Path.KERNEL_SM100:
+        if k % 8 == 0 and kernels.swiglu_config(num_experts, two_i, k, m) is not None:
+            return kernels.grouped_gemm(
+                _tma_view(a, 1), _tma_view(gate_up, 2).transpose(-2, -1), offs,
+                _empty_output(a, m, two_i // 2, a.dtype), a_index=a_index, swiglu=True)
+        if a_index is not None:
+            a = gather_rows(a, a_index)
+        h = _torch_grouped_mm(a, gate_up.transpose(-2, -1), offs).float()
+        return _empty_output(a, m, two_i // 2, a.dtype).copy_(swiglu(h, a.dtype))
+    if a_index is not None:
+        a = gather_rows(a, a_index)
     if path is Path.KERNEL_SM90:
         config = kernels.swiglu_config(num_experts, two_i, k, m)
         if config is not None:
@@ -289,9 +338,11 @@ def _grouped_gemm_swiglu_cpu(a, gate_up, offs, *, a_index=None):
 def _grouped_gemm_swiglu_cuda(a, gate_up, offs, *, a_index=None):
     index = a.get_device()
     path, kernels = cuda_path(index, a.dtype, None, gate_up.shape[0])
-    if a_index is not None:  # no Hopper gather path yet
+    if a_index is not None:
         check_swiglu_args(a, gate_up, offs, a_index=a_index)
-        a = gather_rows(a, a_index)
+        if path is Path.KERNEL_SM100:  # the kernel gathers itself
+            return _swiglu_run(path, kernels, a, gate_up, offs, a_index)
+        a = gather_rows(a, a_index)  # no Hopper gather path yet: on the device, first
     if (path is Path.KERNEL_SM90 and plausible_kernel_args(a, gate_up, offs, None, index)
             and gate_up.shape[1] % 2 == 0):
         m, k = a.shape
