@@ -44,6 +44,37 @@ def sym_dims(n: int, divisibility: int = 1) -> list:
     return [cute.sym_int(divisibility=divisibility) for _ in range(n)]
 
 
+def fake_gemm_args(a_dtype, c_dtype, b_n_major: bool, *, own_n_out: bool = False,
+                   row_index: bool = False, gather: bool = False) -> tuple:
+    """The grouped GEMMs' symbolic arguments: (M, K) tokens, (E, K, N) weights
+    (N-major, or K-major: ``w.transpose(-2, -1)``), (M', N') output, (E,) offs,
+    and with ``row_index`` an int32 row index.
+
+    Strides are symbolic multiples of 16 bytes, sizes free (the TMA
+    zero-fills K and N tails; callers allocate outputs with 16-byte rows, as
+    torch does); shared symbols are checked to agree at every call.
+    ``own_n_out``: N' is its own size (the SwiGLU output), else N.
+    ``gather``: the output has the index's M' rows, else A's M (and the index,
+    if any, is a placeholder of any length)."""
+    m, k, n, e = sym_dims(4)
+    n_out = sym_dims(1)[0] if own_n_out else n
+
+    def s(dtype):
+        return cute.sym_int64(divisibility=128 // dtype.width)
+
+    f = cute.runtime.make_fake_tensor
+    a = f(a_dtype, (m, k), (s(a_dtype), 1), assumed_align=16)
+    b = f(a_dtype, (e, k, n), (s(a_dtype), s(a_dtype), 1) if b_n_major
+          else (s(a_dtype), 1, s(a_dtype)), assumed_align=16)
+    index_rows = sym_dims(1)[0] if row_index else None
+    c = f(c_dtype, (index_rows if gather else m, n_out), (s(c_dtype), 1), assumed_align=16)
+    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    if not row_index:
+        return a, b, c, offs
+    index = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (index_rows,), assumed_align=4)
+    return a, b, c, offs, index
+
+
 def fake_stream():
     """The stream argument: TVM-FFI passes torch's current stream."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

@@ -338,17 +338,6 @@ class GroupedGemmSm100:
         cute.arch.mbarrier_init_fence()
         return a_pipe, b_pipe, acc_pipe
 
-    @cute.jit
-    def token_row(self, mIndex: cute.Tensor, row, m_rows_a):
-        """The row of ``a`` that output row ``row`` reads, and whether it exists
-        (a gathered index outside ``[0, M)`` reads as a zero row)."""
-        src = row
-        ok = cutlass.Boolean(True)
-        if cutlass.const_expr(self.gather):
-            src = mIndex[row]
-            ok = src >= 0 and src < m_rows_a
-        return src, ok
-
     def a_load_layout(self):
         """The A stages as (128 rows, tile_k, stages): the swizzle atom the MMA's
         layout is tiled from, tiled in (row, k, stage) order, so it addresses the
@@ -547,23 +536,12 @@ _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float
                   torch.float32: cutlass.Float32}
 
 
-def fake_args(a_dtype, c_dtype, b_n_major: bool, swiglu: bool = False):
-    """Symbolic (M, K), (E, K, N), (M', N'), (E,), (M',) tensors with 16-byte strides
-    (``N' = N / 2`` for SwiGLU; ``M'`` the gathered rows)."""
-    m, k, n, e, m_out = kcompile.sym_dims(5)
-    n_out = kcompile.sym_dims(1)[0] if swiglu else n
-
-    def s(dtype):
-        return cute.sym_int64(divisibility=128 // dtype.width)
-
-    f = cute.runtime.make_fake_tensor
-    a = f(a_dtype, (m, k), (s(a_dtype), 1), assumed_align=16)
-    b = f(a_dtype, (e, k, n), (s(a_dtype), s(a_dtype), 1) if b_n_major
-          else (s(a_dtype), 1, s(a_dtype)), assumed_align=16)
-    c = f(c_dtype, (m_out, n_out), (s(c_dtype), 1), assumed_align=16)
-    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    index = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (m_out,), assumed_align=4)
-    return a, b, c, offs, index
+def fake_args(a_dtype, c_dtype, b_n_major: bool, swiglu: bool = False, gather: bool = True):
+    """Symbolic (M, K), (E, K, N), (M', N'), (E,) and row-index tensors (``N' = N / 2``
+    for SwiGLU; gathering: M' rows, the index's length; else M' = M and the index
+    is a placeholder of any length)."""
+    return kcompile.fake_gemm_args(a_dtype, c_dtype, b_n_major, own_n_out=swiglu,
+                                   row_index=True, gather=gather)
 
 
 @functools.cache
@@ -575,7 +553,7 @@ def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, 
     def build():
         kernel = GroupedGemmSm100(config, gather=gather, b_n_major=b_n_major, swiglu=swiglu)
         return kernel, (*fake_args(_TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype], b_n_major,
-                                   swiglu), cutlass.Int32(2), kcompile.fake_stream())
+                                   swiglu, gather), cutlass.Int32(2), kcompile.fake_stream())
 
     return kcompile.get_compiled(key, build)
 

@@ -618,26 +618,11 @@ _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float
 
 
 def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
-    """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides.
-
-    Shared symbols are checked to agree at every call; ``N' = N`` except for
-    the SwiGLU kernel, whose output has half the weight's columns.  Only the
-    strides are aligned, not K or N: the TMA zero-fills the K and N tails, and
-    the epilogue's 16-byte stores of a ragged last vector land in the row's
-    padding (callers allocate C with 16-byte aligned rows, as torch does)."""
-    m, k, n, e = kcompile.sym_dims(4)
-    n_out = kcompile.sym_dims(1)[0] if issubclass(kernel_cls, GroupedGemmSwigluSm90) else n
-
-    def s(dtype):
-        return cute.sym_int64(divisibility=128 // dtype.width)
-
-    f = cute.runtime.make_fake_tensor
-    a = f(a_dtype, (m, k), (s(a_dtype), 1), assumed_align=16)
-    b = f(a_dtype, (e, k, n), (s(a_dtype), s(a_dtype), 1) if b_n_major
-          else (s(a_dtype), 1, s(a_dtype)), assumed_align=16)
-    c = f(c_dtype, (m, n_out), (s(c_dtype), 1), assumed_align=16)
-    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    return a, b, c, offs
+    """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides
+    (``N' = N`` except for the SwiGLU kernel, whose output has half the
+    weight's columns): :func:`csrc_free_kernels.compile.fake_gemm_args`."""
+    return kcompile.fake_gemm_args(
+        a_dtype, c_dtype, b_n_major, own_n_out=issubclass(kernel_cls, GroupedGemmSwigluSm90))
 
 
 def _row_major(t: torch.Tensor) -> bool:

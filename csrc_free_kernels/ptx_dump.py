@@ -76,7 +76,7 @@ def _gemm100(config, b_n_major=True, gather=True, swiglu=False, out="same"):
         cfg = g.CONFIGS[config]
         c = cutlass.Float32 if out == "float32" else cutlass.BFloat16
         return g.GroupedGemmSm100(cfg, gather=gather, b_n_major=b_n_major, swiglu=swiglu), (
-            *g.fake_args(cutlass.BFloat16, c, b_n_major, swiglu), cutlass.Int32(2),
+            *g.fake_args(cutlass.BFloat16, c, b_n_major, swiglu, gather), cutlass.Int32(2),
             cute.runtime.make_fake_stream())
     build.config = (config, {"gather": gather, "swiglu": swiglu})
     return build
