@@ -61,7 +61,8 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 148) 
 
     A first rule, from tile counts alone: never measured, as nothing here has
     run on a Blackwell GPU."""
-    pair_tiles = max(-(-m // 256), 1) * max(num_experts // max(-(-m // 256), 1), 1)
+    # at least one 256-row tile per expert holding rows, and at most M experts do
+    pair_tiles = max(-(-m // 256), min(num_experts, m), 1)
     waves = -(-n // WIDE.tile_n) * pair_tiles / (num_sms // 2)
     return WIDE if waves >= 2 else NARROW
 
@@ -290,7 +291,7 @@ class GroupedGemmSm100:
             self.gather_tokens(mA, mIndex, storage.sA.get_tensor(load.outer, swizzle=load.inner),
                                a_pipe, tidx - 32 * Warp.GATHER, sched, k_tiles)
         elif warp_idx == Warp.LOAD_B:
-            self.load_weights(tma_atom_b, mB, sB, b_pipe, tiled_mma, cluster_layout_vmnk,
+            self.load_weights(tma_atom_b, mB, sB, b_pipe, tiled_mma,
                               sched, k_tiles)
         elif warp_idx == Warp.MMA:
             tmem.wait_for_alloc()
@@ -413,8 +414,8 @@ class GroupedGemmSm100:
         a_pipe.producer_tail(state)
 
     @cute.jit
-    def load_weights(self, tma_atom_b, mB, sB, b_pipe, tiled_mma, cluster_layout_vmnk,
-                     sched: TileScheduler, k_tiles):
+    def load_weights(self, tma_atom_b, mB, sB, b_pipe, tiled_mma, sched: TileScheduler,
+                     k_tiles):
         """LOAD_B: this CTA's half of each weight k-tile, by TMA, into the leader's barrier."""
         cta_v = sched.cta_rank
         # (bN, bK, RestN, RestK, E)
@@ -558,6 +559,12 @@ def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, 
     return kcompile.get_compiled(key, build)
 
 
+@functools.cache
+def _num_ctas(device_index: int) -> int:
+    """One CTA per SM, whole pairs (cached: it is on every call's path)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count // 2 * 2
+
+
 def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfigSm100 | None:
     """The fused SwiGLU tiles for these shapes, or None where I is not a multiple
     of ``tile_n / 2`` (the caller then runs the GEMM and the activation apart)."""
@@ -588,6 +595,6 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torc
         return out
     index = a_index if a_index is not None else offs  # unread without gathering
     fn = compiled_kernel(cfg, a.dtype, out.dtype, b.stride(-1) == 1, a_index is not None, swiglu)
-    sms = torch.cuda.get_device_properties(a.get_device()).multi_processor_count
-    fn(a if a.stride(-1) == 1 else a.contiguous(), b, out, offs, index, sms // 2 * 2)
+    fn(a if a.stride(-1) == 1 else a.contiguous(), b, out, offs, index,
+       _num_ctas(a.get_device()))
     return out

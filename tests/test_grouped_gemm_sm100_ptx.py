@@ -120,3 +120,13 @@ def test_gather_writes_the_bytes_the_mma_reads(tmp_path):
     assert lines["MMA"] == "S<3,4,3> o 0 o ((128,16),1,4,6):((64,1),0,16,8192)"
     # gather view: ((r%8, r//8), (k, 1), (1, stages)) -> 64 (r%8) + 512 (r//8) + k + 8192 s
     assert lines["LOAD"] == "S<3,4,3> o 0 o ((8,16),(64,1),(1,6)):((64,512),(1,0),(0,8192))"
+
+
+def test_choose_config_counts_pair_tiles():
+    """256 columns while they make two waves of pair tiles over 74 pairs, else 128."""
+    from csrc_free_kernels import grouped_gemm_sm100 as g
+
+    assert g.choose_config(8, 28672, 4096, 16384) is g.WIDE       # Mixtral gate_up, prefill
+    assert g.choose_config(8, 4096, 14336, 32) is g.NARROW        # Mixtral down, decode
+    assert g.choose_config(256, 4096, 7168, 8192) is g.WIDE       # DeepSeek gate_up: 256 experts
+    assert g.choose_config(256, 4096, 7168, 8) is g.NARROW        # 8 rows: 8 experts at most

@@ -201,17 +201,19 @@ def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None, a_index=N
     out_dtype = out_dtype or a.dtype
     if m == 0 or n == 0 or a.shape[1] == 0 or b.shape[0] == 0:
         return _empty_output(a, m, n, out_dtype).zero_()
-    if path is Path.KERNEL_SM100 and a.shape[1] % 8 == 0:  # 16-byte gathered chunks
-        return kernels.grouped_gemm(_tma_view(a, 1),
-                                    _tma_view(b, contiguous_dim(b.shape, b.stride())), offs,
-                                    _empty_output(a, m, n, out_dtype), a_index=a_index)
+    if path is Path.KERNEL_SM100:
+        if a.shape[1] % 8 == 0:  # the kernel gathers whole 16-byte chunks
+            return kernels.grouped_gemm(_tma_view(a, 1),
+                                        _tma_view(b, contiguous_dim(b.shape, b.stride())), offs,
+                                        _empty_output(a, m, n, out_dtype), a_index=a_index)
+        path = Path.TORCH_GROUPED_MM
     if a_index is not None:
         a = gather_rows(a, a_index)
     if path is Path.KERNEL_SM90:
         out = _empty_output(a, m, n, out_dtype)
         return kernels.grouped_gemm(_tma_view(a, 1), _tma_view(b, contiguous_dim(b.shape, b.stride())),
                                     offs, out_dtype, out=out)
-    if path is Path.TORCH_GROUPED_MM or path is Path.KERNEL_SM100:
+    if path is Path.TORCH_GROUPED_MM:
         return _torch_grouped_mm(a, b, offs, out_dtype)
     return _empty_output(a, m, n, out_dtype).copy_(grouped_gemm_reference(a, b, offs, out_dtype))
 
@@ -302,10 +304,7 @@ def _swiglu_run(path: Path, kernels, a, gate_up, offs, a_index=None) -> torch.Te
             return kernels.grouped_gemm(
                 _tma_view(a, 1), _tma_view(gate_up, 2).transpose(-2, -1), offs,
                 _empty_output(a, m, two_i // 2, a.dtype), a_index=a_index, swiglu=True)
-        if a_index is not None:
-            a = gather_rows(a, a_index)
-        h = _torch_grouped_mm(a, gate_up.transpose(-2, -1), offs).float()
-        return _empty_output(a, m, two_i // 2, a.dtype).copy_(swiglu(h, a.dtype))
+        path = Path.TORCH_GROUPED_MM  # what the kernel cannot take
     if a_index is not None:
         a = gather_rows(a, a_index)
     if path is Path.KERNEL_SM90:
