@@ -82,6 +82,20 @@ def _gemm100(config, b_n_major=True, gather=True, swiglu=False, out="same"):
     return build
 
 
+def _dw(config, dtype="bfloat16", out="same"):
+    def build():
+        import cutlass
+
+        from . import grouped_gemm_dw_sm90 as g
+
+        ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
+        c = cutlass.Float32 if out == "float32" else ab
+        return g.GroupedGemmDwSm90(g.CONFIGS[config]), (
+            *g._fake_args(ab, c), cutlass.Int32(1), cutlass.cute.runtime.make_fake_stream())
+    build.config = (config, {"dtype": dtype, "out": out})
+    return build
+
+
 BUILDS = {
     **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
     **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
@@ -115,6 +129,12 @@ BUILDS = {
     "swiglu_decode_p2": _gemm("decode_p2", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
     "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
+    # k-grouped GEMM (weight gradient), sm_90a
+    "dw_128x256": _dw("dw_128x256"),
+    "dw_128x256_fp16": _dw("dw_128x256", dtype="float16"),
+    "dw_128x256_f32_out": _dw("dw_128x256", out="float32"),
+    "dw_128x128": _dw("dw_128x128"),
+    "dw_128x128_f32_out": _dw("dw_128x128", out="float32"),
     # sm_100a (Blackwell): compile- and schedule-verified only
     "sm100_gemm_n256": _gemm100("n256"),
     "sm100_gemm_n256_bk": _gemm100("n256", b_n_major=False),

@@ -98,13 +98,13 @@ def test_edge_sizes(m, e):
 
 
 BAD = [
-    (lambda a, b, o: (a.double(), b.double(), o), TypeError,
-     "a must be bfloat16, float16 or float32"),
+    (lambda a, b, o: (a.to(torch.int8), b.to(torch.int8), o), TypeError,
+     "a must be bfloat16, float16, float32 or float64"),
     (lambda a, b, o: (a.float(), b, o), TypeError, "b must have a's dtype"),
     (lambda a, b, o: (a, b.half(), o), TypeError, "b must have a's dtype"),
     (lambda a, b, o: (a, b, o.long()), TypeError, "offs must be int32"),
     (lambda a, b, o: (a[None], b, o), ValueError, "a must be 2-D"),
-    (lambda a, b, o: (a, b[0], o), ValueError, "b must be 3-D"),
+    (lambda a, b, o: (a, b[0, 0], o), ValueError, "b must be 2-D or 3-D"),
     (lambda a, b, o: (a, b, o[:-1]), ValueError, "one entry per expert"),
     (lambda a, b, o: (a[:, :56], b, o), ValueError, "K mismatch"),
     (lambda a, b, o: (a, torch.randn(5, 48, 68).bfloat16()[:, :, :64].transpose(1, 2), o),

@@ -91,7 +91,7 @@ def demo(tokens: int, compile_kernels: bool) -> int:
     if compile_kernels and not kernels:
         from csrc_free_kernels import ptx_dump
 
-        names = [n for n in ptx_dump.BUILDS if n.startswith(("gemm", "swiglu"))]
+        names = [n for n in ptx_dump.BUILDS if n.startswith(("gemm", "swiglu", "dw"))]
         print(f"compiling {len(names)} kernel configurations for sm_90a (no GPU needed)...")
         with tempfile.TemporaryDirectory() as d:
             start = time.perf_counter()

@@ -14,7 +14,7 @@ overhead budget of an op call is 20 us).
 
 import torch
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: reference path
 ALIGN_BYTES = 16  # TMA and torch's grouped_mm: base address and every non-unit stride
 MAX_ROWS = 2**31 - 1  # offs is int32, and the kernels index rows in 32 bits
 
@@ -64,25 +64,42 @@ def _check_layout(name: str, shape, stride, elem: int) -> None:
                 f"{ALIGN_BYTES // elem} elements ({ALIGN_BYTES}-byte alignment)")
 
 
+def layout_ok(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides pass the ops' layout rule (:func:`_check_layout`)."""
+    try:
+        _check_layout("t", t.shape, t.stride(), t.element_size())
+    except ValueError:
+        return False
+    return True
+
+
 def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
                             k_dim: int = 1, fake: bool = False, a_index=None) -> None:
     """Validate ``grouped_gemm``-style arguments; ``b``'s K is dim ``k_dim`` (1 or 2).
+
+    ``b`` 3-D (E, K, N): the row-grouped form, ``a`` (M, K).  ``b`` 2-D (M, N)
+    (only as ``b``): the k-grouped form of ``F.grouped_mm``, ``a`` (K, M), the
+    experts split the shared dim M, the result is (E, K, N) with E =
+    ``len(offs)``.
 
     ``fake``: the tensors are fake (tracing): skip the data-pointer check,
     which is also skipped off the GPU, where only the TMA needs aligned
     pointers (safetensors memory-maps CPU weights at 8-byte offsets).
     ``a_index``: the rows are ``a[a_index]``, gathered into a fresh aligned
     tensor, so ``a``'s own strides and pointer are free and the row limit
-    applies to ``a_index``'s length.
+    applies to ``a_index``'s length (row-grouped form only).
     """
     check_tensor_types(a=a, **{b_name: b}, offs=offs)
     a_shape, b_shape = a.shape, b.shape
-    for name, shape, rank in (("a", a_shape, 2), (b_name, b_shape, 3), ("offs", offs.shape, 1)):
+    k_grouped = len(b_shape) == 2 and b_name == "b"
+    for name, shape, rank in (("a", a_shape, 2), (b_name, b_shape, 2 if k_grouped else 3),
+                              ("offs", offs.shape, 1)):
         if len(shape) != rank:
-            raise ValueError(f"{name} must be {rank}-D, got shape {tuple(shape)}")
+            expected = "2-D or 3-D" if name == "b" else f"{rank}-D"
+            raise ValueError(f"{name} must be {expected}, got shape {tuple(shape)}")
     dtype = a.dtype
     if dtype not in DTYPES:
-        raise TypeError(f"a must be bfloat16, float16 or float32, got {dtype}")
+        raise TypeError(f"a must be bfloat16, float16, float32 or float64, got {dtype}")
     if b.dtype != dtype:
         raise TypeError(f"{b_name} must have a's dtype {dtype}, got {b.dtype}")
     if offs.dtype != torch.int32:
@@ -93,20 +110,31 @@ def check_grouped_gemm_args(a, b, offs, out_dtype=None, *, b_name: str = "b",
     if b.device != device or offs.device != device:
         raise ValueError(
             f"a, {b_name} and offs must be on one device, got {device}, {b.device}, {offs.device}")
-    if offs.shape[0] != b_shape[0]:
-        raise ValueError(
-            f"offs must have one entry per expert: {b_name} has {b_shape[0]} experts, "
-            f"offs has {offs.shape[0]} entries")
-    if a_shape[0] > MAX_ROWS:
-        raise ValueError(
-            f"a has {a_shape[0]} rows; at most 2**31 - 1 are supported (offs is int32)")
-    if a_index is not None:
-        _check_a_index(a_index, device)
-    k = a_shape[1]
-    if b_shape[k_dim] != k:
-        raise ValueError(
-            f"K mismatch: a is {tuple(a_shape)} (K={k}), {b_name} is "
-            f"{tuple(b_shape)} (K={b_shape[k_dim]})")
+    if k_grouped:
+        if a_index is not None:
+            raise ValueError("a_index is only for a 3-D b (the row-grouped form); b is 2-D")
+        if a_shape[1] != b_shape[0]:
+            raise ValueError(
+                f"M mismatch: in the k-grouped form a is (K, M) and b is (M, N); got a "
+                f"{tuple(a_shape)} (M={a_shape[1]}) and b {tuple(b_shape)} (M={b_shape[0]})")
+        if b_shape[0] > MAX_ROWS:
+            raise ValueError(
+                f"b has {b_shape[0]} rows; at most 2**31 - 1 are supported (offs is int32)")
+    else:
+        if offs.shape[0] != b_shape[0]:
+            raise ValueError(
+                f"offs must have one entry per expert: {b_name} has {b_shape[0]} experts, "
+                f"offs has {offs.shape[0]} entries")
+        if a_shape[0] > MAX_ROWS:
+            raise ValueError(
+                f"a has {a_shape[0]} rows; at most 2**31 - 1 are supported (offs is int32)")
+        if a_index is not None:
+            _check_a_index(a_index, device)
+        k = a_shape[1]
+        if b_shape[k_dim] != k:
+            raise ValueError(
+                f"K mismatch: a is {tuple(a_shape)} (K={k}), {b_name} is "
+                f"{tuple(b_shape)} (K={b_shape[k_dim]})")
     if offs.shape[0] > 1 and offs.stride(0) != 1:
         raise ValueError("offs must be contiguous")
     elem = a.element_size()

@@ -18,8 +18,14 @@ the layer compiles with ``torch.compile(fullgraph=True)`` and decode-sized
 calls can be captured in CUDA graphs (on the paths of :mod:`ts_moe.ops` that
 read ``offs`` on the device).  The layer calls only the ops, whatever the
 dtype: :mod:`ts_moe.ops` alone chooses kernel, torch or reference.  H and I
-must be multiples of 8 (16-byte rows of the permuted activations).  The ops
-have no backward formula yet: ``backward()`` through the layer raises.
+must be multiples of 8 (16-byte rows of the permuted activations).
+
+The layer trains: the ops' backward formulas give ``gate_up_proj``,
+``down_proj`` and the input their gradients, and the combine weights carry
+the router's (through :func:`route`'s softmax).  No step of the backward
+syncs with the host; the permutation gathers have gathers as gradients (no
+atomics), and the gradient of the gathered token rows is summed per token by
+a sort-based ``index_put_`` (deterministic).
 """
 
 import json
@@ -30,11 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checks import DTYPES
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import swiglu
 from .routing import combine, nvtx_range, route, sort_slots
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FLOAT_DTYPES = DTYPES  # float64 runs the references (gradcheck)
 SIZE_MULTIPLE = 8  # 16-byte rows of the bf16 activations the layer permutes
 
 
@@ -59,7 +66,7 @@ def _check_tensor(name, t, rank):
 def _check_expert_weights(x, gate_up_proj, down_proj, x_name):
     """Shapes (E, 2I, H) and (E, H, I) for x (T, H); one float dtype and device."""
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{x_name} must be bfloat16, float16 or float32, got {x.dtype}")
+        raise TypeError(f"{x_name} must be bfloat16, float16, float32 or float64, got {x.dtype}")
     _check_tensor("gate_up_proj", gate_up_proj, 3)
     _check_tensor("down_proj", down_proj, 3)
     num_experts, two_inter, hidden = gate_up_proj.shape
@@ -215,7 +222,7 @@ class MoE(nn.Module):
         """A MoE on existing tensors (no copy), e.g. a layer of :func:`ts_moe.load_mixtral_experts`.
 
         weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``.
-        The parameters do not require grad (the ops are inference only).
+        The parameters do not require grad (call ``requires_grad_()`` to train).
         """
         missing = {"router", "gate_up_proj", "down_proj"} - set(weights)
         if missing:

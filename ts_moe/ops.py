@@ -1,11 +1,17 @@
 """The ``torch.ops.ts_moe`` operators, and the one place that decides how each call runs.
 
 ``grouped_gemm(a, b, offs, out_dtype=None)`` has the semantics of
-``torch.nn.functional.grouped_mm`` for 2-D ``a`` (M, K) and 3-D ``b`` (E, K, N):
-rows ``[offs[e-1], offs[e])`` of ``a`` (``offs[-1]`` read as 0) are multiplied by
-``b[e]``; rows at or past ``offs[-1]`` are written as zeros (``grouped_mm``
-leaves them undefined).  Any K and N whose strides are 16-byte aligned; the
-output's rows are padded to 16 bytes, as torch pads them.
+``torch.nn.functional.grouped_mm`` for 2-D ``a``:
+
+- row-grouped, ``a`` (M, K) and ``b`` (E, K, N): rows ``[offs[e-1], offs[e])``
+  of ``a`` (``offs[-1]`` read as 0) are multiplied by ``b[e]``; rows at or past
+  ``offs[-1]`` are written as zeros (``grouped_mm`` leaves them undefined);
+- k-grouped, ``a`` (K, M) and ``b`` (M, N): ``out[e] = a[:, rows e] @ b[rows
+  e]``, (E, K, N), zeros for an expert without rows: the weight gradient
+  ``grouped_gemm(x.t(), dy, offs)``.
+
+Any K and N whose strides are 16-byte aligned; the output's rows are padded
+to 16 bytes, as torch pads them.
 
 Bad ``offs`` are not checked on the host (that would be a sync); instead every
 path uses ``cummax(clamp(offs, 0, M))`` as the segment ends
@@ -26,9 +32,9 @@ How a call runs (:func:`choose_path`, from the device and the dtypes):
 
 The ops are registered with ``torch.library.Library`` rather than
 ``custom_op``: its Python wrapper alone costs more than the 20 us host budget
-allows for a whole call.  They have no backward formula yet: backward through
-either op raises (``ts_moe::backward_unsupported``), eagerly and in compiled
-graphs alike, instead of leaving gradients silently missing.
+allows for a whole call.  Both have autograd formulas made of the ops
+themselves (:func:`grouped_gemm_backward`, :func:`grouped_gemm_swiglu_backward`),
+so gradients run on the forward's path, eagerly and in compiled graphs.
 """
 
 import enum
@@ -39,16 +45,15 @@ import os
 import torch
 
 from .checks import (ALIGN_BYTES, check_grouped_gemm_args, check_swiglu_args,
-                     check_tensor_types, contiguous_dim, plausible_kernel_args)
-from .reference import (gather_rows, grouped_gemm_reference, grouped_gemm_swiglu_reference,
-                        segment_ends, swiglu)
+                     check_tensor_types, contiguous_dim, layout_ok, plausible_kernel_args)
+from .reference import (gather_rows, grouped_gemm_k_reference, grouped_gemm_reference,
+                        grouped_gemm_swiglu_reference, segment_ends, swiglu, swiglu_backward)
 
 _lib = torch.library.Library("ts_moe", "DEF")
 _lib.define("grouped_gemm(Tensor a, Tensor b, Tensor offs, ScalarType? out_dtype=None, *, "
             "Tensor? a_index=None) -> Tensor")
 _lib.define("grouped_gemm_swiglu(Tensor a, Tensor gate_up, Tensor offs, *, "
             "Tensor? a_index=None) -> Tensor")
-_lib.define("backward_unsupported(Tensor grad, str op) -> Tensor")
 
 
 # ------------------------------------------------------------------ paths
@@ -193,10 +198,66 @@ def _torch_grouped_mm(a, b, offs, out_dtype=None) -> torch.Tensor:
     return out.masked_fill_(past.unsqueeze(1), 0)
 
 
+@functools.cache
+def _k_grouped_kernels(device_index: int):
+    """The k-grouped (weight-gradient) kernel module for this CUDA device, else None."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return None
+    try:
+        return importlib.import_module("csrc_free_kernels.grouped_gemm_dw_sm90")
+    except ImportError:  # no cutlass (nvidia-cutlass-dsl) in this environment
+        return None
+
+
+def _torch_fallback(dtype: torch.dtype, out_dtype: torch.dtype | None) -> Path:
+    """Where a kernel-path call goes when the kernel can't take it (see choose_path)."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and out_dtype in (None, dtype)):
+        return Path.TORCH_GROUPED_MM
+    return Path.REFERENCE
+
+
+def _k_grouped_output(like, num_experts, k, n, dtype) -> torch.Tensor:
+    """(E, K, N) with rows padded to 16 bytes, as torch's grouped_mm allocates them."""
+    pad = _row_pad(n, dtype)
+    out = like.new_empty((num_experts, k, pad), dtype=dtype)
+    return out if pad == n else out[..., :n]
+
+
+def _grouped_gemm_k_run(path: Path, a, b, offs, out_dtype=None) -> torch.Tensor:
+    """The k-grouped form, a (K, M) and b (M, N) to (E, K, N), of a validated call.
+
+    sm_90: the k-grouped CuTeDSL kernel (a and b read M-major; K and N
+    multiples of 8); torch's k-grouped ``_grouped_mm`` for what it can't
+    take; the reference elsewhere.  Experts without rows get zeros."""
+    out_dtype = out_dtype or a.dtype
+    (k, m), n, num_experts = a.shape, b.shape[1], offs.shape[0]
+    out = _k_grouped_output(a, num_experts, k, n, out_dtype)
+    if 0 in (num_experts, k, m, n):
+        return out.zero_()
+    if path in (Path.KERNEL_SM90, Path.KERNEL_SM100):
+        kernels = _k_grouped_kernels(a.get_device())
+        if (kernels is not None and k % 8 == 0 and n % 8 == 0
+                and num_experts <= kernels.MAX_EXPERTS):
+            return kernels.grouped_gemm_k(_tma_view(a, 0).t(), _tma_view(b, 1), offs, out)
+        path = _torch_fallback(a.dtype, out_dtype)
+    if path is Path.TORCH_GROUPED_MM:
+        ends = segment_ends(offs, m).to(torch.int32)
+        got = torch._grouped_mm(_tma_view(a, contiguous_dim(a.shape, a.stride())),
+                                _tma_view(b, contiguous_dim(b.shape, b.stride())),
+                                offs=ends, out_dtype=out_dtype)
+        if got.stride() != out.stride():
+            got = out.copy_(got)
+        empty = torch.diff(ends, prepend=ends.new_zeros(1)) == 0
+        return got.masked_fill_(empty.view(-1, 1, 1), 0)
+    return out.copy_(grouped_gemm_k_reference(a, b, offs, out_dtype))
+
+
 # ------------------------------------------------------------- grouped_gemm
 def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None, a_index=None):
     """Any validated call on ``path``, the degenerate sizes included; ``a_index``
     only for the sm_100 kernel (which gathers), the others take gathered rows."""
+    if b.dim() == 2:
+        return _grouped_gemm_k_run(path, a, b, offs, out_dtype)
     m, n = (a if a_index is None else a_index).shape[0], b.shape[2]
     out_dtype = out_dtype or a.dtype
     if m == 0 or n == 0 or a.shape[1] == 0 or b.shape[0] == 0:
@@ -227,7 +288,7 @@ def _grouped_gemm_cpu(a, b, offs, out_dtype=None, *, a_index=None):
 
 def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
     index = a.get_device()
-    path, kernels = cuda_path(index, a.dtype, out_dtype, b.shape[0])
+    path, kernels = cuda_path(index, a.dtype, out_dtype, offs.shape[0])
     if a_index is not None:
         check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
         if path is Path.KERNEL_SM100:  # the kernel gathers itself
@@ -253,6 +314,10 @@ def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
 def _grouped_gemm_fake(a, b, offs, out_dtype=None, *, a_index=None):
     check_grouped_gemm_args(a, b, offs, out_dtype, fake=True, a_index=a_index)
     dtype = out_dtype or a.dtype
+    if b.dim() == 2:  # k-grouped: (E, K, N)
+        k, n = a.shape[0], b.shape[1]
+        pad = _row_pad(n, dtype)
+        return a.new_empty_strided((offs.shape[0], k, n), (k * pad, pad, 1), dtype=dtype)
     n = b.shape[2]
     m = a.shape[0] if a_index is None else a_index.shape[0]
     return a.new_empty_strided((m, n), (_row_pad(n, dtype), 1), dtype=dtype)
@@ -268,11 +333,15 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  a_index: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.ops.ts_moe.grouped_gemm``: ``out[r] = a[r] @ b[e]`` for the rows of expert ``e``.
 
-    a: (M, K) bf16/fp16/fp32; b: (E, K, N), either of its last two dims
-    contiguous (``w.transpose(-2, -1)`` of an (E, N, K) nn.Linear weight
-    works), other strides 16-byte aligned; offs: int32 (E,) cumulative row
-    ends.  Returns (M, N) in ``out_dtype`` (default ``a.dtype``; float32
-    allowed), zeros past ``offs[-1]``.
+    a: (M, K) bf16/fp16/fp32 (float64: reference path, for gradcheck); b:
+    (E, K, N), either of its last two dims contiguous (``w.transpose(-2,
+    -1)`` of an (E, N, K) nn.Linear weight works), other strides 16-byte
+    aligned; offs: int32 (E,) cumulative row ends.  Returns (M, N) in
+    ``out_dtype`` (default ``a.dtype``; float32 allowed), zeros past ``offs[-1]``.
+
+    b 2-D: the k-grouped form, a (K, M) and b (M, N) to (E, K, N), ``out[e] =
+    a[:, rows e] @ b[rows e]`` (the weight gradient ``grouped_gemm(x.t(), dy,
+    offs)``; no ``a_index``).  Differentiable in ``a`` and ``b`` in both forms.
 
     ``a_index``: int32 (M',): gather the rows first, ``out[r] = a[a_index[r]]
     @ b[e(r)]``, (M', N) (the MoE layer's token rows in expert order, without
@@ -389,62 +458,179 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
 
 
 # ----------------------------------------------------------------- autograd
-def _backward_unsupported(grad, op):
-    raise RuntimeError(
-        f"{op} has no backward formula yet: ts_moe's ops are inference-only for now, so the "
-        f"gradients of its inputs cannot be computed (they would otherwise be silently "
-        f"missing). Run the forward under torch.no_grad() or torch.inference_mode(), or "
-        f"detach its inputs; for training use torch.nn.functional.grouped_mm.")
+# The swiglu op under autograd keeps its pre-activation h (M, 2I) from the
+# forward (True) or recomputes it in the backward (False): measured both, see
+# bench/RESULTS.md "training: keep or recompute h"
+SWIGLU_KEEPS_H = True
 
 
-_lib.impl("backward_unsupported", _backward_unsupported, "CompositeExplicitAutograd")
+def _operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a gradient: contiguous, expanded, ...) as the ops take it: as is
+    when its layout passes the checks, else a row-major copy with 16-byte rows."""
+    if layout_ok(t):
+        return t
+    strides = _padded_strides(t.shape, t.dim() - 1, ALIGN_BYTES // t.element_size())
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
-@torch.library.register_fake("ts_moe::backward_unsupported", lib=_lib)
-def _backward_unsupported_fake(grad, op):
-    return grad.new_empty(())
+def scatter_rows(rows: torch.Tensor, a_index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The gradient of :func:`ts_moe.reference.gather_rows`: ``out[i]`` = the sum of
+    ``rows[r]`` over ``a_index[r] == i``, (num_rows, K); indices outside
+    ``[0, num_rows)`` (read as zero rows) get nothing.  Summed in fp32 and
+    rounded once, by ``index_put_(accumulate=True)`` (on CUDA a sort-based
+    kernel: deterministic, no host sync)."""
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    out = torch.zeros(num_rows, rows.shape[1], dtype=acc, device=rows.device)
+    if num_rows == 0 or rows.shape[0] == 0:
+        return out.to(rows.dtype)
+    index = a_index.long()
+    outside = (index < 0) | (index >= num_rows)
+    out.index_put_((index.clamp(0, num_rows - 1),),
+                   rows.to(acc).masked_fill_(outside.unsqueeze(1), 0), accumulate=True)
+    return out.to(rows.dtype)
 
 
-class _InferenceOnly(torch.autograd.Function):
-    """An op's forward below autograd; its backward is ``ts_moe::backward_unsupported``,
-    which raises when it runs: at ``backward()`` eagerly, and when a compiled
-    backward graph runs (so a compiled forward under grad mode still works)."""
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
+                 like: torch.Tensor) -> torch.Tensor:
+    """``dW[e] = x[rows e]^T @ dy[rows e]`` (E, K, N), by the k-grouped form, in the
+    memory layout of the weight ``like`` (E, K, N): a K-contiguous weight (the
+    transpose of an (E, N, K) ``nn.Linear`` stack) gets its gradient computed
+    as (E, N, K) and transposed, so the optimiser sees the parameter's layout."""
+    if like.stride(1) == 1 and like.shape[1] > 1:
+        return grouped_gemm(dy.t(), x, offs).transpose(-2, -1)
+    return grouped_gemm(x.t(), dy, offs)
+
+
+def grouped_gemm_backward(dy, a, b, offs, a_index=None, need_a=True, need_b=True):
+    """``(da, db)`` of ``grouped_gemm(a, b, offs, out_dtype, a_index=a_index)`` for
+    the output's gradient ``dy``; each None where not needed.  Every product is
+    the op itself, so each gradient runs on the forward's path (kernels, torch,
+    reference), with no host sync:
+
+    - row-grouped (b (E, K, N)): ``da = grouped_gemm(dy, b^T)`` (scattered back
+      through ``a_index``), ``db = grouped_gemm(a.t(), dy)`` (k-grouped);
+    - k-grouped (a (K, M), b (M, N), dy (E, K, N)): ``da^T = grouped_gemm(b,
+      dy^T)``, ``db = grouped_gemm(a.t(), dy)`` (both row-grouped).
+
+    Rows past ``offs[-1]`` (and experts without rows) get zero gradients.
+    ``dy`` in float32 (``out_dtype``) is rounded to ``a.dtype`` first.
+    """
+    dy = _operand(dy.to(a.dtype))
+    da = db = None
+    if b.dim() == 2:
+        if need_a:
+            da = grouped_gemm(b, dy.transpose(-2, -1), offs).t()
+        if need_b:
+            db = grouped_gemm(a.t(), dy, offs)
+        return da, db
+    if need_a:
+        da = grouped_gemm(dy, b.transpose(-2, -1), offs)
+        if a_index is not None:
+            da = scatter_rows(da, a_index, a.shape[0])
+    if need_b:
+        x = a if a_index is None else gather_rows(a, a_index)
+        db = _weight_grad(x, dy, offs, b)
+    return da, db
+
+
+def grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index=None, h=None,
+                                 need_a=True, need_gate_up=True):
+    """``(da, dgate_up)`` of ``grouped_gemm_swiglu``; ``h`` the pre-activation
+    (M, 2I) kept by the forward, or None to recompute it.  ``dh`` =
+    d(SwiGLU)/dh (fp32, one rounding), then ``da = grouped_gemm(dh, gate_up)``
+    and ``dgate_up = grouped_gemm(dh.t(), a)`` (k-grouped)."""
+    x = a if a_index is None else gather_rows(a, a_index)
+    if h is None:
+        h = grouped_gemm(x, gate_up.transpose(-2, -1), offs)
+    dh = _operand(swiglu_backward(dy, h, a.dtype))
+    da = dgate_up = None
+    if need_a:
+        da = grouped_gemm(dh, gate_up, offs)
+        if a_index is not None:
+            da = scatter_rows(da, a_index, a.shape[0])
+    if need_gate_up:
+        dgate_up = _weight_grad(x, dh, offs, gate_up.transpose(-2, -1)).transpose(-2, -1)
+    return da, dgate_up
+
+
+_after_autograd = torch._C._after_autograd_keyset
+
+
+class _GroupedGemmFunction(torch.autograd.Function):
+    """``grouped_gemm`` under autograd: the forward below autograd, the backward
+    :func:`grouped_gemm_backward` (itself made of ops, so double backward works)."""
 
     @staticmethod
-    def forward(ctx, op, keyset, kwargs, *args):
-        ctx.op_name = op.name()
-        ctx.input_meta = [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else None
-                          for t in args]
+    def forward(ctx, keyset, a, b, offs, out_dtype, a_index):
+        ctx.save_for_backward(a, b, offs, a_index)
         with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+            return _grouped_gemm_op.redispatch(keyset & _after_autograd, a, b, offs, out_dtype,
+                                               a_index=a_index)
 
     @staticmethod
-    def backward(ctx, grad):
-        stop = torch.ops.ts_moe.backward_unsupported(grad, ctx.op_name)
-        grads = [stop.to(meta[1]).expand(meta[0]) if needed and meta is not None else None
-                 for needed, meta in zip(ctx.needs_input_grad[3:], ctx.input_meta)]
-        return None, None, None, *grads
+    def backward(ctx, dy):
+        a, b, offs, a_index = ctx.saved_tensors
+        da, db = grouped_gemm_backward(dy, a, b, offs, a_index, *ctx.needs_input_grad[1:3])
+        return None, da, db, None, None, None
 
 
-def _autograd_kernel(op: torch._ops.OpOverload, backends: dict):
+class _SwigluFunction(torch.autograd.Function):
+    """``grouped_gemm_swiglu`` under autograd.  With :data:`SWIGLU_KEEPS_H` the
+    forward is the GEMM to ``h`` (M, 2I) in ``a.dtype`` and the activation
+    apart, keeping ``h``; without, the fused forward and ``h`` recomputed in
+    the backward."""
+
+    @staticmethod
+    def forward(ctx, keyset, a, gate_up, offs, a_index):
+        if SWIGLU_KEEPS_H:
+            h = grouped_gemm(a, gate_up.transpose(-2, -1), offs, a_index=a_index)
+            out = _empty_output(h, h.shape[0], gate_up.shape[1] // 2, a.dtype)
+            out.copy_(swiglu(h.to(torch.float64 if a.dtype == torch.float64 else torch.float32),
+                             a.dtype))
+        else:
+            h = None
+            with torch._C._AutoDispatchBelowAutograd():
+                out = _grouped_gemm_swiglu_op.redispatch(keyset & _after_autograd, a, gate_up,
+                                                         offs, a_index=a_index)
+        ctx.save_for_backward(a, gate_up, offs, a_index, h)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, gate_up, offs, a_index, h = ctx.saved_tensors
+        da, dgate_up = grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index, h,
+                                                    *ctx.needs_input_grad[1:3])
+        return None, da, dgate_up, None, None
+
+
+def _grouped_gemm_autograd(keyset, a, b, offs, out_dtype=None, *, a_index=None):
+    return _GroupedGemmFunction.apply(keyset, a, b, offs, out_dtype, a_index)
+
+
+def _swiglu_autograd(keyset, a, gate_up, offs, *, a_index=None):
+    return _SwigluFunction.apply(keyset, a, gate_up, offs, a_index)
+
+
+def _autograd_kernel(op: torch._ops.OpOverload, backends: dict, with_grad):
     """The Autograd-key kernel of ``op`` (inputs 0 and 1 are the differentiable
-    ones): the autograd.Function only when a gradient is wanted.  Otherwise,
-    for plain CPU or CUDA tensors (nothing traced, no mode or subclass below
-    autograd), the backend kernel ``backends[key]`` right here instead of a
-    second trip through the dispatcher (each Python kernel it enters costs
-    about 1.3 us of the 20 us host budget); anything else redispatches."""
-    after_autograd = torch._C._after_autograd_keyset
+    ones): ``with_grad`` (an autograd.Function) only when a gradient is wanted.
+    Otherwise, for plain CPU or CUDA tensors (nothing traced, no mode or
+    subclass below autograd), the backend kernel ``backends[key]`` right here
+    instead of a second trip through the dispatcher (each Python kernel it
+    enters costs about 1.3 us of the 20 us host budget); anything else
+    redispatches.  (``torch.library.register_autograd`` would install such a
+    kernel too, but one that always redispatches: the 1.3 us again.)"""
     # the exact keyset a plain tensor of each backend arrives with, as an int
     # (a DispatchKeySet is not hashable; comparing raw bits costs 0.1 us)
     plain = {_plain_keyset(key): fn for key, fn in backends.items()}
 
     def kernel(keyset, *args, **kwargs):
         if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad):
-            return _InferenceOnly.apply(op, keyset, kwargs, *args)
+            return with_grad(keyset, *args, **kwargs)
         direct = plain.get(keyset.raw_repr())
         if direct is not None:
             return direct(*args, **kwargs)
-        return op.redispatch(keyset & after_autograd, *args, **kwargs)
+        return op.redispatch(keyset & _after_autograd, *args, **kwargs)
 
     return kernel
 
@@ -455,8 +641,9 @@ def _plain_keyset(backend: str) -> int:
         getattr(key, "Autograd" + backend)).raw_repr()
 
 
-_lib.impl("grouped_gemm", _autograd_kernel(torch.ops.ts_moe.grouped_gemm.default, {
-    "CPU": _grouped_gemm_cpu, "CUDA": _grouped_gemm_cuda}), "Autograd", with_keyset=True)
-_lib.impl("grouped_gemm_swiglu", _autograd_kernel(torch.ops.ts_moe.grouped_gemm_swiglu.default, {
-    "CPU": _grouped_gemm_swiglu_cpu, "CUDA": _grouped_gemm_swiglu_cuda}), "Autograd",
+_lib.impl("grouped_gemm", _autograd_kernel(_grouped_gemm_op, {
+    "CPU": _grouped_gemm_cpu, "CUDA": _grouped_gemm_cuda}, _grouped_gemm_autograd), "Autograd",
     with_keyset=True)
+_lib.impl("grouped_gemm_swiglu", _autograd_kernel(_grouped_gemm_swiglu_op, {
+    "CPU": _grouped_gemm_swiglu_cpu, "CUDA": _grouped_gemm_swiglu_cuda}, _swiglu_autograd),
+    "Autograd", with_keyset=True)

@@ -219,17 +219,40 @@ def _check_combine_args(y_sorted, weights, inverse) -> None:
             f"and y_sorted {y_sorted.shape[0]} rows")
 
 
+class _GatherPermutation(torch.autograd.Function):
+    """``rows.index_select(0, perm)`` for a permutation ``perm``, whose backward
+    is the gather through the inverse permutation: no scatter-add (the
+    backward of ``index_select``), so no atomics, and no host sync."""
+
+    @staticmethod
+    def forward(ctx, rows, perm):
+        ctx.save_for_backward(perm)
+        return rows.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (perm,) = ctx.saved_tensors
+        undo = torch.empty_like(perm).scatter_(
+            0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+        return grad.index_select(0, undo), None
+
+
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``.
 
     y_sorted: (T * top_k, H) expert outputs in expert order; weights: (T, top_k).
     The K rows of each token are gathered into a (T, top_k, H) view and summed
     over K in fp32 with the weights in fp32, then rounded once to
-    ``y_sorted.dtype``: deterministic, no atomics.
+    ``y_sorted.dtype``: deterministic, no atomics, forward and backward
+    (``inverse`` is a permutation: its gradient is a gather too).
     """
     _check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
-    y = y_sorted.index_select(0, inverse).view(tokens, top_k, y_sorted.shape[1])
+    if torch.is_grad_enabled() and y_sorted.requires_grad:
+        y = _GatherPermutation.apply(y_sorted, inverse)
+    else:
+        y = y_sorted.index_select(0, inverse)
+    y = y.view(tokens, top_k, y_sorted.shape[1])
     # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
     # on the H200 that copy was 2 % of the Mixtral layer's time)
     out = (y * weights.float().unsqueeze(-1)).sum(dim=1)

@@ -8,7 +8,8 @@
   model whose experts class uses ``@use_experts_implementation`` with
   Mixtral-style weights through ts_moe.
 
-Both are inference only (the ts_moe ops have no autograd formula).
+Both train: the ts_moe ops and the layer have backward formulas, so the
+router, ``gate_up_proj`` and ``down_proj`` get gradients.
 """
 
 import functools
@@ -95,9 +96,10 @@ def _switch_block(block: nn.Module, layout: type) -> None:
         experts = block.experts
         gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts])
         down = torch.stack([e.w2.weight for e in experts])
+        trainable = any(p.requires_grad for p in experts.parameters())
         del block.experts
-        block.gate_up_proj = nn.Parameter(gate_up.detach(), requires_grad=False)
-        block.down_proj = nn.Parameter(down.detach(), requires_grad=False)
+        block.gate_up_proj = nn.Parameter(gate_up.detach(), requires_grad=trainable)
+        block.down_proj = nn.Parameter(down.detach(), requires_grad=trainable)
     block.__class__ = _ts_moe_class(type(block), layout)
 
 
@@ -139,14 +141,18 @@ def ts_moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     ``self`` is the model's experts module (``gate_up_proj`` (E, 2I, H),
     ``down_proj`` (E, H, I)).  Expert-parallel sentinel ids (>= E) are dropped.
     """
-    from transformers.integrations.moe import _default_apply_gate
+    from transformers.integrations import moe as hf_moe
 
+    # the flags as transformers 5.x sets them (older 5.x releases lack some:
+    # their defaults are the Mixtral layout)
+    flag = functools.partial(getattr, self)
     unsupported = [what for what, bad in (
-        ("biases", self.has_bias), ("experts without a gate", not self.has_gate),
-        ("transposed weights", self.is_transposed),
-        ("interleaved gate/up weights", not self.is_concatenated),
-        ("a post-expert norm", self.has_post_expert_norm),
-        ("a custom gating function", type(self)._apply_gate is not _default_apply_gate),
+        ("biases", flag("has_bias", False)), ("experts without a gate", not flag("has_gate", True)),
+        ("transposed weights", flag("is_transposed", False)),
+        ("interleaved gate/up weights", not flag("is_concatenated", True)),
+        ("a post-expert norm", flag("has_post_expert_norm", False)),
+        ("a custom gating function", getattr(type(self), "_apply_gate", None)
+         is not getattr(hf_moe, "_default_apply_gate", None)),
         ("an activation other than SiLU", not _is_silu(self.act_fn))) if bad]
     if unsupported:
         raise NotImplementedError(

@@ -1,0 +1,658 @@
+"""K-grouped GEMM for Hopper (sm_90a): the weight gradient of a MoE grouped GEMM.
+
+``out[e] = a[rows of e].T @ dy[rows of e]`` (fp32 accumulation) for every
+expert ``e``, the experts splitting the shared token dim ``M`` by ``offs``
+(read on the device).  See :class:`GroupedGemmDwSm90` for the design and
+:func:`grouped_gemm_k` for the torch entry point.
+"""
+
+import enum
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as cp
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+import ts_pipeline
+
+from . import compile as kcompile
+from .grouped_gemm_sm90 import _TORCH_TO_CUTE, MAX_EXPERTS, SMEM_CAPACITY, GroupedGemmSm90
+from .tile_schedule import RaggedTileSchedule
+
+__all__ = ["DwConfig", "GroupedGemmDwSm90", "CONFIGS", "MAX_EXPERTS", "choose_config",
+           "grouped_gemm_k", "grouped_gemm_k_reference"]
+
+
+@dataclass(frozen=True)
+class DwConfig:
+    """One compiled configuration.
+
+    The output tile is ``tile_m`` rows of K (64 per MMA warpgroup) by ``tile_n``
+    columns of N; the reduction walks an expert's token rows ``tile_k`` at a
+    time.  ``dy_warps`` producer warps share the dy tile (``tile_n / dy_warps``
+    columns each, whole 64-column swizzle atoms).  ``band_n``: an expert's
+    work units are taken ``band_n`` n-tiles at a time across all its m-tiles
+    (n fastest), so that the CTAs running together share a few dy and a
+    columns in L2 rather than streaming all of N for one m-tile.
+    """
+
+    name: str
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    stages: int = 4
+    dy_warps: int = 2
+    band_n: int = 8
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    @property
+    def mma_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of 16-bit operands: the a^T tile and the dy tile."""
+        return (self.tile_m + self.tile_n) * self.tile_k * 2
+
+
+# Large problems: two MMA warpgroups on 128x256 output tiles (128 fp32
+# accumulators per thread), four 48 KB stages
+WIDE = DwConfig("dw_128x256")
+# Few output tiles per SM (small K x N, or few experts): 128x128 tiles double
+# the work units; six 32 KB stages
+NARROW = DwConfig("dw_128x128", tile_n=128, stages=6, dy_warps=1, band_n=16)
+CONFIGS = {c.name: c for c in (WIDE, NARROW)}
+
+
+def _units(cfg: DwConfig, num_experts: int, k: int, n: int) -> int:
+    return num_experts * -(-k // cfg.tile_m) * -(-n // cfg.tile_n)
+
+
+def choose_config(num_experts: int, k: int, n: int, m: int, num_sms: int = 132) -> DwConfig:
+    """Tiles from shapes only (no sync): 128x256 unless that leaves fewer than
+    four waves of work units (the units of big experts are long, so a few
+    units per SM leave SMs idle at the end), then 128x128.  Not yet tuned on
+    the GPU (``scripts/dw_bench.py`` compares both)."""
+    del m  # rows per expert do not change the unit count
+    return WIDE if _units(WIDE, num_experts, k, n) >= 4 * num_sms else NARROW
+
+
+class Warp(enum.IntEnum):
+    """Warp roles of a CTA (``128 * (1 + mma_warpgroups)`` threads)."""
+
+    LOAD_A = 0     # TMA of the a^T tile; the task warp leader (arms each full barrier)
+    LOAD_DY = 1    # warps 1 .. dy_warps: TMA of one dy part each
+    TABLE = 3      # builds the experts' row-end table in shared memory, then idles
+    MMA = 4        # warps 4..: the WGMMA warpgroups, then the epilogue
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers among the MMA threads (id 0 is the CTA-wide one)."""
+
+    EPILOGUE = 1   # an epilogue sub-tile is in shared memory / its buffer is free
+    TAIL = 2       # the rows past an expert's end are zeroed in the last stage
+
+
+class WorkUnit(NamedTuple):
+    """One output tile of one expert (DSL Int32 values)."""
+
+    expert: object
+    m_tile: object     # tile of K (output rows)
+    n_tile: object     # tile of N (output columns)
+    row_start: object  # the expert's token rows [row_start, row_end)
+    row_end: object
+
+
+@dataclass(frozen=True)
+class DwScheduler:
+    """The static schedule inside one CTA (frozen: the DSL passes it through
+    dynamic control flow as it is).
+
+    Work units are numbered expert by expert; within an expert band by band
+    (``band_n`` n-tiles), m-tile by m-tile within a band, the n-tile fastest.
+    CTA ``b`` of ``grid`` takes units ``b, b + grid, ...``: the unit count
+    ``E * m_tiles * n_tiles`` does not depend on ``offs``; the expert's rows
+    come from ``seg_end``, the table one warp builds from ``offs`` at start.
+    """
+
+    band_n: int
+    first: object
+    step: object
+    num_experts: object
+    m_tiles: object
+    n_tiles: object
+    num_units: object
+    seg_end: object   # (max_experts,) Int32 in shared memory: cummax(clamp(offs, 0, M))
+
+    @staticmethod
+    def create(band_n: int, block, grid, num_experts, m_tiles, n_tiles, seg_end) -> "DwScheduler":
+        return DwScheduler(band_n, first=block, step=grid, num_experts=num_experts,
+                           m_tiles=m_tiles, n_tiles=n_tiles,
+                           num_units=num_experts * m_tiles * n_tiles, seg_end=seg_end)
+
+    @cute.jit
+    def build(self, mOffs: cute.Tensor, m_rows: cutlass.Int32):
+        """One warp: ``seg_end = cummax(clamp(offs, 0, M))``, 32 experts per step."""
+        lane = cute.arch.lane_idx()
+        carry = cutlass.Int32(0)
+        for base in cutlass.range(0, self.num_experts, 32, unroll=1):
+            e = base + lane
+            end = cutlass.Int32(0)
+            if e < self.num_experts:
+                end = mOffs[e]
+            # >= carry >= 0 clamps below; a running max over the lanes
+            end = cutlass.max(cutlass.min(end, m_rows), carry)
+            for d in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(end, 1 << d)
+                if lane >= (1 << d):
+                    end = cutlass.max(end, other)
+            if e < self.num_experts:
+                self.seg_end[e] = end
+            carry = cute.arch.shuffle_sync(end, 31)
+
+    @staticmethod
+    def unit_coords(t, m_tiles, n_tiles, band_n: int):
+        """Unit ``t`` -> (expert, m_tile, n_tile): plain arithmetic, run by the
+        kernel on DSL integers and by the CPU tests on Python ints."""
+        per_expert = m_tiles * n_tiles
+        expert = t // per_expert
+        local = t - expert * per_expert
+        n0 = local // (band_n * m_tiles) * band_n  # first n-tile of the band
+        width = cutlass.min(n_tiles - n0, band_n)  # the last band may be narrower
+        rest = local - n0 * m_tiles
+        m_tile = rest // width
+        return expert, m_tile, n0 + rest - m_tile * width
+
+    @cute.jit
+    def work_unit(self, t: cutlass.Int32) -> WorkUnit:
+        expert, m_tile, n_tile = self.unit_coords(t, self.m_tiles, self.n_tiles, self.band_n)
+        row_start = cutlass.Int32(0)
+        if expert > 0:
+            row_start = self.seg_end[expert - 1]
+        return WorkUnit(expert, m_tile, n_tile, row_start, self.seg_end[expert])
+
+
+class GroupedGemmDwSm90:
+    """Persistent k-grouped GEMM: ``out[e] (K, N) = a[rows e]^T @ dy[rows e]``.
+
+    In CuTe's terms C (K, N) = A (K, rows) B (N, rows)^T per expert, both
+    operands MN-major (K resp. N contiguous in global and shared memory), the
+    reduction over the expert's token rows.
+
+    Warp roles (:class:`Warp`; one CTA per SM, ``128 * (1 + tile_m / 64)`` threads):
+
+    - LOAD_A (warp 0): TMA of the a^T tile ``a[r:r+tile_k, m0:m0+tile_m]``; the
+      task warp leader: it alone arms each stage's full barrier, with the
+      bytes of all the stage's loads.
+    - LOAD_DY (warps 1..dy_warps): TMA of ``tile_n / dy_warps`` columns each of
+      ``dy[r:r+tile_k, n0:n0+tile_n]``.
+    - TABLE (warp 3): ``seg_end = cummax(clamp(offs, 0, M))`` into shared
+      memory at start (no host sync), then idles.
+    - MMA (warpgroups 1..): WGMMA 64 x tile_n x 16 each (their 64 rows of the
+      output tile), fp32 accumulators in registers; then the epilogue:
+      registers -> stmatrix -> shared memory -> 16-byte stores predicated on
+      the K and N edges.
+
+    Pipeline: LOAD_A + LOAD_DY -> MMA, ``ts_pipeline.TSPipelineTmaAsync``,
+    ``stages`` stages of ``(tile_m + tile_n) * tile_k * 2`` bytes (one a^T
+    tile plus ``dy_warps`` dy parts), one full-barrier arrival (the leader's),
+    one empty-barrier arrival per MMA warp.
+
+    Rows: a unit's chunks start at the expert's first row, at any alignment;
+    the last chunk may run past the expert's end into the next expert (or
+    past M: zero-filled by the TMA).  After that chunk's full barrier the MMA
+    threads zero its rows past the end in both operand tiles, fence them to
+    the async proxy and meet at :attr:`Barrier.TAIL` before the WGMMA reads
+    the stage.  A unit without rows skips the mainloop and stores zeros.
+
+    Deterministic: each output tile is one unit, owned by one CTA, its rows
+    reduced in order; no atomics.
+    """
+
+    producer_regs = 40
+
+    def __init__(self, config: DwConfig, acc_dtype=cutlass.Float32):
+        self.cfg = config
+        self.acc_dtype = acc_dtype
+        self.num_mma_warpgroups = config.mma_warpgroups
+        self.num_mma_threads = 128 * self.num_mma_warpgroups
+        self.threads = 32 * Warp.MMA + self.num_mma_threads
+        self.mma_regs = 232 if self.num_mma_warpgroups == 2 else 240
+        self.dy_part_n = config.tile_n // max(config.dy_warps, 1)
+        # epilogue sub-tiles: all tile_m rows by 32 columns, double-buffered
+        self.epi_n = 32
+        self.epi_stages = 2
+        self.epi_barrier = cp.NamedBarrier(barrier_id=Barrier.EPILOGUE,
+                                           num_threads=self.num_mma_threads)
+        self.tail_barrier = cp.NamedBarrier(barrier_id=Barrier.TAIL,
+                                            num_threads=self.num_mma_threads)
+        self._validate_config()
+
+    @property
+    def full_arrivals(self) -> int:
+        """Arrivals per stage on a full barrier: the task warp leader's expect_tx."""
+        return 1
+
+    @property
+    def empty_arrivals(self) -> int:
+        """Arrivals per stage on an empty barrier: one per MMA warp."""
+        return self.num_mma_threads // 32
+
+    def _validate_config(self):
+        """What the configuration alone decides (shared memory: :meth:`stage_count`
+        here, the real storage at trace time in :meth:`_validate_smem`)."""
+        cfg = self.cfg
+        if cfg.tile_m not in (64, 128):
+            raise ValueError(f"{cfg}: tile_m must be 64 or 128 (one or two MMA warpgroups)")
+        if cfg.tile_n % 64 or not 64 <= cfg.tile_n <= 256:
+            raise ValueError(f"{cfg}: tile_n must be a multiple of 64 up to 256 (one WGMMA)")
+        if cfg.tile_k % 16 or cfg.tile_k < 16:
+            raise ValueError(f"{cfg}: tile_k must be a multiple of 16 (WGMMA k)")
+        if not 1 <= cfg.dy_warps <= Warp.TABLE - Warp.LOAD_DY:
+            raise ValueError(f"{cfg}: dy_warps must be 1..{Warp.TABLE - Warp.LOAD_DY} "
+                             f"(warps {Warp.LOAD_DY}..{Warp.TABLE - 1})")
+        if cfg.tile_n % (64 * cfg.dy_warps):
+            raise ValueError(f"{cfg}: each dy part ({cfg.tile_n}/{cfg.dy_warps} columns) must "
+                             f"be whole 64-column swizzle atoms")
+        if cfg.band_n < 1:
+            raise ValueError(f"{cfg}: band_n must be >= 1")
+        # warp counts: the producer roles fit below the MMA warps; arrival counts:
+        # every MMA warp releases each stage it read, and nothing else does
+        if Warp.LOAD_DY + cfg.dy_warps > Warp.TABLE or self.threads > 1024:
+            raise ValueError(f"{cfg}: {self.threads} threads, dy warps {cfg.dy_warps}")
+        if self.empty_arrivals != 4 * self.num_mma_warpgroups or self.full_arrivals != 1:
+            raise ValueError(f"{cfg}: arrival counts {self.full_arrivals}/{self.empty_arrivals}")
+        if (32 * Warp.MMA * self.producer_regs
+                + self.num_mma_threads * self.mma_regs) > 65536:
+            raise ValueError(f"{cfg}: the register split exceeds the register file")
+
+    # ---------------------------------------------------------------- host
+    def _setup(self, ab_dtype, c_dtype):
+        """Layouts, MMA and the stage count for these dtypes."""
+        cfg = self.cfg
+        self._plan_smem(ab_dtype, c_dtype)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            ab_dtype, ab_dtype, self.mn_major.sm90_mma_major_mode(),
+            self.mn_major.sm90_mma_major_mode(), self.acc_dtype,
+            (self.num_mma_warpgroups, 1, 1), tiler_mn=(64, cfg.tile_n))
+
+    # a^T (K, rows) is M-major, dy^T (N, rows) N-major: COL_MAJOR in CuTe's terms
+    mn_major = LayoutEnum.COL_MAJOR
+    c_layout = LayoutEnum.ROW_MAJOR
+
+    def stage_count(self, ab_bits: int, c_bits: int) -> int:
+        """As many stages as fit, up to the config's: the tiles (1 KB multiples,
+        first in shared memory, so unpadded), the epilogue buffers, the
+        row-end table and the barriers.  Plain Python (the CPU tests call it);
+        the kernel checks its real shared storage at trace time."""
+        cfg = self.cfg
+        fixed = (self.epi_stages * cfg.tile_m * self.epi_n * c_bits // 8
+                 + 4 * MAX_EXPERTS + 16 * cfg.stages)
+        stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bits // 8
+        stages = min(cfg.stages, (SMEM_CAPACITY - fixed) // stage_bytes)
+        if stages < 2:
+            raise ValueError(f"{cfg} leaves room for {stages} stages")
+        return stages
+
+    def _plan_smem(self, ab_dtype, c_dtype):
+        """The shared-memory layouts and the stage count."""
+        cfg = self.cfg
+        if ab_dtype not in (cutlass.BFloat16, cutlass.Float16):
+            raise TypeError(f"operands must be bf16 or fp16, got {ab_dtype}")
+        self.ab_dtype, self.c_dtype = ab_dtype, c_dtype
+        tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        self.epi_tile = (cfg.tile_m, self.epi_n)
+        self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
+            c_dtype, self.c_layout, self.epi_tile, self.epi_stages)
+        self.stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_dtype.width // 8
+        self.stages = self.stage_count(ab_dtype.width, c_dtype.width)
+        self.a_smem_layout = sm90_utils.make_smem_layout_a(self.mn_major, tile_mnk, ab_dtype,
+                                                           self.stages)
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(self.mn_major, tile_mnk, ab_dtype,
+                                                           self.stages)
+        self.a_stage_layout = cute.slice_(self.a_smem_layout, (None, None, 0))
+        # one dy part of one stage: (dy_part_n, tile_k), whole swizzle atoms of the tile
+        self.dy_part_layout = cute.slice_(sm90_utils.make_smem_layout_b(
+            self.mn_major, (cfg.tile_m, self.dy_part_n, cfg.tile_k), ab_dtype, 1),
+            (None, None, 0))
+
+    def _validate_smem(self, storage_bytes: int):
+        if storage_bytes > SMEM_CAPACITY:
+            raise ValueError(f"{self.cfg}: {storage_bytes} bytes of shared memory with "
+                             f"{self.stages} stages, over {SMEM_CAPACITY}")
+
+    @cute.jit
+    def __call__(self, mA_mk: cute.Tensor, mDy_mn: cute.Tensor, mOut_ekn: cute.Tensor,
+                 mOffs: cute.Tensor, num_ctas: cutlass.Int32, stream):
+        """mA_mk (M, K), mDy_mn (M, N), mOut_ekn (E, K, N) as torch lays them out, mOffs (E,)."""
+        self._setup(mA_mk.element_type, mOut_ekn.element_type)
+        cfg = self.cfg
+        # CuTe's GEMM convention: A (K, M), B (N, M), C (K, N, E)
+        mA = cute.make_tensor(mA_mk.iterator, cute.select(mA_mk.layout, mode=[1, 0]))
+        mB = cute.make_tensor(mDy_mn.iterator, cute.select(mDy_mn.layout, mode=[1, 0]))
+        mC = cute.make_tensor(mOut_ekn.iterator, cute.select(mOut_ekn.layout, mode=[1, 2, 0]))
+        tma_atom_a, mA_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, self.a_stage_layout,
+            (cfg.tile_m, cfg.tile_k))
+        tma_atom_b, mB_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, self.dy_part_layout,
+            (self.dy_part_n, cfg.tile_k))
+
+        @cute.struct
+        class SharedStorage:
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
+            ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            seg_end: cute.struct.MemRange[cutlass.Int32, MAX_EXPERTS]
+
+        self._validate_smem(SharedStorage.size_in_bytes())
+        self.shared_storage = SharedStorage
+        self.kernel(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mC, mOffs, self.tiled_mma,
+                    self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
+                    ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
+                             min_blocks_per_mp=1, stream=stream)
+
+    # -------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
+               mB: cute.Tensor, mC: cute.Tensor, mOffs: cute.Tensor,
+               tiled_mma: cute.TiledMma, a_smem_layout: cute.ComposedLayout,
+               b_smem_layout: cute.ComposedLayout, epi_smem_layout: cute.ComposedLayout):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == Warp.LOAD_A:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        k_rows, n_cols, num_experts = mC.shape
+        m_rows = mA.shape[1]
+        sched = DwScheduler.create(
+            cfg.band_n, bidx, grid, num_experts,
+            (k_rows + cfg.tile_m - 1) // cfg.tile_m, (n_cols + cfg.tile_n - 1) // cfg.tile_n,
+            storage.seg_end.get_tensor(cute.make_layout(MAX_EXPERTS)))
+        if warp_idx == Warp.TABLE:
+            sched.build(mOffs, m_rows)
+        cute.arch.sync_threads()  # the table, for every role
+
+        ring = ts_pipeline.TSPipelineTmaAsync.create(
+            num_stages=self.stages,
+            producer_group=cp.CooperativeGroup(cp.Agent.Thread, self.full_arrivals),
+            consumer_group=cp.CooperativeGroup(cp.Agent.Thread, self.empty_arrivals),
+            tx_count=self.stage_bytes,
+            barrier_storage=storage.ring_barriers.data_ptr(),
+            is_task_warp_leader=warp_idx == Warp.LOAD_A)  # syncs the CTA
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+
+        if warp_idx < Warp.MMA:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx <= Warp.LOAD_DY + cfg.dy_warps - 1:
+                self.produce(tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx, sched)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 32 * Warp.MMA, sched)
+
+    @cute.jit
+    def produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx,
+                sched: DwScheduler):
+        """Every producer warp walks the same units and chunks; warp 0 loads a^T
+        and arms the barrier, warp 1 + p dy part p."""
+        cfg = self.cfg
+        # (dy_part_n, tile_k, dy_warps, 1, stages): the dy parts of each stage
+        sB_parts = cute.flat_divide(sB, (self.dy_part_n, cfg.tile_k))
+        state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.stages)
+        t = sched.first
+        while t < sched.num_units:
+            unit = sched.work_unit(t)
+            chunks = RaggedTileSchedule.ceil_div(unit.row_end - unit.row_start, cfg.tile_k)
+            # (tile_m, tile_k, chunks) of a^T and (dy_part_n, tile_k, N parts, chunks) of
+            # dy^T from the expert's first row (any alignment: TMA coordinates)
+            gA = cute.local_tile(cute.domain_offset((0, unit.row_start), mA),
+                                 (cfg.tile_m, cfg.tile_k), (unit.m_tile, None))
+            gB = cute.local_tile(cute.domain_offset((0, unit.row_start), mB),
+                                 (self.dy_part_n, cfg.tile_k), (None, None))
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2))
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB_parts, 0, 2),
+                cute.group_modes(gB, 0, 2))
+            part = warp_idx - Warp.LOAD_DY
+            for j in cutlass.range(chunks, unroll=1):
+                ring.producer_acquire(state)
+                bar = ring.producer_get_barrier(state)
+                if warp_idx == Warp.LOAD_A:
+                    cute.copy(tma_atom_a, tAgA[None, j], tAsA[None, state.index],
+                              tma_bar_ptr=bar)
+                else:
+                    cute.copy(tma_atom_b, tBgB[None, unit.n_tile * cfg.dy_warps + part, j],
+                              tBsB[None, part, 0, state.index], tma_bar_ptr=bar)
+                state.advance()
+            t += sched.step
+        ring.producer_tail(state)
+
+    @cute.jit
+    def zero_tail(self, sA_stage, sB_stage, valid, ctid):
+        """Zero token rows ``valid .. tile_k - 1`` of one stage's a^T and dy tiles
+        (through their swizzled layouts), fence the writes to the async proxy
+        and meet the other MMA threads: the WGMMA then reads zeros there."""
+        zero = cute.make_rmem_tensor(cute.make_layout(8), self.ab_dtype)
+        zero.fill(0.0)
+        dead = self.cfg.tile_k - valid
+        # 8-element pieces of a token row: 16 contiguous bytes, also when swizzled
+        for tile in (sA_stage, sB_stage):
+            pieces = cute.zipped_divide(tile, (8, 1))  # ((8, 1), (cols / 8, tile_k))
+            per_row = cute.size(pieces, mode=[1, 0])
+            for i in cutlass.range(ctid, dead * per_row, self.num_mma_threads, unroll=1):
+                piece = pieces[(None, 0), (i % per_row, valid + i // per_row)]
+                cute.autovec_copy(zero, piece)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.tail_barrier.arrive_and_wait()
+
+    @cute.jit
+    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: DwScheduler):
+        cfg = self.cfg
+        thr_mma = tiled_mma.get_slice(ctid)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(
+            thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))).shape,
+            self.acc_dtype)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+
+        # epilogue: registers -> shared (stmatrix) -> global (16-byte predicated),
+        # the forward kernel's copies
+        r2s = cute.make_tiled_copy_S(
+            sm90_utils.sm90_get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype),
+            cute.make_tiled_copy_C_atom(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype),
+                tiled_mma))
+        thr_r2s = r2s.get_slice(ctid)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_rAcc = r2s.retile(acc)
+        tRS_rD = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], self.acc_dtype)
+        tRS_rOut = cute.make_rmem_tensor(tRS_rD.shape, self.c_dtype)
+        # GroupedGemmSm90's 16-byte store layout (reads c_dtype, epi_tile, num_mma_threads)
+        s2g = GroupedGemmSm90.make_store_copy(self)
+        thr_s2g = s2g.get_slice(ctid)
+        tSsC = thr_s2g.partition_S(sC)
+        num_epi = cfg.tile_n // self.epi_tile[1]
+        k_rows, n_cols, _ = mC.shape
+
+        read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
+        release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
+        epi_count = cutlass.Int32(0)
+        t = sched.first
+        while t < sched.num_units:
+            unit = sched.work_unit(t)
+            rows = unit.row_end - unit.row_start
+            chunks = RaggedTileSchedule.ceil_div(rows, cfg.tile_k)
+            # token rows of the expert in its last chunk, 1..tile_k
+            last_rows = rows - (chunks - 1) * cfg.tile_k
+            acc.fill(0.0)
+            if chunks > 0:
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                for j in cutlass.range(chunks, unroll=1):
+                    ring.consumer_wait(read)
+                    if j == chunks - 1 and last_rows < cfg.tile_k:
+                        self.zero_tail(sA[None, None, read.index], sB[None, None, read.index],
+                                       last_rows, ctid)
+                    warpgroup.fence()  # the accumulators, once per chunk
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
+                                  tCrB[None, None, kb, read.index], acc)
+                    warpgroup.commit_group()
+                    # keep one chunk of WGMMA in flight; free the one before it
+                    if j > 0:
+                        warpgroup.wait_group(1)
+                        ring.consumer_release(release)
+                        release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                ring.consumer_release(release)
+                release.advance()
+
+            # (tile_m, tile_n) of out[expert] at (m_tile, n_tile), and its coordinates
+            gC = cute.local_tile(mC[None, None, unit.expert], (cfg.tile_m, cfg.tile_n),
+                                 (unit.m_tile, unit.n_tile))
+            cC = cute.local_tile(cute.make_identity_tensor((k_rows, n_cols)),
+                                 (cfg.tile_m, cfg.tile_n), (unit.m_tile, unit.n_tile))
+            for epi in cutlass.range_constexpr(num_epi):
+                buf = epi_count % self.epi_stages
+                GroupedGemmSm90.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+                tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                self.epi_barrier.arrive_and_wait()
+                tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (0, epi)))
+                tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (0, epi)))
+                for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+                    for jj in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
+                        crd = tScC[0, i, jj]
+                        if crd[0] < k_rows and crd[1] < n_cols:
+                            cute.autovec_copy(tSsC[None, i, jj, buf], tSgC[None, i, jj])
+                epi_count += 1
+            t += sched.step
+
+
+# ------------------------------------------------------------------ torch side
+def grouped_gemm_k_reference(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
+                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain torch: ``out[e] = a[rows e].T @ dy[rows e]`` in fp32 (fp64 for fp64
+    inputs), rows ``[ends[e-1], ends[e])`` with ``ends = cummax(clamp(offs, 0, M))``;
+    zeros for an expert without rows; rows past ``ends[-1]`` count nowhere."""
+    m = a.shape[0]
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = torch.zeros(offs.shape[0], a.shape[1], dy.shape[1], dtype=out_dtype or a.dtype,
+                      device=a.device)
+    ends = offs.to(torch.int64).clamp(0, m)
+    ends = torch.cummax(ends, 0).values.tolist() if ends.numel() else []
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[e] = (a[start:end].to(acc).t() @ dy[start:end].to(acc)).to(out.dtype)
+        start = end
+    return out
+
+
+def _fake_args(ab_dtype, c_dtype):
+    """Symbolic (M, K) a, (M, N) dy, (E, K, N) out, (E,) offs: last dims
+    contiguous, other strides symbolic multiples of 16 bytes."""
+    m, k, n, e = kcompile.sym_dims(4)
+
+    def s(dtype):
+        return cute.sym_int64(divisibility=128 // dtype.width)
+
+    f = cute.runtime.make_fake_tensor
+    a = f(ab_dtype, (m, k), (s(ab_dtype), 1), assumed_align=16)
+    dy = f(ab_dtype, (m, n), (s(ab_dtype), 1), assumed_align=16)
+    out = f(c_dtype, (e, k, n), (s(c_dtype), s(c_dtype), 1), assumed_align=16)
+    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    return a, dy, out, offs
+
+
+@functools.cache
+def compiled_kernel(config: DwConfig, ab_dtype, c_dtype):
+    """The compiled kernel (memoized: it is on every call's path)."""
+    key = ("GroupedGemmDwSm90", config, str(ab_dtype), str(c_dtype), "sm_90a")
+
+    def build():
+        return GroupedGemmDwSm90(config), (
+            *_fake_args(_TORCH_TO_CUTE[ab_dtype], _TORCH_TO_CUTE[c_dtype]),
+            cutlass.Int32(1), kcompile.fake_stream())
+
+    return kcompile.get_compiled(key, build)
+
+
+@functools.cache
+def _launcher(config: DwConfig, ab_dtype, c_dtype, device_index: int):
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return compiled_kernel(config, ab_dtype, c_dtype), sms
+
+
+def _check(a, dy, offs, out):
+    """Cheap layout checks (no sync): the layouts the compiled kernel takes."""
+    if a.dim() != 2 or dy.dim() != 2 or out.dim() != 3 or offs.dim() != 1:
+        raise ValueError("grouped_gemm_k: a (M, K), dy (M, N), offs (E,), out (E, K, N)")
+    m, k = a.shape
+    if dy.shape[0] != m or tuple(out.shape) != (offs.shape[0], k, dy.shape[1]):
+        raise ValueError(f"grouped_gemm_k: shapes a {tuple(a.shape)}, dy {tuple(dy.shape)}, "
+                         f"offs {tuple(offs.shape)}, out {tuple(out.shape)} do not agree")
+    if a.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != a.dtype:
+        raise ValueError(f"grouped_gemm_k: a and dy must be one of bf16/fp16, got "
+                         f"{a.dtype}, {dy.dtype}")
+    if out.dtype not in (a.dtype, torch.float32):
+        raise ValueError(f"grouped_gemm_k: out must be {a.dtype} or float32, got {out.dtype}")
+    if offs.dtype != torch.int32 or (offs.shape[0] > 1 and offs.stride(0) != 1):
+        raise ValueError("grouped_gemm_k: offs must be contiguous int32")
+    if offs.shape[0] > MAX_EXPERTS:
+        raise ValueError(f"grouped_gemm_k: at most {MAX_EXPERTS} experts, got {offs.shape[0]}")
+    devices = {t.device for t in (a, dy, offs, out)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"grouped_gemm_k: all tensors on one CUDA device, got {devices}")
+    for name, t in (("a", a), ("dy", dy), ("out", out)):
+        align = 16 // t.element_size()
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"grouped_gemm_k: {name} must have a contiguous last dim")
+        if any(s % align for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"grouped_gemm_k: {name}: strides {t.stride()} must be "
+                             f"16-byte multiples and the data 16-byte aligned")
+
+
+def grouped_gemm_k(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                   config: DwConfig | None = None) -> torch.Tensor:
+    """``out[e] = a[rows e].T @ dy[rows e]`` on the current stream; returns ``out``.
+
+    a (M, K), dy (M, N) bf16/fp16 with contiguous rows, offs (E,) int32 on the
+    device, out (E, K, N) of a's dtype or float32 (last dim contiguous, strides
+    16-byte multiples).  No host sync (CUDA-graph capturable); deterministic.
+    ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
+    """
+    _check(a, dy, offs, out)
+    m, k = a.shape
+    num_experts, _, n = out.shape
+    if num_experts == 0 or k == 0 or n == 0:
+        return out
+    if m == 0:
+        return out.zero_()
+    cfg = config or choose_config(num_experts, k, n, m)
+    fn, sms = _launcher(cfg, a.dtype, out.dtype, a.get_device())
+    fn(a, dy, out, offs, min(sms, _units(cfg, num_experts, k, n)))
+    return out

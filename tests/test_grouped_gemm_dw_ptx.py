@@ -1,0 +1,209 @@
+"""CPU: the k-grouped (weight-gradient) GEMM compiles for sm_90a; its PTX has the
+instructions the design relies on, assembles without spills, and the host-side
+pieces (schedule decode, validators, entry checks, reference) behave."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from csrc_free_kernels import ptx_dump
+
+BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("dw_")]
+PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas")
+                                  else None)
+
+
+def dw():
+    from csrc_free_kernels import grouped_gemm_dw_sm90
+    return grouped_gemm_dw_sm90
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("dw")))
+
+
+def _build(name):
+    config, kw = ptx_dump.BUILDS[name].config
+    return dw().CONFIGS[config], kw
+
+
+def test_every_configuration_is_built(ptx):
+    assert set(BUILDS) <= set(ptx)
+    assert {_build(n)[0].name for n in BUILDS} == set(dw().CONFIGS)
+    assert any(_build(n)[1]["out"] == "float32" for n in BUILDS)
+    assert any(_build(n)[1]["dtype"] == "float16" for n in BUILDS)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_kernel_ptx(ptx, name):
+    text = ptx[name]
+    cfg, kw = _build(name)
+    dtype = "f16" if kw["dtype"] == "float16" else "bf16"
+    # each MMA warpgroup: 64 x tile_n x 16, fp32 accumulators, both operands from smem
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.(\w+)", text)
+    assert wgmma and set(wgmma) == {(f"m64n{cfg.tile_n}k16", dtype, dtype)}
+    assert len(wgmma) == cfg.tile_k // 16  # one chunk's k-blocks, one mainloop site
+    # TMA loads (2-D: a^T and dy), 64-element (128-byte) boxes: tile_m / 64 of
+    # a^T from warp 0, tile_n / dy_warps / 64 of dy from each dy warp
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global", text)
+    assert set(loads) == {"2"}
+    assert len(loads) == cfg.tile_m // 64 + cfg.tile_n // cfg.dy_warps // 64
+    assert ".multicast::cluster" not in text
+    # one expect_tx site (the task warp leader), with the whole stage's bytes
+    arms = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[\S+\],\s*(%r\d+);",
+                      text)
+    assert len(arms) == 1
+    (value,) = re.findall(rf"mov\.b32\s+{re.escape(arms[0])},\s*(\d+);", text)
+    assert int(value) == cfg.stage_bytes
+    assert "setmaxnreg.dec.sync.aligned.u32 \t40;" in text
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32 \t2(32|40);", text)
+    # the tail rows of the last chunk: 16-byte zero stores into both operand
+    # tiles, the generic -> async proxy fence, then the TAIL named barrier of
+    # all MMA threads, before the first WGMMA of the chunk
+    mma_threads = 128 * cfg.mma_warpgroups
+    zeros = [m.start() for m in re.finditer(r"st\.shared\.v4\.b32\s+\[%r\d+\],\s*\{0, 0, 0, 0\};",
+                                            text)]
+    assert len(zeros) == 2
+    fence = text.index("fence.proxy.async.shared::cta;")
+    tail = text.index(f"bar.sync \t{int(dw().Barrier.TAIL)}, {mma_threads};")
+    first_mma = text.index("wgmma.mma_async")
+    assert max(zeros) < fence < tail < first_mma
+    assert re.search(rf"bar\.sync \t{int(dw().Barrier.EPILOGUE)}, {mma_threads};", text)
+    # deterministic: no atomics or reductions to global memory
+    assert not re.search(r"\b(atom|red)\.", text)
+    # 16-byte stores of the output, predicated on the K and N edges
+    assert "st.global.v4" in text
+    assert ("stmatrix" in text) == (kw["out"] != "float32")
+    assert ".local" not in text
+
+
+@pytest.mark.skipif(PTXAS is None, reason="needs ptxas")
+@pytest.mark.parametrize("name", BUILDS)
+def test_ptxas_no_spills(ptx, name, tmp_path):
+    src = tmp_path / f"{name}.ptx"
+    src.write_text(ptx[name])
+    proc = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    info = proc.stdout + proc.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info, info
+    # the WGMMA fence sits in the mainloop: ptxas injects none of its own
+    assert "C7519" not in info and "serialized" not in info, info
+
+
+@pytest.mark.parametrize("m_tiles, n_tiles, band_n", [
+    (32, 112, 8), (56, 16, 8), (3, 5, 2), (1, 1, 8), (4, 7, 3), (16, 6, 16)])
+def test_schedule_decode_is_a_bijection(m_tiles, n_tiles, band_n):
+    sched = dw().DwScheduler
+    experts = 3
+    units = [sched.unit_coords(t, m_tiles, n_tiles, band_n)
+             for t in range(experts * m_tiles * n_tiles)]
+    assert sorted(units) == [(e, m, n) for e in range(experts) for m in range(m_tiles)
+                             for n in range(n_tiles)]
+    # expert-major; within a band of band_n n-tiles the n-tile is fastest
+    assert [u[0] for u in units] == sorted(u[0] for u in units)
+    if n_tiles >= band_n > 1 and m_tiles > 1:
+        assert units[:band_n + 1] == [(0, 0, n) for n in range(band_n)] + [(0, 1, 0)]
+
+
+def test_configs_validate():
+    import dataclasses
+
+    g = dw()
+    for bad, msg in [(dict(tile_n=320), "tile_n"), (dict(tile_m=192), "tile_m"),
+                     (dict(dy_warps=3), "dy_warps"), (dict(tile_n=192, dy_warps=2), "dy part"),
+                     (dict(tile_k=24), "tile_k"), (dict(band_n=0), "band_n")]:
+        with pytest.raises(ValueError, match=msg):
+            g.GroupedGemmDwSm90(dataclasses.replace(g.WIDE, **bad))
+
+
+@pytest.mark.parametrize("config", ["dw_128x256", "dw_128x128"])
+@pytest.mark.parametrize("c_bits", [16, 32])
+def test_stages_fit_shared_memory(config, c_bits):
+    g = dw()
+    cfg = g.CONFIGS[config]
+    kernel = g.GroupedGemmDwSm90(cfg)
+    stages = kernel.stage_count(16, c_bits)
+    assert stages == cfg.stages  # an fp32 epilogue still leaves every stage
+    epi = 2 * cfg.tile_m * 32 * c_bits // 8
+    assert stages * cfg.stage_bytes + epi + 16 * stages + 4 * g.MAX_EXPERTS <= g.SMEM_CAPACITY
+
+
+def test_stage_count_shrinks_to_fit():
+    import dataclasses
+
+    g = dw()
+    assert g.GroupedGemmDwSm90(dataclasses.replace(g.WIDE, stages=8)).stage_count(16, 16) == 4
+    with pytest.raises(ValueError, match="room for 1 stages"):
+        g.GroupedGemmDwSm90(dataclasses.replace(g.WIDE, tile_k=256)).stage_count(16, 32)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_shared_storage_layout(ptx, name):
+    """The barriers sit right after the stages and epilogue buffers: the
+    compiled stage count is the planned one."""
+    cfg, kw = _build(name)
+    c_bits = 32 if kw["out"] == "float32" else 16
+    stages = dw().GroupedGemmDwSm90(cfg).stage_count(16, c_bits)
+    barriers = stages * cfg.stage_bytes + 2 * cfg.tile_m * 32 * c_bits // 8
+    assert re.search(rf"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[%r\d+\+{barriers}\]",
+                     ptx[name])
+    # the ring's barriers: `stages` full ones (1 arrival: the leader's
+    # expect_tx), then `stages` empty ones (one arrival per MMA warp)
+    inits = re.findall(r"mbarrier\.init\.shared\.b64\s+\[%r\d+\+(\d+)\],\s*(%r\d+);", ptx[name])
+    regs = {r: int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+),\s*(\d+);", ptx[name])}
+    assert [(int(off), regs[reg]) for off, reg in inits] == (
+        [(barriers + 8 * s, 1) for s in range(stages)]
+        + [(barriers + 8 * (stages + s), 4 * cfg.mma_warpgroups) for s in range(stages)])
+
+
+@pytest.mark.parametrize("shape, name", [
+    ((8, 4096, 28672, 8192), "dw_128x256"),      # Mixtral gate_up dW
+    ((256, 7168, 4096, 131072), "dw_128x256"),   # DeepSeek-V3 gate_up dW
+    ((128, 2048, 1536, 131072), "dw_128x256"),   # Qwen3 gate_up dW
+    ((1, 256, 256, 64), "dw_128x128"),           # a few output tiles
+    ((8, 512, 512, 4096), "dw_128x128"),
+])
+def test_choose_config(shape, name):
+    assert dw().choose_config(*shape).name == name
+
+
+def _args(m=64, k=32, n=48, e=4, dtype=torch.bfloat16, out_dtype=None):
+    a = torch.randn(m, k, dtype=dtype)
+    dy = torch.randn(m, n, dtype=dtype)
+    offs = torch.tensor([10, 10, 40, 60][:e], dtype=torch.int32)
+    out = torch.empty(e, k, n, dtype=out_dtype or dtype)
+    return a, dy, offs, out
+
+
+@pytest.mark.parametrize("corrupt, msg", [
+    (lambda a, dy, o, out: (a, dy[:-1], o, out), "do not agree"),
+    (lambda a, dy, o, out: (a, dy, o, out[:, :, :-8]), "do not agree"),
+    (lambda a, dy, o, out: (a, dy, o[:-1], out), "do not agree"),
+    (lambda a, dy, o, out: (a.float(), dy.float(), o, out.float()), "bf16/fp16"),
+    (lambda a, dy, o, out: (a, dy.half(), o, out), "bf16/fp16"),
+    (lambda a, dy, o, out: (a, dy, o, out.half()), "out must be"),
+    (lambda a, dy, o, out: (a, dy, o.long(), out), "int32"),
+    (lambda a, dy, o, out: (a, dy, o, out), "CUDA device"),  # CPU tensors
+])
+def test_entry_rejects_other_layouts(corrupt, msg):
+    with pytest.raises(ValueError, match=msg):
+        dw().grouped_gemm_k(*corrupt(*_args()))
+
+
+def test_reference_matches_ts_moe_convention():
+    from ts_moe.reference import grouped_gemm_k_reference as ts_ref
+
+    a, dy, _, _ = _args(m=50)
+    offs = torch.tensor([5, 3, 30, 70, 20], dtype=torch.int32)  # invalid: cummax + clamp
+    ref = dw().grouped_gemm_k_reference(a, dy, offs, torch.float32)
+    assert ref.shape == (5, 32, 48)
+    assert torch.equal(ref, ts_ref(a.t(), dy, offs, torch.float32))
+    assert (ref[1] == 0).all() and (ref[4] == 0).all()  # empty after cummax
+    torch.testing.assert_close(ref[2], a[5:30].float().t() @ dy[5:30].float())
+    torch.testing.assert_close(ref[3], a[30:50].float().t() @ dy[30:50].float())
