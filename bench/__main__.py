@@ -4,9 +4,11 @@
     python -m bench --quick                          # ~2 minute subset
     python -m bench --models qwen3 --T 16,1024 --backends ts_moe,torch_grouped_mm
     python -m bench --suite moe_layer --list         # show cases and backends only
+    python -m bench --suite training                 # fwd, dA, dW and layer fwd+bwd (~3 min)
     python -m bench report bench/results/nvidia-h200-grouped_gemm.json
     python -m bench overhead                         # host time of one op call
     python -m bench targets bench/results/nvidia-h200-grouped_gemm.json  # issue 4 targets
+    python -m bench targets bench/results/nvidia-h200-training.json      # training targets
 
 A run prints one progress line per case on stderr and the results table on
 stdout, then writes bench/results/<gpu>-<suite>.json, its plot
@@ -49,7 +51,8 @@ def _csv(kind):
 
 SUBCOMMANDS = {
     "report": "python -m bench report RESULT.json: rebuild a run's RESULTS.md section and plot",
-    "targets": "python -m bench targets RESULT.json: the grouped GEMM targets, met or not",
+    "targets": "python -m bench targets RESULT.json: a grouped_gemm or training run's "
+               "targets, met or not",
     "overhead": "python -m bench overhead: host time of one op call (needs CUDA)",
 }
 CPU_TARGET_MS = 10.0  # timed work per backend and case in the CPU smoke suite
@@ -77,15 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"models (unique prefixes work); all: {','.join(case_lib.MODELS)}; "
                         f"CPU smoke: {','.join(case_lib.SMOKE_MODELS)}")
     p.add_argument("--T", type=_csv(int), help="token counts; default "
-                   f"{','.join(map(str, case_lib.GEMM_T))} (moe_layer: also 1)")
-    p.add_argument("--gemms", type=_csv(str), help="grouped_gemm: gate_up,down (default both)")
+                   f"{','.join(map(str, case_lib.GEMM_T))} (moe_layer: also 1; training: "
+                   f"{','.join(map(str, case_lib.TRAIN_T))})")
+    p.add_argument("--gemms", type=_csv(str), help="grouped_gemm: gate_up,down (default both); "
+                   "training: also layer (default all three)")
+    p.add_argument("--steps", type=_csv(str),
+                   help=f"training: the GEMMs' steps, {','.join(case_lib.GEMM_STEPS)} (default "
+                        f"all; the layer's step is always {case_lib.LAYER_STEP})")
     p.add_argument("--routing", type=_csv(str), help="uniform,skewed (default both)")
     p.add_argument("--backends", type=_csv(str), help="default: the suite's usual ones")
     p.add_argument("--weight-layout", choices=case_lib.WEIGHT_LAYOUTS, default="nmajor",
                    help="grouped_gemm b: (E,K,N) N-major, or kmajor = w.transpose(-2,-1) "
                         "of an (E,N,K) tensor")
     p.add_argument("--quick", action="store_true",
-                   help=f"T {','.join(map(str, case_lib.QUICK_T))}, uniform routing, "
+                   help=f"T {','.join(map(str, case_lib.QUICK_T))} (training: "
+                        f"{','.join(map(str, case_lib.TRAIN_QUICK_T))}), uniform routing, "
                         f"{' and '.join(case_lib.QUICK_MODELS)} (explicit filters win; on the "
                         f"CPU: the smoke suite, uniform routing)")
     p.add_argument("--graphs", action="store_true",
@@ -93,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-max-t", type=int, default=1024)
     p.add_argument("--no-roofs", action="store_true", help="skip measuring HBM and GEMM roofs")
     p.add_argument("--target-ms", type=float,
-                   help=f"timed work per backend per case (5 to 200 calls); default 100, "
+                   help=f"timed work per backend per case (5 to 200 calls); default 100 "
+                        f"(training: {SUITES['training'].default_target_ms:g}), "
                         f"{CPU_TARGET_MS:g} on the CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="default: cuda when torch sees a GPU, else cpu; on the cpu, "
@@ -150,12 +160,14 @@ def resolve(args, parser) -> dict:
         parser.error("--device cuda, but torch sees no CUDA device (use --device cpu)")
     cpu = device.type == "cpu"
     suite = SUITES[args.suite]
-    layer = args.suite == "moe_layer"
-    full_t = case_lib.LAYER_T if layer else case_lib.GEMM_T
+    training = args.suite == "training"
+    full_t = {"moe_layer": case_lib.LAYER_T, "training": case_lib.TRAIN_T}.get(args.suite,
+                                                                              case_lib.GEMM_T)
     if cpu:
         default_models, default_t = list(case_lib.SMOKE_MODELS), list(case_lib.SMOKE_T)
     elif args.quick:
-        default_models, default_t = list(case_lib.QUICK_MODELS), list(case_lib.QUICK_T)
+        default_models = list(case_lib.QUICK_MODELS)
+        default_t = list(case_lib.TRAIN_QUICK_T if training else case_lib.QUICK_T)
     else:
         default_models, default_t = list(case_lib.MODELS), list(full_t)
     known_models = [*case_lib.MODELS, *case_lib.SMOKE_MODELS]
@@ -166,7 +178,11 @@ def resolve(args, parser) -> dict:
         "routing": _pick(args.routing or (case_lib.QUICK_ROUTINGS if args.quick
                                           else case_lib.ROUTINGS),
                          list(case_lib.ROUTINGS), "routing", parser),
-        "gemms": _pick(args.gemms or case_lib.GEMMS, list(case_lib.GEMMS), "gemm", parser),
+        "gemms": _pick(args.gemms or (case_lib.TRAIN_GEMMS if training else case_lib.GEMMS),
+                       list(case_lib.TRAIN_GEMMS if training else case_lib.GEMMS), "gemm",
+                       parser),
+        "steps": _pick(args.steps or case_lib.GEMM_STEPS, [s.lower() for s in
+                                                           case_lib.GEMM_STEPS], "step", parser),
         "backends": args.backends or list(suite.default_backends),
         # on the CPU, what the smoke suite filled in because the user did not name it
         "smoke": [what for what, given in (("models", args.models), ("token counts", args.T))
@@ -211,6 +227,10 @@ def cpu_notice(args, sel, n_cases: int) -> str:
 def make_cases(args, sel) -> list:
     if args.suite == "moe_layer":
         return case_lib.layer_cases(sel["models"], sel["T"], sel["routing"], args.seed)
+    if args.suite == "training":
+        steps = [s for s in case_lib.GEMM_STEPS if s.lower() in sel["steps"]]
+        return case_lib.training_cases(sel["models"], sel["T"], sel["gemms"], sel["routing"],
+                                       steps, args.seed, args.weight_layout)
     return case_lib.gemm_cases(sel["models"], sel["T"], sel["gemms"], sel["routing"],
                                args.seed, args.weight_layout)
 
@@ -236,7 +256,7 @@ def run(argv) -> int:
     if cpu:
         print(cpu_notice(args, sel, len(cases)), file=sys.stderr, flush=True)
     if args.target_ms is None:
-        args.target_ms = CPU_TARGET_MS if cpu else 100.0
+        args.target_ms = CPU_TARGET_MS if cpu else sel["suite"].default_target_ms
     # where results go: the checkout's bench/results and bench/RESULTS.md hold GPU runs;
     # a CPU run's times (of the reference path) go only where the user says
     save = not args.no_save

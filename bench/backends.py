@@ -99,11 +99,30 @@ def torch_grouped_mm(case: Case, device: torch.device) -> Bind:
 
 
 def cublas_loop(case: Case, device: torch.device) -> Bind:
-    """One ``torch.mm`` (cuBLAS on a GPU) per expert that got rows, into one output."""
+    """One ``torch.mm`` (cuBLAS on a GPU) per expert that got rows, into one output.
+
+    For a 2-D ``b`` (the k-grouped weight gradient, ``a`` (K, M), ``b`` (M, N)):
+    ``out[e] = a[:, rows e] @ b[rows e]`` into an (E, K, N) output, whose
+    experts without rows are zero-filled (as ``F.grouped_mm`` gives them)."""
 
     def bind(inp: GemmInputs) -> Run:
         a, b = inp.a, inp.b
         segs = list(segments(inp.counts))
+        if b.dim() == 2:
+            experts = len(inp.counts)
+            empty = [e for e, rows in enumerate(inp.counts) if not rows]
+            empty_index = torch.tensor(empty, dtype=torch.int64, device=a.device)
+
+            def run_k():
+                out = torch.empty(experts, a.shape[0], b.shape[1], dtype=a.dtype,
+                                  device=a.device)
+                for e, start, rows in segs:
+                    torch.mm(a[:, start:start + rows], b[start:start + rows], out=out[e])
+                if empty:
+                    out.index_fill_(0, empty_index, 0)
+                return out
+
+            return run_k
 
         def run():
             out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)

@@ -3,7 +3,9 @@
 A case is one problem size: a model's expert shapes, a token count ``T``, a
 routing of the ``M = T * top_k`` token-expert pairs onto the ``E`` experts,
 and which GEMM of the expert MLP it is (``gate_up``: N = 2I, K = H;
-``down``: N = H, K = I; ``layer``: the whole expert MLP).  Everything here is
+``down``: N = H, K = I; ``layer``: the whole expert MLP).  The training
+suite's cases also name a ``step``: a GEMM's ``fwd``, ``dA`` (input gradient)
+or ``dW`` (weight gradient), or the layer's ``fwd+bwd``.  Everything here is
 plain Python and CPU torch, so the case list is the same on every machine.
 """
 
@@ -56,6 +58,13 @@ QUICK_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 QUICK_T = (16, 1024, 16384)
 QUICK_ROUTINGS = ("uniform",)
 
+# the training suite: each GEMM's three steps, and the whole layer forward + backward
+TRAIN_T = (4096, 16384)
+TRAIN_QUICK_T = (4096,)
+GEMM_STEPS = ("fwd", "dA", "dW")
+LAYER_STEP = "fwd+bwd"
+TRAIN_GEMMS = (*GEMMS, "layer")
+
 # Popularity of the expert of rank r is proportional to r**-ZIPF_EXPONENT in
 # skewed routing: with top-8 of 128 experts the hottest expert gets ~1/8 of
 # all rows, the coldest a handful, as in a router that has collapsed onto a
@@ -74,6 +83,7 @@ class Case:
     seed: int
     counts: tuple[int, ...]
     weight_layout: str = "nmajor"
+    step: str | None = None  # training suite: fwd, dA, dW (a GEMM), fwd+bwd (the layer)
 
     @property
     def E(self) -> int:
@@ -98,17 +108,22 @@ class Case:
         return sum(1 for c in self.counts if c > 0)
 
     def key(self) -> dict:
-        """The fields that identify the case in results."""
-        return {"model": self.model.name, "gemm": self.gemm, "T": self.T, "routing": self.routing}
+        """The fields that identify the case in results (``step`` only where there is one)."""
+        key = {"model": self.model.name, "gemm": self.gemm, "T": self.T, "routing": self.routing}
+        if self.step is not None:
+            key["step"] = self.step
+        return key
 
     def describe(self) -> str:
-        """Short text with the shape, for progress lines and NVTX ranges."""
+        """Short text with the shape, for progress lines and NVTX ranges.  A step's
+        M, N, K are those of the forward GEMM it belongs to."""
         m = self.model
         if self.gemm == "layer":
             dims = f"M={self.M} H={m.hidden} I={m.inter} E={self.E} k={m.top_k}"
         else:
             dims = f"M={self.M} N={self.N} K={self.K} E={self.E}"
-        return f"{m.name} {self.gemm} T={self.T} {self.routing} {dims}"
+        gemm = self.gemm if self.step is None else f"{self.gemm} {self.step}"
+        return f"{m.name} {gemm} T={self.T} {self.routing} {dims}"
 
 
 def case_seed(base_seed: int, model: str, T: int, routing: str) -> int:
@@ -154,11 +169,11 @@ def model_named(name: str) -> Model:
 
 
 def make_case(model: Model, gemm: str, T: int, routing: str, base_seed: int = 0,
-              weight_layout: str = "nmajor") -> Case:
+              weight_layout: str = "nmajor", step: str | None = None) -> Case:
     """The case with its routing drawn from the seed."""
     seed = case_seed(base_seed, model.name, T, routing)
     counts = expert_counts(route(T, model.top_k, model.experts, routing, seed), model.experts)
-    return Case(model, gemm, T, routing, seed, counts, weight_layout)
+    return Case(model, gemm, T, routing, seed, counts, weight_layout, step)
 
 
 def gemm_cases(models, Ts, gemms, routings, base_seed: int = 0,
@@ -174,24 +189,62 @@ def layer_cases(models, Ts, routings, base_seed: int = 0) -> list[Case]:
             for m in models for r in routings for t in sorted(Ts)]
 
 
+def training_cases(models, Ts, gemms, routings, steps=GEMM_STEPS, base_seed: int = 0,
+                   weight_layout: str = "nmajor") -> list[Case]:
+    """The training suite: per model, each GEMM's steps (``fwd``, ``dA``, ``dW``)
+    x routing x T, then the layer's ``fwd+bwd`` (``gemms`` naming ``layer``)
+    x routing x T; T ascending innermost."""
+    out = []
+    for m in models:
+        model = model_named(m)
+        for g in gemms:
+            if g == "layer":
+                out += [make_case(model, "layer", t, r, base_seed, "hf", LAYER_STEP)
+                        for r in routings for t in sorted(Ts)]
+            else:
+                out += [make_case(model, g, t, r, base_seed, weight_layout, s)
+                        for s in steps for r in routings for t in sorted(Ts)]
+    return out
+
+
 def flops(case: Case) -> int:
-    """Multiply-adds x 2 of the useful work (padding rows of a tile are not counted)."""
+    """Multiply-adds x 2 of the useful work (padding rows of a tile are not counted).
+    A GEMM's ``dA`` and ``dW`` do the work of its forward; the layer's ``fwd+bwd``
+    three times its forward (each GEMM's dA and dW)."""
     m = case.model
     if case.gemm == "layer":
         # gate_up (2I x H) and down (H x I) for each of the M rows
-        return 2 * case.M * (2 * m.inter * m.hidden + m.hidden * m.inter)
+        forward = 2 * case.M * (2 * m.inter * m.hidden + m.hidden * m.inter)
+        return 3 * forward if case.step == LAYER_STEP else forward
     return 2 * case.M * case.N * case.K
 
 
 def traffic(case: Case) -> dict[str, int]:
     """Bytes that must cross HBM at least once (bf16): weights of the experts
-    that got rows, activations in, results out.  Untouched experts are free."""
+    that got rows, activations in, results out.  Untouched experts are free,
+    except in a weight gradient, which is written (zeros) for every expert.
+
+    Steps: ``dA`` reads dy (M, N) and the weights, writes (M, K); ``dW`` reads
+    x (M, K) and dy (M, N), writes (E, K, N); the layer's ``fwd+bwd`` reads the
+    weights, x and the output's gradient, writes the weights' gradients, the
+    output and x's gradient."""
     m = case.model
     touched = case.touched_experts
     if case.gemm == "layer":
-        return {"weights": touched * 3 * m.inter * m.hidden * 2,
-                "act_in": case.T * m.hidden * 2,
-                "out": case.T * m.hidden * 2}
+        weights = touched * 3 * m.inter * m.hidden * 2
+        rows = case.T * m.hidden * 2
+        if case.step == LAYER_STEP:
+            return {"weights": weights, "act_in": 2 * rows, "out": 2 * rows,
+                    "weight_grads": case.E * 3 * m.inter * m.hidden * 2}
+        return {"weights": weights, "act_in": rows, "out": rows}
+    if case.step == "dA":
+        return {"weights": touched * case.K * case.N * 2,
+                "act_in": case.M * case.N * 2,
+                "out": case.M * case.K * 2}
+    if case.step == "dW":
+        return {"weights": 0,
+                "act_in": case.M * (case.K + case.N) * 2,
+                "out": case.E * case.K * case.N * 2}
     return {"weights": touched * case.K * case.N * 2,
             "act_in": case.M * case.K * 2,
             "out": case.M * case.N * 2}

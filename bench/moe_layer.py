@@ -9,9 +9,11 @@ as a (T, H) tensor in ``x.dtype``, where
 ``expert_e(x) = down[e] @ (silu(gate_e x) * (up_e x))``.
 
 Backends (:func:`layer_backends`): ``ts_moe`` (fused gate/up + SwiGLU
-kernel), ``ts_moe_unfused`` (grouped GEMM, then SwiGLU), and transformers'
+kernel), ``ts_moe_unfused`` (grouped GEMM, then SwiGLU), transformers'
 ``MixtralExperts`` with each experts implementation (``hf_eager``,
-``hf_grouped_mm``, ``hf_batched_mm``), all on the same weight tensors.  A
+``hf_grouped_mm``, ``hf_batched_mm``), all on the same weight tensors, and on
+request ``torch_layer`` (:func:`torch_layer_forward`: plain torch on
+``F.grouped_mm``, the training suite's peer).  A
 factory imports its dependencies itself, so a missing package (ImportError) or
 an unusable machine (:class:`bench.backends.Unavailable`) is reported as
 unavailable, not fatal.
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backends import Bind, Factory
-from .cases import Case, route
+from .backends import Bind, Factory, Unavailable
+from .cases import Case, Model, route
 
 DEFAULT_BACKENDS = ("ts_moe", "ts_moe_unfused", "hf_eager", "hf_grouped_mm", "hf_batched_mm")
 
@@ -100,21 +102,69 @@ def ts_moe_layer(fused: bool) -> Factory:
     return factory
 
 
+def grouped_mm_function():
+    """``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on older torch), or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def torch_layer_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The expert half of a MoE layer in plain torch on ``F.grouped_mm`` (autograd
+    through torch's own formulas): route (a stable sort of the slots by expert,
+    offsets by binary search: no host sync), permute, grouped_mm gate_up,
+    ``silu(gate) * up``, grouped_mm down, combine (weights in fp32, one rounding).
+    Shapes as :class:`LayerInputs`; returns (T, H) in ``x.dtype``."""
+    grouped_mm = grouped_mm_function()
+    tokens, top_k = topk_ids.shape
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    ids = torch.arange(gate_up.shape[0], device=x.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
+    h = grouped_mm(x[order // top_k], gate_up.transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=x.device))
+    y = y[inverse].view(tokens, top_k, -1)
+    return (y * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def torch_layer(case: Case, device: torch.device) -> Bind:
+    """:func:`torch_layer_forward` under no_grad."""
+    if grouped_mm_function() is None:
+        raise Unavailable(f"torch {torch.__version__} has no grouped_mm")
+
+    def bind(inp: LayerInputs):
+        def run():
+            with torch.no_grad():
+                return torch_layer_forward(inp.x, inp.topk_ids, inp.topk_weights, inp.gate_up,
+                                           inp.down)
+        return run
+    return bind
+
+
+def hf_experts_module(model: Model, implementation: str):
+    """transformers' ``MixtralExperts`` of ``model``'s shapes with
+    ``config._experts_implementation`` set, its weights on the meta device (set
+    them before a call)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=model.hidden, intermediate_size=model.inter,
+                           num_local_experts=model.experts, num_experts_per_tok=model.top_k)
+    config._experts_implementation = implementation
+    with torch.device("meta"):
+        return MixtralExperts(config)
+
+
 def hf_experts(implementation: str) -> Factory:
     """transformers' ``MixtralExperts`` with ``config._experts_implementation`` set,
-    on the same weight tensors (no copy)."""
+    on the same weight tensors (no copy), one module per input copy (so the
+    calls rotate through the copies' weights)."""
     def factory(case: Case, device: torch.device) -> Bind:
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-        m = case.model
-        config = MixtralConfig(hidden_size=m.hidden, intermediate_size=m.inter,
-                               num_local_experts=m.experts, num_experts_per_tok=m.top_k)
-        config._experts_implementation = implementation
-        with torch.device("meta"):
-            experts = MixtralExperts(config)
+        hf_experts_module(case.model, implementation)  # no transformers: ImportError
 
         def bind(inp: LayerInputs):
+            experts = hf_experts_module(case.model, implementation)
             experts.gate_up_proj = torch.nn.Parameter(inp.gate_up, requires_grad=False)
             experts.down_proj = torch.nn.Parameter(inp.down, requires_grad=False)
 
@@ -135,4 +185,5 @@ def layer_backends() -> dict[str, Factory]:
         "hf_eager": hf_experts("eager"),
         "hf_grouped_mm": hf_experts("grouped_mm"),
         "hf_batched_mm": hf_experts("batched_mm"),
+        "torch_layer": torch_layer,
     }

@@ -16,6 +16,7 @@ RESULTS_MD = BENCH_DIR / "RESULTS.md"
 
 COLUMNS = ("model", "gemm", "T", "routing", "backend", "ms", "TFLOP/s", "TB/s", "roof",
            "vs best peer", "status")
+PEAK_COLUMN = "peak GiB"  # runs that measure memory (the training suite): after "vs best peer"
 
 
 def sanitize(name: str) -> str:
@@ -28,11 +29,29 @@ def result_stem(result: dict) -> str:
 
 
 def case_groups(records):
-    """Records grouped by case (model, gemm, T, routing), in first-seen order."""
+    """Records grouped by case (model, gemm, T, routing, and the training suite's
+    step), in first-seen order."""
     groups = defaultdict(list)
     for r in records:
-        groups[(r["model"], r["gemm"], r["T"], r["routing"])].append(r)
+        groups[(r["model"], r["gemm"], r["T"], r["routing"], r.get("step"))].append(r)
     return groups
+
+
+def gemm_label(r: dict) -> str:
+    """The gemm column: ``gate_up``, or with the training suite's step ``gate_up dW``."""
+    return r["gemm"] if r.get("step") is None else f"{r['gemm']} {r['step']}"
+
+
+def has_memory(records) -> bool:
+    """Whether the run measured peak memory (its records carry ``peak_mem_bytes``)."""
+    return any("peak_mem_bytes" in r for r in records)
+
+
+def columns(records) -> tuple[str, ...]:
+    if not has_memory(records):
+        return COLUMNS
+    i = COLUMNS.index("vs best peer") + 1
+    return (*COLUMNS[:i], PEAK_COLUMN, *COLUMNS[i:])
 
 
 def add_ratios(records) -> None:
@@ -55,6 +74,7 @@ def _num(x, fmt: str) -> str:
 
 def table_rows(records) -> list[list[str]]:
     rows = []
+    memory = has_memory(records)
     for r in records:
         status = r["status"]
         if status == "wrong":
@@ -65,18 +85,23 @@ def table_rows(records) -> list[list[str]]:
         roof = ""
         if r.get("roof_frac") is not None:
             roof = f"{100 * r['roof_frac']:.0f}% {r['bound']}"
-        rows.append([r["model"], r["gemm"], str(r["T"]), r["routing"], r["backend"],
-                     _num(r["ms"], ".4f"), _num(r["tflops"], ".1f"), _num(r["tbps"], ".2f"),
-                     roof, _num(r.get("vs_best_peer"), ".2f"), status])
+        row = [r["model"], gemm_label(r), str(r["T"]), r["routing"], r["backend"],
+               _num(r["ms"], ".4f"), _num(r["tflops"], ".1f"), _num(r["tbps"], ".2f"),
+               roof, _num(r.get("vs_best_peer"), ".2f"), status]
+        if memory:
+            peak = r.get("peak_mem_bytes")
+            row.insert(-1, "" if peak is None else f"{peak / (1 << 30):.2f}")
+        rows.append(row)
     return rows
 
 
 def render_text(records) -> str:
     """Fixed-width table for the terminal (long reasons cut to fit)."""
     rows = [[c if len(c) <= 60 else c[:57] + "..." for c in row] for row in table_rows(records)]
+    heads = columns(records)
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h)
-              for i, h in enumerate(COLUMNS)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths)).rstrip()]
+              for i, h in enumerate(heads)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(lines)
@@ -104,9 +129,15 @@ def render_markdown(result: dict) -> str:
         "roof: the time the bounding roof (hbm or flop) allows over the measured time; "
         "vs best peer: the fastest other backend's time over this one's (> 1: fastest).",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---" for _ in COLUMNS) + "|",
     ]
+    heads = columns(result["cases"])
+    if PEAK_COLUMN in heads:
+        lines[-1:-1] = [
+            "", "Steps: a GEMM's fwd, dA (`grouped_mm(dy, w^T)`), dW (k-grouped "
+            "`grouped_mm(x.t(), dy)`); the layer's fwd+bwd (routing given). peak GiB: "
+            "`torch.cuda.max_memory_allocated` over one call less what was allocated before "
+            "it (what the call returns counts)."]
+    lines += ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in heads) + "|"]
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |"
               for row in table_rows(result["cases"])]
     return "\n".join(lines) + "\n"
@@ -163,7 +194,7 @@ def plot(result: dict, out_dir: Path) -> Path | None:
     ok = [r for r in result["cases"] if r["status"] == "ok"]
     if not ok:
         return None
-    rows = list(dict.fromkeys((r["model"], r["gemm"]) for r in ok))
+    rows = list(dict.fromkeys((r["model"], gemm_label(r)) for r in ok))
     routings = list(dict.fromkeys(r["routing"] for r in ok))
     backends = list(dict.fromkeys(r["backend"] for r in ok))
     Ts = sorted({r["T"] for r in ok})
@@ -179,7 +210,7 @@ def plot(result: dict, out_dir: Path) -> Path | None:
                 for b in backends:
                     panel = (model, gemm, routing)
                     pts = sorted((r["T"], r[key]) for r in ok if r["backend"] == b
-                                 and (r["model"], r["gemm"], r["routing"]) == panel)
+                                 and (r["model"], gemm_label(r), r["routing"]) == panel)
                     if pts:
                         ax.plot(*zip(*pts), marker="o", color=colors[b], label=b)
                 ax.set_xscale("log", base=2)

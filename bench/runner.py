@@ -1,6 +1,9 @@
 """Run a suite: for each case, make the inputs once, compute the reference,
 then per backend: prepare, check every input copy against the reference,
-and only if it is right, time it.  One record per (case, backend)."""
+and only if it is right, time it.  One record per (case, backend) of the
+backends that apply to the case (a factory's ``applies(case)``, where it has
+one).  Suites that ask for it also get each backend's peak memory over one
+call (on CUDA)."""
 
 import gc
 import math
@@ -13,7 +16,7 @@ import torch
 
 from . import backends as gemm_backends
 from . import cases as case_lib
-from . import moe_layer
+from . import moe_layer, training
 from .backends import Factory, Unavailable
 from .cases import Case
 from .roofs import roof_fraction
@@ -28,9 +31,11 @@ class Suite:
 
     name: str
     make_inputs: Callable[[Case, torch.device], object]
-    reference: Callable[[object], torch.Tensor]  # fp32 result
+    reference: Callable[[object], object]  # fp32 result (a tensor, or a tuple of them)
     backends: Callable[[], dict[str, Factory]]
     default_backends: tuple[str, ...]
+    default_target_ms: float = 100.0  # timed work per backend and case on a GPU
+    memory: bool = False  # record each backend's peak memory over one call (CUDA)
 
 
 SUITES = {
@@ -40,6 +45,9 @@ SUITES = {
                           gemm_backends.DEFAULT_BACKENDS),
     "moe_layer": Suite("moe_layer", moe_layer.make_layer_inputs, moe_layer.reference_layer,
                        moe_layer.layer_backends, moe_layer.DEFAULT_BACKENDS),
+    "training": Suite("training", training.make_training_inputs, training.reference_training,
+                      training.training_backends, training.DEFAULT_BACKENDS,
+                      default_target_ms=training.TARGET_MS, memory=True),
 }
 
 
@@ -55,12 +63,41 @@ class Settings:
     tolerance: float = TOLERANCE
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp32; inf for a wrong shape or non-finite output."""
-    if out.shape != ref.shape:
+CHUNK_ELEMENTS = 1 << 26  # rel_err compares larger tensors a slab at a time
+
+
+def _slabs(t: torch.Tensor):
+    """``t`` in slabs along dim 0 of at most about CHUNK_ELEMENTS elements."""
+    if t.dim() == 0 or t.numel() <= CHUNK_ELEMENTS:
+        yield t
+        return
+    step = max(1, CHUNK_ELEMENTS // max(1, t[0].numel()))
+    for i in range(0, t.shape[0], step):
+        yield t[i:i + step]
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in fp32; inf for a wrong shape or non-finite output.
+
+    A tuple (several results of one call, e.g. a layer's output and gradients)
+    against a tuple: the largest error of its members.  Large tensors are
+    compared a slab at a time, so no fp32 copy of a whole (E, K, N) weight
+    gradient is made."""
+    if isinstance(ref, (tuple, list)):
+        if not isinstance(out, (tuple, list)) or len(out) != len(ref):
+            return math.inf
+        return max((rel_err(o, r) for o, r in zip(out, ref)), default=0.0)
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
         return math.inf
-    diff = (out.float() - ref).norm().item()
-    norm = ref.norm().item()
+    if ref.numel() <= CHUNK_ELEMENTS:
+        diff = (out.float() - ref).norm().item()
+        norm = ref.norm().item()
+    else:
+        diff2 = norm2 = 0.0
+        for o, r in zip(_slabs(out), _slabs(ref)):
+            diff2 += (o.float() - r).norm().item() ** 2
+            norm2 += r.norm().item() ** 2
+        diff, norm = math.sqrt(diff2), math.sqrt(norm2)
     if not math.isfinite(diff):
         return math.inf
     return diff / norm if norm else (0.0 if diff == 0 else math.inf)
@@ -90,6 +127,28 @@ def case_record(case: Case) -> dict:
     }
 
 
+def peak_memory(run, device: torch.device) -> int | None:
+    """Bytes one call of ``run`` allocates at its peak beyond what was allocated
+    before it (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``,
+    less ``memory_allocated`` before; what the call returns counts); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return peak
+
+
+def applies(factory: Factory, case: Case) -> bool:
+    """Whether the backend has a result for the case (a factory without ``applies``: always)."""
+    check_case = getattr(factory, "applies", None)
+    return check_case is None or check_case(case)
+
+
 def _empty(base: dict, backend: str, status: str, **extra) -> dict:
     return {**base, "backend": backend, "status": status, "ms": None, "tflops": None,
             "tbps": None, "max_rel_err": None, **extra}
@@ -113,6 +172,16 @@ def prepare_backend(factory: Factory, case: Case, copies, ref, settings: Setting
     if not err <= settings.tolerance:
         return _empty(base, name, "wrong", max_rel_err=err)
     return runs, err
+
+
+def measure_memory(run, base: dict, name: str, device: torch.device):
+    """A checked backend's peak memory (bytes, or None off CUDA), or its failure record."""
+    try:
+        return peak_memory(run, device)
+    except torch.OutOfMemoryError as exc:
+        return _empty(base, name, "oom", reason=str(exc).splitlines()[0])
+    except Exception as exc:  # a broken backend must not end the run
+        return _empty(base, name, "error", reason=f"{type(exc).__name__}: {exc}")
 
 
 def time_backend(runs, case: Case, settings: Settings, target_ms: float):
@@ -158,7 +227,11 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
     """All backends of one case on the same inputs; the inputs are freed after."""
     device = settings.device
     base = case_record(case)
-    names = list(factories)
+    if suite.memory:
+        base["peak_mem_bytes"] = None
+    names = [name for name in factories if applies(factories[name], case)]
+    if not names:
+        return []
     reason = None
     try:
         ref, copies = prepare_inputs(suite, case, settings)
@@ -173,7 +246,7 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
     # measured up to 15 % slower as the fourth of five backends than as the
     # second (Qwen3 T=4096, H200, 2026-12-02), so a backend's place in the
     # list must not decide its time
-    checked, records = {}, {}
+    checked, records, peaks = {}, {}, {}
     for name in names:
         with nvtx_range(f"{name} {case.describe()}"):
             got = prepare_backend(factories[name], case, copies, ref, settings, base, name)
@@ -183,6 +256,16 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
                 _free(device)
         else:
             checked[name] = got
+    if suite.memory:  # one call each, before any timing: the peak of a warmed-up call
+        for name in list(checked):
+            with nvtx_range(f"{name} memory"):
+                got = measure_memory(checked[name][0][0], base, name, device)
+            if isinstance(got, dict):
+                records[name] = got
+                del checked[name]
+                _free(device)
+            else:
+                peaks[name] = got
     passes = {name: [] for name in checked}
     for order in (list(checked), list(reversed(checked))):
         for name in order:
@@ -191,6 +274,8 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
                                                  settings.target_ms / 2))
     for name, (_, err) in checked.items():
         records[name] = timed_record(base, name, err, passes[name], roofs)
+        if name in peaks and records[name]["status"] == "ok":
+            records[name]["peak_mem_bytes"] = peaks[name]
     records = [records[name] for name in names]
     del ref, copies
     _free(device)

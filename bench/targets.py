@@ -1,6 +1,6 @@
-"""``python -m bench targets RESULT.json``: the grouped GEMM performance targets, met or not.
+"""``python -m bench targets RESULT.json``: the performance targets of a run, met or not.
 
-The targets (issue 4), per case of a grouped_gemm run:
+The forward targets (issue 4), per case of a grouped_gemm run:
 
 - T <= 128: ts_moe >= 1.10x the faster of ``torch_grouped_mm`` and ``cublas_grouped``;
 - T = 1024: >= 1.20x that peer;
@@ -8,9 +8,19 @@ The targets (issue 4), per case of a grouped_gemm run:
   read bandwidth, >= 90 % of it instead;
 - T >= 4096: >= 1.10x ``torch_grouped_mm``; Mixtral gate_up at T = 16384 also
   >= 700 TFLOP/s.
+
+The training targets, per case of a training run (one verdict per case and peer):
+
+- a GEMM's ``fwd`` and ``dA``: the forward targets above;
+- ``dW``: >= 1.10x ``torch_grouped_mm`` (torch's k-grouped ``_grouped_mm``) and
+  >= 1.0x ``cublas_loop``; where a ratio would need more than 95 % of the run's
+  measured dense bf16 roof, >= 95 % of it instead;
+- the layer's ``fwd+bwd`` at T >= 4096: >= 1.25x ``hf_grouped_mm`` and >= 1.10x
+  ``torch_layer``, and a peak memory no higher than that peer's.
 """
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +29,12 @@ from . import report
 STREAM_RATIO, MID_RATIO, LARGE_RATIO = 1.10, 1.20, 1.10
 HBM_CAP = 0.90
 TFLOPS_TARGET = {("mixtral-8x7b", "gate_up", 16384): 700.0}
+SUITES = ("grouped_gemm", "training")
+# training: (peer, ratio) per step; dW's ratios are capped at FLOP_CAP x the bf16 roof
+DW_PEERS = (("torch_grouped_mm", 1.10), ("cublas_loop", 1.00))
+FLOP_CAP = 0.95
+LAYER_PEERS = (("hf_grouped_mm", 1.25), ("torch_layer", 1.10))
+LAYER_MIN_T = 4096
 
 
 @dataclass
@@ -30,6 +46,10 @@ class Verdict:
     target: str
     tbps: float
     met: bool
+    step: str | None = None  # training runs: fwd, dA, dW, fwd+bwd
+    tflops: float | None = None
+    peak: int | None = None  # training runs: peak memory, bytes (None: not measured)
+    peer_peak: int | None = None
 
     @property
     def ratio(self) -> float:
@@ -65,15 +85,84 @@ def judge(group: list[dict], hbm_tbps: float, backend: str = "ts_moe") -> Verdic
     return Verdict(key, r["ms"], peer["backend"], peer["ms"], target, r["tbps"], met)
 
 
+def judge_peer(r: dict, peer: dict, want: float, flop_cap: float | None = None,
+               memory: bool = False) -> Verdict:
+    """``r`` against one peer: ``peer_ms / ms >= want``; with ``flop_cap`` (TFLOP/s),
+    where ``want`` would need more than the cap, ``r``'s TFLOP/s >= the cap
+    instead; with ``memory``, also a peak memory no higher than the peer's
+    (where both were measured)."""
+    key = (r["model"], r["gemm"], r["T"], r["routing"])
+    ratio = peer["ms"] / r["ms"]
+    target, met = f">= {want:.2f}x", ratio >= want
+    needed = want * peer["tflops"]
+    if flop_cap is not None and needed > flop_cap:
+        target = (f">= {flop_cap:.0f} TFLOP/s ({100 * FLOP_CAP:.0f}% of the bf16 roof; "
+                  f"{want:.2f}x would need {needed:.0f})")
+        met = r["tflops"] >= flop_cap
+    peak, peer_peak = r.get("peak_mem_bytes"), peer.get("peak_mem_bytes")
+    if memory:
+        target += ", peak memory <= the peer's"
+        if peak is not None and peer_peak is not None:
+            met = met and peak <= peer_peak
+    return Verdict(key, r["ms"], peer["backend"], peer["ms"], target, r["tbps"], met,
+                   step=r.get("step"), tflops=r["tflops"], peak=peak, peer_peak=peer_peak)
+
+
+def judge_training(group: list[dict], roofs: dict, backend: str = "ts_moe") -> list[Verdict]:
+    """The verdicts of one training case's records: one per peer that was timed
+    (none where ``backend`` was not timed)."""
+    timed = {r["backend"]: r for r in group if r["status"] == "ok"}
+    r = timed.get(backend)
+    if r is None:
+        return []
+    step = r.get("step")
+    if step in ("fwd", "dA"):
+        v = judge(group, roofs["hbm_read_tbps"], backend)
+        return [] if v is None else [dataclasses.replace(
+            v, step=step, tflops=r["tflops"], peak=r.get("peak_mem_bytes"),
+            peer_peak=timed[v.peer].get("peak_mem_bytes"))]
+    if step == "dW":
+        cap = FLOP_CAP * roofs["bf16_dense_tflops"]
+        return [judge_peer(r, timed[p], want, flop_cap=cap) for p, want in DW_PEERS
+                if p in timed]
+    if r["gemm"] == "layer" and r["T"] >= LAYER_MIN_T:
+        return [judge_peer(r, timed[p], want, memory=True) for p, want in LAYER_PEERS
+                if p in timed]
+    return []
+
+
 def verdicts(result: dict, backend: str = "ts_moe") -> list[Verdict]:
-    if result["suite"] != "grouped_gemm":
-        raise ValueError(f"targets are for grouped_gemm runs, not {result['suite']!r}")
+    if result["suite"] not in SUITES:
+        raise ValueError(f"targets are for grouped_gemm and training runs, not "
+                         f"{result['suite']!r}")
     if not result.get("roofs"):
         raise ValueError("the run has no measured roofs (a CPU run, or one with --no-roofs): "
-                         "the targets need its HBM bandwidth")
+                         "the targets need its HBM bandwidth and bf16 roof")
+    groups = report.case_groups(result["cases"]).values()
+    if result["suite"] == "training":
+        return [v for g in groups for v in judge_training(g, result["roofs"], backend)]
     hbm = result["roofs"]["hbm_read_tbps"]
-    out = [judge(g, hbm, backend) for g in report.case_groups(result["cases"]).values()]
+    out = [judge(g, hbm, backend) for g in groups]
     return [v for v in out if v is not None]
+
+
+def _gib(n: int | None) -> str:
+    return "" if n is None else f"{n / (1 << 30):.2f}"
+
+
+def render_training_markdown(vs: list[Verdict]) -> str:
+    met = sum(v.met for v in vs)
+    lines = [f"**{met} of {len(vs)} met, {len(vs) - met} missed.**", "",
+             "| model | gemm | step | T | routing | ts_moe ms | peer (ms) | ratio | target | "
+             "ts_moe TFLOP/s | peak GiB (ts_moe / peer) | met |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in vs:
+        model, gemm, T, routing = v.case
+        peak = f"{_gib(v.peak)} / {_gib(v.peer_peak)}" if v.peak is not None else ""
+        lines.append(f"| {model} | {gemm} | {v.step} | {T} | {routing} | {v.ms:.3f} | {v.peer} "
+                     f"{v.peer_ms:.3f} | {v.ratio:.2f}x | {v.target} | {v.tflops:.0f} | "
+                     f"{peak} | {'yes' if v.met else '**no**'} |")
+    return "\n".join(lines) + "\n"
 
 
 def render_markdown(vs: list[Verdict]) -> str:
@@ -93,10 +182,11 @@ def render_markdown(vs: list[Verdict]) -> str:
 def main(argv) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench targets",
-        description="The grouped GEMM performance targets of a grouped_gemm run, met or not "
+        description="The performance targets of a grouped_gemm or training run, met or not "
                     "(a markdown table on stdout).")
     parser.add_argument("json", type=Path, help="a run's JSON, e.g. "
-                        "bench/results/nvidia-h200-grouped_gemm.json")
+                        "bench/results/nvidia-h200-grouped_gemm.json or "
+                        "bench/results/nvidia-h200-training.json")
     args = parser.parse_args(argv)
     if not args.json.is_file():
         parser.error(f"no such file: {args.json}")
@@ -106,12 +196,14 @@ def main(argv) -> int:
         parser.error(f"{args.json} is not a run's JSON: {exc}")
     try:
         vs = verdicts(result)
-    except ValueError as exc:  # not a grouped_gemm run, or no roofs
+    except ValueError as exc:  # not a grouped_gemm or training run, or no roofs
         parser.error(f"{args.json}: {exc}")
     except (KeyError, TypeError, AttributeError) as exc:
         parser.error(f"{args.json} is not a run's JSON ({type(exc).__name__}: {exc})")
+    training = result["suite"] == "training"
     if not vs:
-        parser.error(f"{args.json}: no case has ts_moe and a peer (torch_grouped_mm, "
-                     f"cublas_grouped) both timed")
-    print(render_markdown(vs), end="")
+        peers = ("torch_grouped_mm, cublas_loop, hf_grouped_mm, torch_layer" if training
+                 else "torch_grouped_mm, cublas_grouped")
+        parser.error(f"{args.json}: no case has ts_moe and a peer ({peers}) both timed")
+    print((render_training_markdown if training else render_markdown)(vs), end="")
     return 0
