@@ -6,6 +6,7 @@ expert ``e``, the experts splitting the shared token dim ``M`` by ``offs``
 :func:`grouped_gemm_k` for the torch entry point.
 """
 
+import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class DwConfig:
     work units are taken ``band_n`` n-tiles at a time across all its m-tiles
     (n fastest), so that the CTAs running together share a few dy and a
     columns in L2 rather than streaming all of N for one m-tile.
+    ``tma_store``: the epilogue hands each sub-tile in shared memory to an
+    asynchronous TMA store (one thread, bulk groups) and the MMA warpgroups go
+    on to the next unit's mainloop while it drains; off: 16-byte thread stores
+    from shared memory (the MMA threads wait for them).
     """
 
     name: str
@@ -49,6 +54,7 @@ class DwConfig:
     stages: int = 4
     dy_warps: int = 2
     band_n: int = 8
+    tma_store: bool = True
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -69,7 +75,10 @@ WIDE = DwConfig("dw_128x256")
 # Few output tiles per SM (small K x N, or few experts): 128x128 tiles double
 # the work units; six 32 KB stages
 NARROW = DwConfig("dw_128x128", tile_n=128, stages=6, dy_warps=1, band_n=16)
-CONFIGS = {c.name: c for c in (WIDE, NARROW)}
+# the same tiles with the thread-store epilogue (A/B against the TMA store)
+WIDE_ST = dataclasses.replace(WIDE, name="dw_128x256_st", tma_store=False)
+NARROW_ST = dataclasses.replace(NARROW, name="dw_128x128_st", tma_store=False)
+CONFIGS = {c.name: c for c in (WIDE, NARROW, WIDE_ST, NARROW_ST)}
 
 
 def _units(cfg: DwConfig, num_experts: int, k: int, n: int) -> int:
@@ -92,12 +101,13 @@ class Warp(enum.IntEnum):
     LOAD_DY = 1    # warps 1 .. dy_warps: TMA of one dy part each
     TABLE = 3      # builds the experts' row-end table in shared memory, then idles
     MMA = 4        # warps 4..: the WGMMA warpgroups, then the epilogue
+    EPI_STORE = 4  # the first MMA warp also issues the epilogue's TMA stores (tma_store)
 
 
 class Barrier(enum.IntEnum):
     """Named barriers among the MMA threads (id 0 is the CTA-wide one)."""
 
-    EPILOGUE = 1   # an epilogue sub-tile is in shared memory / its buffer is free
+    EPILOGUE = 1   # an epilogue sub-tile is in shared memory; the next one's buffer is free
     TAIL = 2       # the rows past an expert's end are zeroed in the last stage
 
 
@@ -197,9 +207,25 @@ class GroupedGemmDwSm90:
     - TABLE (warp 3): ``seg_end = cummax(clamp(offs, 0, M))`` into shared
       memory at start (no host sync), then idles.
     - MMA (warpgroups 1..): WGMMA 64 x tile_n x 16 each (their 64 rows of the
-      output tile), fp32 accumulators in registers; then the epilogue:
-      registers -> stmatrix -> shared memory -> 16-byte stores predicated on
-      the K and N edges.
+      output tile), fp32 accumulators in registers; then the epilogue,
+      ``tile_m x 32`` sub-tiles through shared-memory buffers: registers
+      -> stmatrix -> shared memory -> global memory, either by an asynchronous
+      TMA store (``tma_store``, below) or by 16-byte thread stores predicated
+      on the K and N edges.
+
+    TMA-store epilogue: the output is a 3-D tensor map (K, N, E) over the
+    (E, K, N) tensor (row strides any 16-byte multiple), so each box is
+    clipped at its expert's K and N edges.  ``B`` buffers (4 of 16-bit, 2 of
+    fp32 sub-tiles).  Per sub-tile ``i``: all MMA threads stmatrix into
+    buffer ``i % B`` and fence it to the async proxy; the EPI_STORE warp
+    waits (``cp.async.bulk.wait_group.read B - 2``) until the store issued
+    from buffer ``(i + 1) % B`` has read it; :attr:`Barrier.EPILOGUE`; then
+    one thread of EPI_STORE issues the store of buffer ``i % B`` and commits
+    its bulk group.  The next sub-tile, and the next unit's stmatrix, write
+    only a buffer whose store has been waited for, so after the last
+    sub-tile's store the MMA warpgroups go straight on to the next unit's
+    WGMMAs while the store drains; EPI_STORE waits for all its stores before
+    the CTA exits.
 
     Pipeline: LOAD_A + LOAD_DY -> MMA, ``ts_pipeline.TSPipelineTmaAsync``,
     ``stages`` stages of ``(tile_m + tile_n) * tile_k * 2`` bytes (one a^T
@@ -227,9 +253,9 @@ class GroupedGemmDwSm90:
         self.threads = 32 * Warp.MMA + self.num_mma_threads
         self.mma_regs = 232 if self.num_mma_warpgroups == 2 else 240
         self.dy_part_n = config.tile_n // max(config.dy_warps, 1)
-        # epilogue sub-tiles: all tile_m rows by 32 columns, double-buffered
+        # epilogue sub-tiles: all tile_m rows by 32 columns, in epi_buffers(c_bits)
+        # shared-memory buffers (set for the output dtype in _plan_smem)
         self.epi_n = 32
-        self.epi_stages = 2
         self.epi_barrier = cp.NamedBarrier(barrier_id=Barrier.EPILOGUE,
                                            num_threads=self.num_mma_threads)
         self.tail_barrier = cp.NamedBarrier(barrier_id=Barrier.TAIL,
@@ -264,6 +290,10 @@ class GroupedGemmDwSm90:
                              f"be whole 64-column swizzle atoms")
         if cfg.band_n < 1:
             raise ValueError(f"{cfg}: band_n must be >= 1")
+        if cfg.tma_store and not (
+                Warp.MMA <= Warp.EPI_STORE < Warp.MMA + 4 * self.num_mma_warpgroups):
+            raise ValueError(f"{cfg}: the TMA-store warp {int(Warp.EPI_STORE)} must be an MMA "
+                             f"warp (it meets the others at the EPILOGUE barrier)")
         # warp counts: the producer roles fit below the MMA warps; arrival counts:
         # every MMA warp releases each stage it read, and nothing else does
         if Warp.LOAD_DY + cfg.dy_warps > Warp.TABLE or self.threads > 1024:
@@ -288,13 +318,24 @@ class GroupedGemmDwSm90:
     mn_major = LayoutEnum.COL_MAJOR
     c_layout = LayoutEnum.ROW_MAJOR
 
+    epi_bytes = 32 * 1024  # the TMA store's buffers: 2 of fp32, 4 of 16-bit sub-tiles
+
+    def epi_buffers(self, c_bits: int) -> int:
+        """Epilogue buffers: 2 for thread stores (the barrier after each
+        sub-tile frees the other); with the TMA store as many as fit in
+        :attr:`epi_bytes` (at least 2), so a store has ``buffers - 1``
+        sub-tiles' time to read its buffer before that is written again."""
+        if not self.cfg.tma_store:
+            return 2
+        return max(2, self.epi_bytes // (self.cfg.tile_m * self.epi_n * c_bits // 8))
+
     def stage_count(self, ab_bits: int, c_bits: int) -> int:
         """As many stages as fit, up to the config's: the tiles (1 KB multiples,
         first in shared memory, so unpadded), the epilogue buffers, the
         row-end table and the barriers.  Plain Python (the CPU tests call it);
         the kernel checks its real shared storage at trace time."""
         cfg = self.cfg
-        fixed = (self.epi_stages * cfg.tile_m * self.epi_n * c_bits // 8
+        fixed = (self.epi_buffers(c_bits) * cfg.tile_m * self.epi_n * c_bits // 8
                  + 4 * MAX_EXPERTS + 16 * cfg.stages)
         stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_bits // 8
         stages = min(cfg.stages, (SMEM_CAPACITY - fixed) // stage_bytes)
@@ -310,8 +351,12 @@ class GroupedGemmDwSm90:
         self.ab_dtype, self.c_dtype = ab_dtype, c_dtype
         tile_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.epi_tile = (cfg.tile_m, self.epi_n)
+        self.epi_stages = self.epi_buffers(c_dtype.width)
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             c_dtype, self.c_layout, self.epi_tile, self.epi_stages)
+        if cfg.tma_store and (self.epi_n * c_dtype.width // 8) % 16:
+            raise ValueError(f"{cfg}: a TMA box row of {self.epi_n} {c_dtype} is not a "
+                             f"16-byte multiple")
         self.stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_dtype.width // 8
         self.stages = self.stage_count(ab_dtype.width, c_dtype.width)
         self.a_smem_layout = sm90_utils.make_smem_layout_a(self.mn_major, tile_mnk, ab_dtype,
@@ -345,6 +390,12 @@ class GroupedGemmDwSm90:
         tma_atom_b, mB_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mB, self.dy_part_layout,
             (self.dy_part_n, cfg.tile_k))
+        # the TMA store: boxes of one epilogue buffer, (K, N, E) clipped per expert
+        tma_atom_c, mC_tma = None, None
+        if cutlass.const_expr(cfg.tma_store):
+            tma_atom_c, mC_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mC,
+                cute.slice_(self.epi_smem_layout, (None, None, 0)), self.epi_tile)
 
         @cute.struct
         class SharedStorage:
@@ -359,7 +410,8 @@ class GroupedGemmDwSm90:
 
         self._validate_smem(SharedStorage.size_in_bytes())
         self.shared_storage = SharedStorage
-        self.kernel(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mC, mOffs, self.tiled_mma,
+        self.kernel(tma_atom_a, mA_tma, tma_atom_b, mB_tma, tma_atom_c, mC_tma, mC, mOffs,
+                    self.tiled_mma,
                     self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
                     ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
                              min_blocks_per_mp=1, stream=stream)
@@ -367,7 +419,7 @@ class GroupedGemmDwSm90:
     # -------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
-               mB: cute.Tensor, mC: cute.Tensor, mOffs: cute.Tensor,
+               mB: cute.Tensor, tma_atom_c, mC_tma, mC: cute.Tensor, mOffs: cute.Tensor,
                tiled_mma: cute.TiledMma, a_smem_layout: cute.ComposedLayout,
                b_smem_layout: cute.ComposedLayout, epi_smem_layout: cute.ComposedLayout):
         cfg = self.cfg
@@ -378,6 +430,8 @@ class GroupedGemmDwSm90:
         if warp_idx == Warp.LOAD_A:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
+            if cutlass.const_expr(cfg.tma_store):
+                cpasync.prefetch_descriptor(tma_atom_c)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         k_rows, n_cols, num_experts = mC.shape
@@ -408,7 +462,8 @@ class GroupedGemmDwSm90:
                 self.produce(tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 32 * Warp.MMA, sched)
+            self.consume(tiled_mma, tma_atom_c, mC_tma, mC, sA, sB, sC, ring,
+                         tidx - 32 * Warp.MMA, warp_idx == Warp.EPI_STORE, sched)
 
     @cute.jit
     def produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx,
@@ -468,7 +523,8 @@ class GroupedGemmDwSm90:
         self.tail_barrier.arrive_and_wait()
 
     @cute.jit
-    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: DwScheduler):
+    def consume(self, tiled_mma, tma_atom_c, mC_tma, mC, sA, sB, sC, ring, ctid, store_warp,
+                sched: DwScheduler):
         cfg = self.cfg
         thr_mma = tiled_mma.get_slice(ctid)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -478,8 +534,8 @@ class GroupedGemmDwSm90:
             self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])
 
-        # epilogue: registers -> shared (stmatrix) -> global (16-byte predicated),
-        # the forward kernel's copies
+        # epilogue: registers -> shared (stmatrix) -> global (TMA store, or 16-byte
+        # predicated thread stores: the forward kernel's copies)
         r2s = cute.make_tiled_copy_S(
             sm90_utils.sm90_get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype),
             cute.make_tiled_copy_C_atom(
@@ -496,6 +552,8 @@ class GroupedGemmDwSm90:
         tSsC = thr_s2g.partition_S(sC)
         num_epi = cfg.tile_n // self.epi_tile[1]
         k_rows, n_cols, _ = mC.shape
+        # the epilogue buffers as TMA sources: (box, epi_stages)
+        sC_boxes = cute.group_modes(sC, 0, 2)
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
@@ -530,26 +588,58 @@ class GroupedGemmDwSm90:
                 ring.consumer_release(release)
                 release.advance()
 
-            # (tile_m, tile_n) of out[expert] at (m_tile, n_tile), and its coordinates
-            gC = cute.local_tile(mC[None, None, unit.expert], (cfg.tile_m, cfg.tile_n),
-                                 (unit.m_tile, unit.n_tile))
-            cC = cute.local_tile(cute.make_identity_tensor((k_rows, n_cols)),
-                                 (cfg.tile_m, cfg.tile_n), (unit.m_tile, unit.n_tile))
-            for epi in cutlass.range_constexpr(num_epi):
-                buf = epi_count % self.epi_stages
-                GroupedGemmSm90.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
-                tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
-                cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-                self.epi_barrier.arrive_and_wait()
-                tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (0, epi)))
-                tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (0, epi)))
-                for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                    for jj in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                        crd = tScC[0, i, jj]
-                        if crd[0] < k_rows and crd[1] < n_cols:
-                            cute.autovec_copy(tSsC[None, i, jj, buf], tSgC[None, i, jj])
-                epi_count += 1
+            if cutlass.const_expr(cfg.tma_store):
+                # (box, num_epi): the unit's sub-tiles of the output's tensor map
+                gC_boxes = cute.local_tile(mC_tma[None, None, unit.expert],
+                                           (cfg.tile_m, cfg.tile_n), (unit.m_tile, unit.n_tile))
+                tTsC, tTgC = cpasync.tma_partition(
+                    tma_atom_c, 0, cute.make_layout(1), sC_boxes,
+                    cute.group_modes(cute.local_tile(gC_boxes, self.epi_tile, (0, None)), 0, 2))
+                for epi in cutlass.range_constexpr(num_epi):
+                    buf = epi_count % self.epi_stages
+                    GroupedGemmSm90.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+                    tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                    # the stmatrix writes, for the TMA (async proxy) to read
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    if store_warp:
+                        # the store from the buffer the next sub-tile (or unit)
+                        # writes, epi_stages - 1 sub-tiles ago, has read it: the
+                        # later ones may still be pending
+                        cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
+                    self.epi_barrier.arrive_and_wait()
+                    if store_warp:
+                        # one lane issues and commits (this DSL's S2G copy elects
+                        # no lane of its own: the PTX test checks it)
+                        with cute.arch.elect_one():
+                            cute.copy(tma_atom_c, tTsC[None, buf], tTgC[None, epi])
+                            cute.arch.cp_async_bulk_commit_group()
+                    epi_count += 1
+            else:
+                # (tile_m, tile_n) of out[expert] at (m_tile, n_tile), and its coordinates
+                gC = cute.local_tile(mC[None, None, unit.expert], (cfg.tile_m, cfg.tile_n),
+                                     (unit.m_tile, unit.n_tile))
+                cC = cute.local_tile(cute.make_identity_tensor((k_rows, n_cols)),
+                                     (cfg.tile_m, cfg.tile_n), (unit.m_tile, unit.n_tile))
+                for epi in cutlass.range_constexpr(num_epi):
+                    buf = epi_count % self.epi_stages
+                    GroupedGemmSm90.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+                    tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                    self.epi_barrier.arrive_and_wait()
+                    tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (0, epi)))
+                    tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (0, epi)))
+                    for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+                        for jj in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
+                            crd = tScC[0, i, jj]
+                            if crd[0] < k_rows and crd[1] < n_cols:
+                                cute.autovec_copy(tSsC[None, i, jj, buf], tSgC[None, i, jj])
+                    epi_count += 1
             t += sched.step
+        if cutlass.const_expr(cfg.tma_store):
+            if store_warp:
+                # every store done before the CTA (and its shared memory) goes
+                cute.arch.cp_async_bulk_wait_group(0)
 
 
 # ------------------------------------------------------------------ torch side

@@ -69,7 +69,12 @@ def check(a, dy, offs, out_dtype=None, tol=None, **kw):
     return out
 
 
-CONFIGS = ["dw_128x256", "dw_128x128"]
+# TMA-store epilogue (the defaults), then the thread-store one (``_st``, A/B)
+CONFIGS = ["dw_128x256", "dw_128x128", "dw_128x256_st", "dw_128x128_st"]
+
+
+def test_configs_cover_the_module():
+    assert set(CONFIGS) == set(dw().CONFIGS)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -116,14 +121,25 @@ def test_unaligned_starts_every_residue():
     check(*make(sum(counts) + 5, 200, 136, counts))
 
 
-def test_strided_operands_and_padded_out():
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_strided_operands_and_padded_out(config, out_dtype):
+    cfg = dw().CONFIGS[config]
     a, dy, offs = make(600, 264, 392, [100, 0, 333, 167])
     wide_a = torch.randn(600, 320, device="cuda", dtype=a.dtype)[:, :264].copy_(a)
     wide_dy = torch.randn(600, 400, device="cuda", dtype=a.dtype)[:, :392].copy_(dy)
-    ref = check(a, dy, offs)
+    ref = check(a, dy, offs, out_dtype, config=cfg)
     # out rows padded to 400 columns (expert stride = K * 400)
-    out = torch.empty(4, 264, 400, device="cuda", dtype=a.dtype)[:, :, :392]
-    assert torch.equal(run_poisoned(wide_a, wide_dy, offs, out=out), ref)
+    out = torch.empty(4, 264, 400, device="cuda", dtype=out_dtype)[:, :, :392]
+    assert torch.equal(run_poisoned(wide_a, wide_dy, offs, out=out, config=cfg), ref)
+    # padded rows and columns (expert stride = 272 * 400): the stores stop at
+    # each expert's K and N edges and leave the padding as it was
+    buf = torch.full((4, 272, 400), 7.0, device="cuda", dtype=out_dtype)
+    out = buf[:, :264, :392]
+    dw().grouped_gemm_k(a, dy, offs, out, config=cfg)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert (buf[:, 264:] == 7.0).all() and (buf[:, :, 392:] == 7.0).all()
 
 
 def test_large():

@@ -76,10 +76,48 @@ def test_kernel_ptx(ptx, name):
     assert re.search(rf"bar\.sync \t{int(dw().Barrier.EPILOGUE)}, {mma_threads};", text)
     # deterministic: no atomics or reductions to global memory
     assert not re.search(r"\b(atom|red)\.", text)
-    # 16-byte stores of the output, predicated on the K and N edges
-    assert "st.global.v4" in text
     assert ("stmatrix" in text) == (kw["out"] != "float32")
     assert ".local" not in text
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.global\.shared::cta\.tile\.bulk_group",
+                        text)
+    if cfg.tma_store:
+        # one 3-D (N, K, expert) TMA store per 32-column epilogue sub-tile, no thread stores
+        assert stores == ["3"] * (cfg.tile_n // 32)
+        assert "st.global" not in text
+        buffers = dw().GroupedGemmDwSm90(cfg).epi_buffers(32 if kw["out"] == "float32" else 16)
+        assert buffers == (2 if kw["out"] == "float32" else 4)
+        _check_tma_store_order(text, mma_threads, buffers)
+    else:
+        # 16-byte stores of the output, predicated on the K and N edges
+        assert not stores and "cp.async.bulk.commit_group" not in text
+        assert "st.global.v4" in text
+
+
+def _check_tma_store_order(text, mma_threads, buffers):
+    """Each sub-tile: its shared-memory writes, the generic -> async proxy
+    fence, the store warp's read-side bulk wait (all but the last
+    ``buffers - 2`` stores have read their buffers: the next sub-tile's is
+    free), the EPILOGUE barrier, then one elected lane issues the store and
+    commits its bulk group; before exit a full wait for all stores."""
+    epi_bar = f"bar.sync \t{int(dw().Barrier.EPILOGUE)}, {mma_threads};"
+    store_re = r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta"
+    stores = [m.start() for m in re.finditer(store_re, text)]
+    prev = text.index("wgmma.wait_group.sync.aligned \t0;")  # the end of a unit's mainloop
+    for pos in stores:
+        seg = text[prev:pos]
+        last_write = max(seg.rfind("stmatrix"), seg.rfind("st.shared"))
+        fence = seg.rfind("fence.proxy.async.shared::cta;")
+        wait = seg.rfind(f"cp.async.bulk.wait_group.read \t{buffers - 2};")
+        bar = seg.rfind(epi_bar)
+        assert 0 <= last_write < fence < bar and 0 <= wait < bar, seg
+        # exactly one lane: one elect.sync between the barrier and the store
+        assert seg[bar:].count("elect.sync") == 1, seg[bar:]
+        after = text[pos:text.index("\n", text.index("\n", pos) + 1)]
+        assert after.splitlines()[-1].strip() == "cp.async.bulk.commit_group;"
+        prev = pos
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read \t(\d+);", text)) == len(stores)
+    final = text.rindex("cp.async.bulk.wait_group \t0;")
+    assert final > stores[-1] and "ret;" in text[final:]
 
 
 @pytest.mark.skipif(PTXAS is None, reason="needs ptxas")
@@ -122,7 +160,7 @@ def test_configs_validate():
             g.GroupedGemmDwSm90(dataclasses.replace(g.WIDE, **bad))
 
 
-@pytest.mark.parametrize("config", ["dw_128x256", "dw_128x128"])
+@pytest.mark.parametrize("config", ["dw_128x256", "dw_128x128", "dw_128x256_st", "dw_128x128_st"])
 @pytest.mark.parametrize("c_bits", [16, 32])
 def test_stages_fit_shared_memory(config, c_bits):
     g = dw()
@@ -130,7 +168,8 @@ def test_stages_fit_shared_memory(config, c_bits):
     kernel = g.GroupedGemmDwSm90(cfg)
     stages = kernel.stage_count(16, c_bits)
     assert stages == cfg.stages  # an fp32 epilogue still leaves every stage
-    epi = 2 * cfg.tile_m * 32 * c_bits // 8
+    epi = kernel.epi_buffers(c_bits) * cfg.tile_m * 32 * c_bits // 8
+    assert epi == (kernel.epi_bytes if cfg.tma_store else 2 * cfg.tile_m * 32 * c_bits // 8)
     assert stages * cfg.stage_bytes + epi + 16 * stages + 4 * g.MAX_EXPERTS <= g.SMEM_CAPACITY
 
 
@@ -149,8 +188,9 @@ def test_shared_storage_layout(ptx, name):
     compiled stage count is the planned one."""
     cfg, kw = _build(name)
     c_bits = 32 if kw["out"] == "float32" else 16
-    stages = dw().GroupedGemmDwSm90(cfg).stage_count(16, c_bits)
-    barriers = stages * cfg.stage_bytes + 2 * cfg.tile_m * 32 * c_bits // 8
+    kernel = dw().GroupedGemmDwSm90(cfg)
+    stages = kernel.stage_count(16, c_bits)
+    barriers = stages * cfg.stage_bytes + kernel.epi_buffers(c_bits) * cfg.tile_m * 32 * c_bits // 8
     assert re.search(rf"mbarrier\.arrive\.expect_tx\.shared\.b64\s+\S+,\s*\[%r\d+\+{barriers}\]",
                      ptx[name])
     # the ring's barriers: `stages` full ones (1 arrival: the leader's
@@ -170,7 +210,20 @@ def test_shared_storage_layout(ptx, name):
     ((8, 512, 512, 4096), "dw_128x128"),
 ])
 def test_choose_config(shape, name):
-    assert dw().choose_config(*shape).name == name
+    cfg = dw().choose_config(*shape)
+    assert cfg.name == name and cfg.tma_store
+
+
+def test_thread_store_configs_are_the_same_tiles():
+    import dataclasses
+
+    g = dw()
+    for name in ("dw_128x256", "dw_128x128"):
+        tma, threads = g.CONFIGS[name], g.CONFIGS[name + "_st"]
+        assert tma.tma_store and not threads.tma_store
+        assert dataclasses.replace(threads, name=name, tma_store=True) == tma
+    # the TMA stores are issued by an MMA warp
+    assert g.Warp.MMA <= g.Warp.EPI_STORE < g.Warp.MMA + 4
 
 
 def _args(m=64, k=32, n=48, e=4, dtype=torch.bfloat16, out_dtype=None):
