@@ -96,6 +96,18 @@ def _dw(config, dtype="bfloat16", out="same"):
     return build
 
 
+def _swiglu_ew(backward, dtype="bfloat16"):
+    def build():
+        import cutlass
+
+        from . import swiglu_sm90 as s
+
+        ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
+        return s.SwigluElementwise(backward), s.fake_args(ab, backward)
+    build.config = {"backward": backward, "dtype": dtype}
+    return build
+
+
 BUILDS = {
     **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
     **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
@@ -135,6 +147,14 @@ BUILDS = {
     "dw_128x256_f32_out": _dw("dw_128x256", out="float32"),
     "dw_128x128": _dw("dw_128x128"),
     "dw_128x128_f32_out": _dw("dw_128x128", out="float32"),
+    "dw_128x256_st": _dw("dw_128x256_st"),          # thread-store epilogue (A/B)
+    "dw_128x256_st_f32_out": _dw("dw_128x256_st", out="float32"),
+    "dw_128x128_st": _dw("dw_128x128_st"),
+    # SwiGLU activation / gradient, elementwise, sm_90a
+    "swiglu_ew_fwd": _swiglu_ew(False),
+    "swiglu_ew_fwd_fp16": _swiglu_ew(False, "float16"),
+    "swiglu_ew_bwd": _swiglu_ew(True),
+    "swiglu_ew_bwd_fp16": _swiglu_ew(True, "float16"),
     # sm_100a (Blackwell): compile- and schedule-verified only
     "sm100_gemm_n256": _gemm100("n256"),
     "sm100_gemm_n256_bk": _gemm100("n256", b_n_major=False),

@@ -206,6 +206,24 @@ def test_opcheck_with_requires_grad(case):
     torch.library.opcheck(op, args, kwargs)
 
 
+def test_swiglu_activation_ops():
+    """``ts_moe::swiglu`` / ``swiglu_backward`` (the pieces of the SwiGLU op's
+    formula): the reference math, opcheck, and named errors."""
+    h = torch.randn(10, 32, dtype=BF16)
+    dy = torch.randn(10, 16, dtype=BF16)
+    h64 = h.double().requires_grad_()
+    want = F.silu(h64[:, :16]) * h64[:, 16:]
+    assert rel_err(torch.ops.ts_moe.swiglu(h), want) <= 4e-3
+    want.backward(dy.double())
+    assert rel_err(torch.ops.ts_moe.swiglu_backward(dy, h), h64.grad) <= 4e-3
+    torch.library.opcheck(torch.ops.ts_moe.swiglu.default, (h,))
+    torch.library.opcheck(torch.ops.ts_moe.swiglu_backward.default, (dy, h))
+    with pytest.raises(ValueError, match="h must be"):
+        torch.ops.ts_moe.swiglu(h[:, :31])
+    with pytest.raises(ValueError, match="dy must be"):
+        torch.ops.ts_moe.swiglu_backward(dy[:, :8], h)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_backward_matches_eager(backend):
     torch._dynamo.reset()

@@ -170,6 +170,23 @@ def check_swiglu_args(a, gate_up, offs, fake: bool = False, a_index=None) -> Non
             f"{tuple(gate_up.shape)}: an odd number of rows")
 
 
+def check_swiglu_activation_args(h, dy=None) -> None:
+    """``ts_moe::swiglu(h)`` / ``swiglu_backward(dy, h)``: h (M, 2I), dy (M, I), one
+    float dtype and device, layouts as the GEMMs' operands."""
+    check_tensor_types(h=h, **({} if dy is None else {"dy": dy}))
+    if h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"h must be (M, 2I) (gate columns, then up), got shape {tuple(h.shape)}")
+    if h.dtype not in DTYPES:
+        raise TypeError(f"h must be bfloat16, float16, float32 or float64, got {h.dtype}")
+    if dy is not None:
+        if tuple(dy.shape) != (h.shape[0], h.shape[1] // 2):
+            raise ValueError(f"dy must be (M, I) = {(h.shape[0], h.shape[1] // 2)}, "
+                             f"got {tuple(dy.shape)}")
+        if dy.dtype != h.dtype or dy.device != h.device:
+            raise TypeError(f"dy must have h's dtype and device ({h.dtype}, {h.device}), got "
+                            f"{dy.dtype}, {dy.device}")
+
+
 def plausible_kernel_args(a, b, offs, out_dtype, device_index: int) -> bool:
     """The cheap subset of :func:`check_grouped_gemm_args` for the kernel path,
     where ``a`` is already known to be bf16/fp16 on CUDA device ``device_index``.

@@ -44,7 +44,8 @@ import os
 
 import torch
 
-from .checks import (ALIGN_BYTES, check_grouped_gemm_args, check_swiglu_args,
+from .checks import (ALIGN_BYTES, check_grouped_gemm_args, check_swiglu_activation_args,
+                     check_swiglu_args,
                      check_tensor_types, contiguous_dim, layout_ok, plausible_kernel_args)
 from .reference import (gather_rows, grouped_gemm_k_reference, grouped_gemm_reference,
                         grouped_gemm_swiglu_reference, segment_ends, swiglu, swiglu_backward)
@@ -457,6 +458,71 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
     return _grouped_gemm_swiglu_op(a, gate_up, offs, a_index=a_index)
 
 
+# ------------------------------------------------- the SwiGLU activation alone
+# Ops of their own (not plain calls) so that traced graphs (torch.compile of a
+# training step) hold them with a fake kernel: the autograd formula of
+# ``grouped_gemm_swiglu`` uses them.
+_lib.define("swiglu(Tensor h) -> Tensor")
+_lib.define("swiglu_backward(Tensor dy, Tensor h) -> Tensor")
+
+
+@functools.cache
+def _elementwise_kernels(device_index: int):
+    """The sm_90a SwiGLU elementwise kernels for this CUDA device, else None."""
+    try:
+        return importlib.import_module("csrc_free_kernels.swiglu_sm90")
+    except ImportError:  # no cutlass (nvidia-cutlass-dsl) in this environment
+        return None
+
+
+def _elementwise_for(h: torch.Tensor):
+    """The elementwise kernel module where ``h``'s calls run the sm_90a kernels, else None."""
+    if (h.device.type != "cuda" or h.dtype not in (torch.bfloat16, torch.float16)
+            or h.shape[-1] % 16 or cuda_path(h.get_device(), h.dtype)[0] is not Path.KERNEL_SM90):
+        return None
+    return _elementwise_kernels(h.get_device())
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _swiglu_impl(h):
+    check_swiglu_activation_args(h)
+    out = _empty_output(h, h.shape[0], h.shape[1] // 2, h.dtype)
+    kernels = _elementwise_for(h)
+    if kernels is not None:
+        return kernels.swiglu_forward(_operand(h), out)
+    return out.copy_(swiglu(h.to(_acc_dtype(h.dtype)), h.dtype))
+
+
+def _swiglu_backward_impl(dy, h):
+    check_swiglu_activation_args(h, dy)
+    dh = _empty_output(h, h.shape[0], h.shape[1], h.dtype)
+    kernels = _elementwise_for(h)
+    if kernels is not None:
+        return kernels.swiglu_backward(_operand(dy), _operand(h), dh)
+    return dh.copy_(swiglu_backward(dy, h, h.dtype))
+
+
+@torch.library.register_fake("ts_moe::swiglu", lib=_lib)
+def _swiglu_fake(h):
+    check_swiglu_activation_args(h)
+    inter = h.shape[1] // 2
+    return h.new_empty_strided((h.shape[0], inter), (_row_pad(inter, h.dtype), 1))
+
+
+@torch.library.register_fake("ts_moe::swiglu_backward", lib=_lib)
+def _swiglu_backward_fake(dy, h):
+    check_swiglu_activation_args(h, dy)
+    return h.new_empty_strided(h.shape, (_row_pad(h.shape[1], h.dtype), 1))
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("swiglu", _swiglu_impl, _key)
+    _lib.impl("swiglu_backward", _swiglu_backward_impl, _key)
+
+
 # ----------------------------------------------------------------- autograd
 # The swiglu op under autograd keeps its pre-activation h (M, 2I) from the
 # forward (True) or recomputes it in the backward (False): measured both, see
@@ -476,18 +542,16 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
 def scatter_rows(rows: torch.Tensor, a_index: torch.Tensor, num_rows: int) -> torch.Tensor:
     """The gradient of :func:`ts_moe.reference.gather_rows`: ``out[i]`` = the sum of
     ``rows[r]`` over ``a_index[r] == i``, (num_rows, K); indices outside
-    ``[0, num_rows)`` (read as zero rows) get nothing.  Summed in fp32 and
-    rounded once, by ``index_put_(accumulate=True)`` (on CUDA a sort-based
-    kernel: deterministic, no host sync)."""
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    out = torch.zeros(num_rows, rows.shape[1], dtype=acc, device=rows.device)
-    if num_rows == 0 or rows.shape[0] == 0:
-        return out.to(rows.dtype)
-    index = a_index.long()
-    outside = (index < 0) | (index >= num_rows)
-    out.index_put_((index.clamp(0, num_rows - 1),),
-                   rows.to(acc).masked_fill_(outside.unsqueeze(1), 0), accumulate=True)
-    return out.to(rows.dtype)
+    ``[0, num_rows)`` (read as zero rows) get nothing: they are sent to a spare
+    row past the end.  ``index_put_(accumulate=True)``: on CUDA a sort-based
+    kernel that sums each row's contributions in fp32 and rounds once
+    (deterministic, no host sync, no fp32 copy of ``rows``)."""
+    out = rows.new_zeros(num_rows + 1, rows.shape[1])
+    if rows.shape[0]:
+        index = a_index.long()
+        outside = (index < 0) | (index >= num_rows)
+        out.index_put_((index.masked_fill(outside, num_rows),), rows, accumulate=True)
+    return out[:num_rows]
 
 
 def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
@@ -536,13 +600,18 @@ def grouped_gemm_backward(dy, a, b, offs, a_index=None, need_a=True, need_b=True
 def grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index=None, h=None,
                                  need_a=True, need_gate_up=True):
     """``(da, dgate_up)`` of ``grouped_gemm_swiglu``; ``h`` the pre-activation
-    (M, 2I) kept by the forward, or None to recompute it.  ``dh`` =
-    d(SwiGLU)/dh (fp32, one rounding), then ``da = grouped_gemm(dh, gate_up)``
+    (M, 2I) kept by the forward, or None to recompute it (a tensor, or a
+    one-element list that is emptied once ``dh`` exists, freeing ``h``).  ``dh`` =
+    d(SwiGLU)/dh (``ts_moe::swiglu_backward``: fp32 math, one rounding; the
+    sm_90a elementwise kernel where the GEMMs run the kernels), then ``da = grouped_gemm(dh, gate_up)``
     and ``dgate_up = grouped_gemm(dh.t(), a)`` (k-grouped)."""
     x = a if a_index is None else gather_rows(a, a_index)
+    if isinstance(h, list):
+        h = h.pop() if h else None
     if h is None:
         h = grouped_gemm(x, gate_up.transpose(-2, -1), offs)
-    dh = _operand(swiglu_backward(dy, h, a.dtype))
+    dh = torch.ops.ts_moe.swiglu_backward(_operand(dy.to(a.dtype)), h)
+    del h
     da = dgate_up = None
     if need_a:
         da = grouped_gemm(dh, gate_up, offs)
@@ -584,21 +653,23 @@ class _SwigluFunction(torch.autograd.Function):
     def forward(ctx, keyset, a, gate_up, offs, a_index):
         if SWIGLU_KEEPS_H:
             h = grouped_gemm(a, gate_up.transpose(-2, -1), offs, a_index=a_index)
-            out = _empty_output(h, h.shape[0], gate_up.shape[1] // 2, a.dtype)
-            out.copy_(swiglu(h.to(torch.float64 if a.dtype == torch.float64 else torch.float32),
-                             a.dtype))
+            out = torch.ops.ts_moe.swiglu(h)
         else:
             h = None
             with torch._C._AutoDispatchBelowAutograd():
                 out = _grouped_gemm_swiglu_op.redispatch(keyset & _after_autograd, a, gate_up,
                                                          offs, a_index=a_index)
-        ctx.save_for_backward(a, gate_up, offs, a_index, h)
+        ctx.save_for_backward(a, gate_up, offs, a_index)
+        # h is neither an input nor an output: kept on ctx (not saved), so the
+        # backward can drop it as soon as dh exists (its peak memory)
+        ctx.h = [h]
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        a, gate_up, offs, a_index, h = ctx.saved_tensors
-        da, dgate_up = grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index, h,
+        a, gate_up, offs, a_index = ctx.saved_tensors
+        kept, ctx.h = ctx.h, None
+        da, dgate_up = grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index, kept,
                                                     *ctx.needs_input_grad[1:3])
         return None, da, dgate_up, None, None
 

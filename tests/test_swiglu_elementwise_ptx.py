@@ -1,0 +1,127 @@
+"""CPU: the elementwise SwiGLU kernels (forward and backward) compile for sm_90a;
+their PTX moves data in 16-byte vectors only, keeps everything in registers and
+assembles without spills; the TVM-FFI build compiles; the host-side checks and
+the fp32 references behave."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from csrc_free_kernels import ptx_dump
+
+BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]
+PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas")
+                                  else None)
+
+
+def sw():
+    from csrc_free_kernels import swiglu_sm90
+    return swiglu_sm90
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("swiglu_ew")))
+
+
+def test_every_variant_is_built(ptx):
+    assert set(BUILDS) <= set(ptx)
+    kinds = {(b.config["backward"], b.config["dtype"])
+             for b in (ptx_dump.BUILDS[n] for n in BUILDS)}
+    assert kinds == {(f, d) for f in (False, True) for d in ("bfloat16", "float16")}
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_kernel_ptx(ptx, name):
+    text = ptx[name]
+    backward = ptx_dump.BUILDS[name].config["backward"]
+    k = sw().SwigluElementwise(backward)
+    assert len(re.findall(r"\.entry\s", text)) == 1
+    # every global access a 16-byte vector: g, u (and dy) in, out (or dg, du) out
+    loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|u32|f32)\s", text)
+    stores = re.findall(r"st\.global(?:\.\w+)*\.v4\.(?:b32|u32|f32)\s", text)
+    assert len(loads) == k.vecs * (3 if backward else 2), loads
+    assert len(stores) == k.vecs * (2 if backward else 1), stores
+    assert not re.search(r"\b(?:ld|st)\.global(?:\.\w+)*\.(?:b16|u16|b8|u8|v2)", text)
+    assert len(re.findall(r"\bld\.global", text)) == len(loads)
+    assert len(re.findall(r"\bst\.global", text)) == len(stores)
+    # registers only: no local memory, no stack, no shared memory
+    assert ".local" not in text and ".shared" not in text
+    # sigmoid through ex2.approx and rcp.approx (8 elements a vector), no IEEE division
+    assert text.count("ex2.approx") == 8 * k.vecs
+    assert text.count("rcp.approx") == 8 * k.vecs
+    assert "div.rn.f32" not in text and "div.full" not in text
+
+
+@pytest.mark.skipif(PTXAS is None, reason="needs ptxas")
+@pytest.mark.parametrize("name", BUILDS)
+def test_ptxas_no_spills(ptx, name, tmp_path):
+    src = tmp_path / f"{name}.ptx"
+    src.write_text(ptx[name])
+    proc = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    info = proc.stdout + proc.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info, info
+    (regs,) = re.findall(r"Used (\d+) registers", info)
+    # 256 threads a CTA: at least 3 CTAs (768 threads) an SM
+    assert int(regs) <= 80, info
+
+
+def test_tvm_ffi_build_compiles():
+    """The build the torch entry points use (TVM-FFI, symbolic M, I, strides):
+    compiled in a fresh process for sm_90a, no GPU needed."""
+    code = ("import torch\n"
+            "from csrc_free_kernels import swiglu_sm90 as s\n"
+            "for b in (False, True):\n"
+            "    for dt in (torch.bfloat16, torch.float16):\n"
+            "        assert s.compiled_kernel(dt, b) is not None\n"
+            "print('built')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", TS_MOE_NO_DISK_CACHE="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_no_ts_moe_import():
+    src = open(sw().__file__).read()
+    assert not re.search(r"^\s*(?:from|import)\s+ts_moe", src, re.M)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_references_agree_with_autograd(dtype):
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(7, 48, generator=g) * 4).to(dtype)
+    dy = torch.randn(7, 24, generator=g).to(dtype)
+    s = sw()
+    hf = h.float().requires_grad_()
+    gate, up = hf.chunk(2, dim=-1)
+    out = torch.nn.functional.silu(gate) * up
+    out.backward(dy.float())
+    torch.testing.assert_close(s.swiglu_forward_reference(h), out.detach())
+    torch.testing.assert_close(s.swiglu_backward_reference(dy, h), hf.grad)
+    assert s.swiglu_forward_reference(h).dtype == torch.float32
+
+
+def test_entry_points_check_arguments():
+    s = sw()
+    h = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        s.swiglu_forward(torch.zeros(4, 24, dtype=torch.bfloat16),
+                         torch.zeros(4, 12, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        s.swiglu_forward(h.float(), torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="out: expected"):
+        s.swiglu_forward(h, torch.zeros(4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dh: expected"):
+        s.swiglu_backward(torch.zeros(4, 16, dtype=torch.bfloat16), h,
+                          torch.zeros(4, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="CUDA"):
+        s.swiglu_forward(h, torch.zeros(4, 16, dtype=torch.bfloat16))
