@@ -148,14 +148,13 @@ def _check_close(got, want, what):
 def test_bf16_gradients_match_fp64(out_dtype, layout):
     counts, past = [40, 0, 1, 23], 5
     m, k, n = _rows(counts, past), 64, 48
-    a64 = torch.randn(m, k, dtype=F64, requires_grad=True)
+    a = torch.randn(m, k, dtype=BF16, requires_grad=True)
     if layout == "ekn":
-        b64 = torch.randn(4, k, n, dtype=F64, requires_grad=True)
+        b = torch.randn(4, k, n, dtype=BF16, requires_grad=True)
     else:
-        b64 = torch.randn(4, n, k, dtype=F64).transpose(-2, -1).requires_grad_()
+        b = torch.randn(4, n, k, dtype=BF16).transpose(-2, -1).requires_grad_()
     offs = _offs(counts)
-    a = a64.detach().to(BF16).requires_grad_()
-    b = b64.detach().to(BF16).requires_grad_()
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))  # the same values
     out = ts_moe.grouped_gemm(a, b, offs, out_dtype)
     grad = torch.randn(out.shape, dtype=F64)
     out.backward(grad.to(out.dtype))
@@ -167,11 +166,11 @@ def test_bf16_gradients_match_fp64(out_dtype, layout):
 def test_bf16_swiglu_gradients_match_fp64():
     counts = [30, 0, 17, 1]
     m = sum(counts) + 3
-    x64 = torch.randn(40, 32, dtype=F64, requires_grad=True)
-    g64 = (0.2 * torch.randn(4, 48, 32, dtype=F64)).requires_grad_()
+    x = torch.randn(40, 32, dtype=BF16, requires_grad=True)
+    gate_up = (0.2 * torch.randn(4, 48, 32)).to(BF16).requires_grad_()
     index = torch.randint(0, 40, (m,), dtype=torch.int32)
     offs = _offs(counts)
-    x, gate_up = (t.detach().to(BF16).requires_grad_() for t in (x64, g64))
+    x64, g64 = (t.detach().double().requires_grad_() for t in (x, gate_up))  # the same values
     out = ts_moe.grouped_gemm_swiglu(x, gate_up, offs, a_index=index)
     grad = torch.randn(out.shape, dtype=F64)
     out.backward(grad.to(BF16))
@@ -217,6 +216,8 @@ def test_swiglu_activation_ops():
     want.backward(dy.double())
     assert rel_err(torch.ops.ts_moe.swiglu_backward(dy, h), h64.grad) <= 4e-3
     torch.library.opcheck(torch.ops.ts_moe.swiglu.default, (h,))
+    torch.library.opcheck(torch.ops.ts_moe.swiglu.default, (h.clone().requires_grad_(),))
+    assert gradcheck(torch.ops.ts_moe.swiglu, (torch.randn(5, 12, dtype=F64, requires_grad=True),))
     torch.library.opcheck(torch.ops.ts_moe.swiglu_backward.default, (dy, h))
     with pytest.raises(ValueError, match="h must be"):
         torch.ops.ts_moe.swiglu(h[:, :31])

@@ -120,8 +120,10 @@ def test_large_values_saturate(dtype):
         h[:, inter:].clamp_(-60, 60)
     run_both(h, dy, out, dh)
     torch.cuda.synchronize()
-    check_rows(out, s.swiglu_forward_reference(h), TOL[dtype])
-    check_rows(dh, s.swiglu_backward_reference(dy, h), TOL[dtype])
+    # against the references rounded to the output dtype: at g = -20 the results
+    # are ~1e-6, subnormal in fp16, where one rounding alone costs a few percent
+    check_rows(out, s.swiglu_forward_reference(h).to(dtype), TOL[dtype])
+    check_rows(dh, s.swiglu_backward_reference(dy, h).to(dtype), TOL[dtype])
     u = h[0, inter:].float()
     torch.testing.assert_close(out[0].float(), (20.0 * u).to(dtype).float(), rtol=1e-2, atol=1e-2)
     assert (out[1].float().abs() <= 1e-6 * u.abs().max() * 20 + 1e-6).all()

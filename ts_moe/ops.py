@@ -521,6 +521,7 @@ def _swiglu_backward_fake(dy, h):
 for _key in ("CPU", "CUDA"):
     _lib.impl("swiglu", _swiglu_impl, _key)
     _lib.impl("swiglu_backward", _swiglu_backward_impl, _key)
+_swiglu_op = torch.ops.ts_moe.swiglu.default
 
 
 # ----------------------------------------------------------------- autograd
@@ -600,14 +601,11 @@ def grouped_gemm_backward(dy, a, b, offs, a_index=None, need_a=True, need_b=True
 def grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index=None, h=None,
                                  need_a=True, need_gate_up=True):
     """``(da, dgate_up)`` of ``grouped_gemm_swiglu``; ``h`` the pre-activation
-    (M, 2I) kept by the forward, or None to recompute it (a tensor, or a
-    one-element list that is emptied once ``dh`` exists, freeing ``h``).  ``dh`` =
+    (M, 2I) kept by the forward, or None to recompute it.  ``dh`` =
     d(SwiGLU)/dh (``ts_moe::swiglu_backward``: fp32 math, one rounding; the
     sm_90a elementwise kernel where the GEMMs run the kernels), then ``da = grouped_gemm(dh, gate_up)``
     and ``dgate_up = grouped_gemm(dh.t(), a)`` (k-grouped)."""
     x = a if a_index is None else gather_rows(a, a_index)
-    if isinstance(h, list):
-        h = h.pop() if h else None
     if h is None:
         h = grouped_gemm(x, gate_up.transpose(-2, -1), offs)
     dh = torch.ops.ts_moe.swiglu_backward(_operand(dy.to(a.dtype)), h)
@@ -643,35 +641,38 @@ class _GroupedGemmFunction(torch.autograd.Function):
         return None, da, db, None, None, None
 
 
-class _SwigluFunction(torch.autograd.Function):
-    """``grouped_gemm_swiglu`` under autograd.  With :data:`SWIGLU_KEEPS_H` the
-    forward is the GEMM to ``h`` (M, 2I) in ``a.dtype`` and the activation
-    apart, keeping ``h``; without, the fused forward and ``h`` recomputed in
-    the backward."""
+class _SwigluRecomputeFunction(torch.autograd.Function):
+    """``grouped_gemm_swiglu`` under autograd without :data:`SWIGLU_KEEPS_H`: the
+    fused forward; ``h`` recomputed in the backward."""
 
     @staticmethod
     def forward(ctx, keyset, a, gate_up, offs, a_index):
-        if SWIGLU_KEEPS_H:
-            h = grouped_gemm(a, gate_up.transpose(-2, -1), offs, a_index=a_index)
-            out = torch.ops.ts_moe.swiglu(h)
-        else:
-            h = None
-            with torch._C._AutoDispatchBelowAutograd():
-                out = _grouped_gemm_swiglu_op.redispatch(keyset & _after_autograd, a, gate_up,
-                                                         offs, a_index=a_index)
         ctx.save_for_backward(a, gate_up, offs, a_index)
-        # h is neither an input nor an output: kept on ctx (not saved), so the
-        # backward can drop it as soon as dh exists (its peak memory)
-        ctx.h = [h]
-        return out
+        with torch._C._AutoDispatchBelowAutograd():
+            return _grouped_gemm_swiglu_op.redispatch(keyset & _after_autograd, a, gate_up, offs,
+                                                      a_index=a_index)
 
     @staticmethod
     def backward(ctx, dy):
         a, gate_up, offs, a_index = ctx.saved_tensors
-        kept, ctx.h = ctx.h, None
-        da, dgate_up = grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index, kept,
+        da, dgate_up = grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index, None,
                                                     *ctx.needs_input_grad[1:3])
         return None, da, dgate_up, None, None
+
+
+class _SwigluActivationFunction(torch.autograd.Function):
+    """``ts_moe::swiglu`` under autograd: keeps ``h``; backward ``ts_moe::swiglu_backward``."""
+
+    @staticmethod
+    def forward(ctx, keyset, h):
+        ctx.save_for_backward(h)
+        with torch._C._AutoDispatchBelowAutograd():
+            return _swiglu_op.redispatch(keyset & _after_autograd, h)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (h,) = ctx.saved_tensors
+        return None, torch.ops.ts_moe.swiglu_backward(_operand(dy.to(h.dtype)), h)
 
 
 def _grouped_gemm_autograd(keyset, a, b, offs, out_dtype=None, *, a_index=None):
@@ -679,12 +680,22 @@ def _grouped_gemm_autograd(keyset, a, b, offs, out_dtype=None, *, a_index=None):
 
 
 def _swiglu_autograd(keyset, a, gate_up, offs, *, a_index=None):
-    return _SwigluFunction.apply(keyset, a, gate_up, offs, a_index)
+    if SWIGLU_KEEPS_H:
+        # two autograd nodes, the GEMM to h and the activation, so that the
+        # engine frees h and the activation's gradient once dh exists (as for
+        # any plain-torch layer) rather than at the end of one fused node
+        h = grouped_gemm(a, gate_up.transpose(-2, -1), offs, a_index=a_index)
+        return torch.ops.ts_moe.swiglu(h)
+    return _SwigluRecomputeFunction.apply(keyset, a, gate_up, offs, a_index)
 
 
-def _autograd_kernel(op: torch._ops.OpOverload, backends: dict, with_grad):
-    """The Autograd-key kernel of ``op`` (inputs 0 and 1 are the differentiable
-    ones): ``with_grad`` (an autograd.Function) only when a gradient is wanted.
+def _activation_autograd(keyset, h):
+    return _SwigluActivationFunction.apply(keyset, h)
+
+
+def _autograd_kernel(op: torch._ops.OpOverload, backends: dict, with_grad, inputs: int = 2):
+    """The Autograd-key kernel of ``op`` (its first ``inputs`` arguments are the
+    differentiable ones): ``with_grad`` only when a gradient is wanted.
     Otherwise, for plain CPU or CUDA tensors (nothing traced, no mode or
     subclass below autograd), the backend kernel ``backends[key]`` right here
     instead of a second trip through the dispatcher (each Python kernel it
@@ -696,7 +707,8 @@ def _autograd_kernel(op: torch._ops.OpOverload, backends: dict, with_grad):
     plain = {_plain_keyset(key): fn for key, fn in backends.items()}
 
     def kernel(keyset, *args, **kwargs):
-        if torch.is_grad_enabled() and (args[0].requires_grad or args[1].requires_grad):
+        if torch.is_grad_enabled() and (args[0].requires_grad
+                                        or (inputs > 1 and args[1].requires_grad)):
             return with_grad(keyset, *args, **kwargs)
         direct = plain.get(keyset.raw_repr())
         if direct is not None:
@@ -718,3 +730,5 @@ _lib.impl("grouped_gemm", _autograd_kernel(_grouped_gemm_op, {
 _lib.impl("grouped_gemm_swiglu", _autograd_kernel(_grouped_gemm_swiglu_op, {
     "CPU": _grouped_gemm_swiglu_cpu, "CUDA": _grouped_gemm_swiglu_cuda}, _swiglu_autograd),
     "Autograd", with_keyset=True)
+_lib.impl("swiglu", _autograd_kernel(_swiglu_op, {"CPU": _swiglu_impl, "CUDA": _swiglu_impl},
+                                     _activation_autograd, inputs=1), "Autograd", with_keyset=True)
