@@ -123,7 +123,8 @@ def resolve_device(device) -> torch.device:
     return device
 
 
-def load_mixtral_experts(path, layers=None, device=None) -> dict[int, dict[str, torch.Tensor]]:
+def load_mixtral_experts(path, layers=None, device=None,
+                         experts=None) -> dict[int, dict[str, torch.Tensor]]:
     """Read the MoE weights of a Mixtral checkpoint directory into the fused layouts.
 
     path: a local checkpoint directory (``model.safetensors`` or a sharded
@@ -134,7 +135,10 @@ def load_mixtral_experts(path, layers=None, device=None) -> dict[int, dict[str, 
     "*.json" --local-dir Mixtral-8x7B``;
     layers: a layer index, an iterable of them, or None for every MoE layer;
     device: where the tensors are created (``safe_open(..., device=...)`` reads
-    straight there); None: CUDA when there is a GPU, else the CPU.
+    straight there); None: CUDA when there is a GPU, else the CPU;
+    experts: None for all, or a ``range`` of consecutive expert indices (an
+    expert-parallel rank's share): only those experts' bytes are read, and
+    ``gate_up_proj``/``down_proj`` hold only them (the router stays whole).
 
     Returns ``{layer: {"router": (E, H), "gate_up_proj": (E, 2I, H),
     "down_proj": (E, H, I)}}`` with the checkpoint's values and dtype: in the
@@ -150,6 +154,10 @@ def load_mixtral_experts(path, layers=None, device=None) -> dict[int, dict[str, 
     the wrong shape or dtype (not bf16/fp16/fp32, or not the router's).
     """
     device = resolve_device(device)
+    if experts is not None and (not isinstance(experts, range) or experts.step != 1
+                                or len(experts) == 0 or experts.start < 0):
+        raise ValueError(f"experts must be None or a non-empty range of expert indices "
+                         f"(step 1), got {experts!r}")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -213,25 +221,34 @@ def load_mixtral_experts(path, layers=None, device=None) -> dict[int, dict[str, 
                 if shapes[key] != shape:
                     raise ValueError(f"{key}: shape {shapes[key]}, expected {shape}")
 
-        return {layer: _read_layer(plan, handle, shapes, device) for layer, plan in plans.items()}
+        if experts is not None:
+            for plan in plans.values():
+                total = shapes[plan["router"]][0]
+                if experts.stop > total:
+                    raise ValueError(f"experts {experts!r} is past the checkpoint's {total} "
+                                     f"experts")
+        return {layer: _read_layer(plan, handle, shapes, device, experts)
+                for layer, plan in plans.items()}
 
 
 def _read(handle, key: str) -> torch.Tensor:
     return handle(key).get_tensor(key)
 
 
-def _read_layer(plan: dict[str, str], handle, shapes, device) -> dict[str, torch.Tensor]:
+def _read_layer(plan: dict[str, str], handle, shapes, device,
+                experts=None) -> dict[str, torch.Tensor]:
     router = _read(handle, plan["router"])
-    if "gate_up_proj" in plan:
-        return {"router": router,
-                "gate_up_proj": _read(handle, plan["gate_up_proj"]),
-                "down_proj": _read(handle, plan["down_proj"])}
     num_experts, hidden = router.shape
+    experts = range(num_experts) if experts is None else experts
+    if "gate_up_proj" in plan:  # fused tensors: read the experts' slab only
+        return {"router": router, **{
+            role: handle(plan[role]).get_slice(plan[role])[experts.start:experts.stop].to(device)
+            for role in ("gate_up_proj", "down_proj")}}
     inter = shapes[plan["w1.0"]][0]
-    gate_up = torch.empty(num_experts, 2 * inter, hidden, dtype=router.dtype, device=device)
-    down = torch.empty(num_experts, hidden, inter, dtype=router.dtype, device=device)
-    for e in range(num_experts):
-        for w, dst in (("w1", gate_up[e, :inter]), ("w3", gate_up[e, inter:]), ("w2", down[e])):
+    gate_up = torch.empty(len(experts), 2 * inter, hidden, dtype=router.dtype, device=device)
+    down = torch.empty(len(experts), hidden, inter, dtype=router.dtype, device=device)
+    for i, e in enumerate(experts):
+        for w, dst in (("w1", gate_up[i, :inter]), ("w3", gate_up[i, inter:]), ("w2", down[i])):
             key = plan[f"{w}.{e}"]
             dst.copy_(handle(key).get_tensor(key))
     return {"router": router, "gate_up_proj": gate_up, "down_proj": down}

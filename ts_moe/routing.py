@@ -237,6 +237,14 @@ class _GatherPermutation(torch.autograd.Function):
         return grad.index_select(0, undo), None
 
 
+def gather_permutation(rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``rows.index_select(0, perm)`` for a permutation ``perm`` of the rows; under
+    autograd its gradient is the gather through the inverse permutation."""
+    if torch.is_grad_enabled() and rows.requires_grad:
+        return _GatherPermutation.apply(rows, perm)
+    return rows.index_select(0, perm)
+
+
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``.
 
@@ -248,11 +256,7 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
     """
     _check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
-    if torch.is_grad_enabled() and y_sorted.requires_grad:
-        y = _GatherPermutation.apply(y_sorted, inverse)
-    else:
-        y = y_sorted.index_select(0, inverse)
-    y = y.view(tokens, top_k, y_sorted.shape[1])
+    y = gather_permutation(y_sorted, inverse).view(tokens, top_k, y_sorted.shape[1])
     # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
     # on the H200 that copy was 2 % of the Mixtral layer's time)
     out = (y * weights.float().unsqueeze(-1)).sum(dim=1)

@@ -1,0 +1,299 @@
+"""Expert parallelism: a Mixtral-style MoE layer whose experts are sharded over
+the ranks of a ``torch.distributed`` process group.
+
+Each of the group's ``W`` ranks holds ``E / W`` consecutive experts (rank
+``r``: experts ``[r * E/W, (r + 1) * E/W)``) in the fused layouts, and a copy
+of the router.  A forward on a rank's own tokens::
+
+    route locally                       weights, experts (T, k); slots in expert order
+    exchange the counts                 all_to_all_single: (W, E/W) slots per (rank, expert)
+    dispatch the token rows             all_to_all_single: each slot's row to its expert's rank
+    local grouped GEMMs                 grouped_gemm_swiglu, grouped_gemm on the rows received
+    return the results                  all_to_all_single back, in the order sent
+    combine                             ts_moe.combine (fp32 weights, one rounding)
+
+Two modes:
+
+- exact (``capacity=None``): the per-rank counts cross to the host once per
+  layer call (one sync: the split sizes of the exchange); every slot is
+  computed.  For prefill and training.
+- capacity (``capacity=C``): each rank sends exactly ``C`` rows to every rank
+  (padding rows are zero and land after the last local expert, where the GEMMs
+  write zeros), so nothing syncs and a call is CUDA-graph capturable.  Slots
+  past a destination's ``C`` are dropped: they contribute zero, and their
+  number is kept on the device in :attr:`ExpertParallelMoE.dropped_slots`
+  (never silently: :meth:`ExpertParallelMoE.check_no_drops` raises if any).
+
+Everything is differentiable (the exchange's backward is the reverse
+exchange), deterministic (gathers with sort-based or gather gradients, no
+atomics) and built on ``torch.distributed`` collectives only (NCCL on GPUs,
+gloo on CPUs).  The router is replicated: its gradient on each rank is from
+that rank's tokens (sum it across ranks, as DDP does for replicated parameters).
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .moe import _check_tensor, check_layer_sizes
+from .ops import grouped_gemm, grouped_gemm_swiglu, scatter_rows
+from .reference import gather_rows
+from .routing import combine, gather_permutation, route, sort_slots
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_rows, out_splits, in_splits, group):
+        ctx.splits, ctx.in_rows, ctx.group = (out_splits, in_splits), x.shape[0], group
+        out = x.new_empty((out_rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((ctx.in_rows, *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None, None
+
+
+def all_to_all_rows(x, out_rows, out_splits=None, in_splits=None, group=None):
+    """Send ``x``'s rows to the ranks of ``group`` (``in_splits[r]`` rows to rank
+    ``r``; None: equal parts) and receive ``out_rows`` rows (``out_splits``);
+    differentiable in ``x``."""
+    return _AllToAll.apply(x, out_rows, out_splits, in_splits, group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """:func:`ts_moe.reference.gather_rows` (an index outside ``[0, M)`` reads a zero
+    row) whose gradient sums the rows back by :func:`ts_moe.ops.scatter_rows`
+    (sort-based: deterministic), not by ``index_add`` (atomics)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return gather_rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return scatter_rows(grad.contiguous(), index, ctx.rows), None
+
+
+def _gather(x, index):
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatherRows.apply(x, index)
+    return gather_rows(x, index)
+
+
+def _group_info(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ExpertParallelMoE needs torch.distributed initialised "
+                           "(torch.distributed.init_process_group) before it is built")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class ExpertParallelMoE(nn.Module):
+    """A Mixtral MoE layer with its experts sharded over ``group`` (default: the world).
+
+    Parameters on each rank: ``router`` (E, H), replicated; ``gate_up_proj``
+    (E/W, 2I, H) and ``down_proj`` (E/W, H, I), this rank's experts
+    ``[rank * E/W, (rank + 1) * E/W)``.  ``forward(x)`` maps this rank's (..., H)
+    tokens to (..., H), every rank calling it (a collective).  ``capacity``:
+    None for exact splits (one host sync per call), or the rows each rank sends
+    to each rank (no sync; see the module docstring).
+
+    Construction is a collective too: the ranks check they agree on the sizes,
+    top-k and capacity (a ``ValueError`` on every rank if not).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 *, group=None, capacity: int | None = None, device=None, dtype=None):
+        super().__init__()
+        world, rank = _group_info(group)
+        for name, value in (("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_layer_sizes(hidden_size=hidden_size, intermediate_size=intermediate_size)
+        if top_k > num_experts:
+            raise ValueError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
+        if num_experts % world:
+            raise ValueError(f"num_experts = {num_experts} must be divisible by the group's "
+                             f"size {world} (each rank holds num_experts / {world} experts)")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                     or capacity < 1):
+            raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
+        self.group, self.world, self.rank = group, world, rank
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity
+        self.local_experts = num_experts // world
+        self.first_expert = rank * self.local_experts
+        self._check_ranks_agree(device)
+        factory = {"device": device, "dtype": dtype}
+        self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(self.local_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.down_proj = nn.Parameter(
+            torch.empty(self.local_experts, hidden_size, intermediate_size, **factory))
+        self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.int64, device=device),
+                             persistent=False)
+        self.reset_parameters()
+
+    def _check_ranks_agree(self, device) -> None:
+        mine = torch.tensor([self.hidden_size, self.intermediate_size, self.num_experts,
+                             self.top_k, self.capacity or 0], dtype=torch.int64,
+                            device=_collective_device(self.group, device))
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        names = ("hidden_size", "intermediate_size", "num_experts", "top_k", "capacity")
+        for r, theirs in enumerate(every):
+            differ = [n for n, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
+            if differ:
+                raise ValueError(f"ranks disagree on {', '.join(differ)}: rank {self.rank} has "
+                                 f"{mine.tolist()}, rank {r} has {theirs.tolist()} "
+                                 f"({', '.join(names)})")
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s default init per matrix (each rank draws its own experts;
+        use :meth:`from_weights` for weights that match a single-process layer)."""
+        for p in (self.router, self.gate_up_proj, self.down_proj):
+            bound = p.shape[-1] ** -0.5
+            nn.init.uniform_(p, -bound, bound)
+
+    @classmethod
+    def from_weights(cls, weights, top_k: int, *, group=None, capacity: int | None = None):
+        """The sharded layer on this rank from a layer's weights: ``{"router": (E, H),
+        "gate_up_proj", "down_proj"}`` holding all E experts (this rank's slice is
+        copied) or only this rank's E/W (used as they are)."""
+        router, gate_up, down = (weights[k] for k in ("router", "gate_up_proj", "down_proj"))
+        for name, t, rank in (("router", router, 2), ("gate_up_proj", gate_up, 3),
+                              ("down_proj", down, 3)):
+            _check_tensor(name, t, rank)
+        num_experts, hidden = router.shape
+        layer = cls(hidden, gate_up.shape[1] // 2, num_experts, top_k, group=group,
+                    capacity=capacity, device=router.device, dtype=router.dtype)
+        lo, n = layer.first_expert, layer.local_experts
+        if gate_up.shape[0] == num_experts:
+            gate_up, down = gate_up[lo:lo + n], down[lo:lo + n]
+        with torch.no_grad():
+            for param, t in ((layer.router, router), (layer.gate_up_proj, gate_up),
+                             (layer.down_proj, down)):
+                if param.shape != t.shape:
+                    raise ValueError(f"weights: expected {tuple(param.shape)} for this rank, "
+                                     f"got {tuple(t.shape)}")
+                param.copy_(t)
+        return layer
+
+    @classmethod
+    def from_pretrained(cls, path, layer: int, *, group=None, capacity: int | None = None,
+                        device=None):
+        """Layer ``layer`` of a local Mixtral checkpoint, reading only this rank's
+        experts (:func:`ts_moe.load_mixtral_experts` with ``experts=``)."""
+        import json
+        from pathlib import Path
+
+        from .loaders import load_mixtral_experts
+
+        world, rank = _group_info(group)
+        config = json.loads((Path(path) / "config.json").read_text())
+        num_experts = config["num_local_experts"]
+        if num_experts % world:
+            raise ValueError(f"num_experts = {num_experts} must be divisible by the group's "
+                             f"size {world}")
+        n = num_experts // world
+        weights = load_mixtral_experts(path, layers=[layer], device=device,
+                                       experts=range(rank * n, (rank + 1) * n))[layer]
+        return cls.from_weights(weights, config["num_experts_per_tok"], group=group,
+                                capacity=capacity)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens (..., H) -> (..., H); a collective over the group."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be (..., {self.hidden_size}), got {tuple(x.shape)}")
+        if x.dtype != self.router.dtype or x.device != self.router.device:
+            raise TypeError(f"x must be {self.router.dtype} on {self.router.device}, got "
+                            f"{x.dtype} on {x.device}")
+        tokens = x.reshape(-1, self.hidden_size)
+        weights, experts = route(F.linear(tokens, self.router), self.top_k)
+        slots = sort_slots(experts, self.num_experts)
+        counts = torch.diff(slots.offs, prepend=slots.offs.new_zeros(1)).to(torch.int64)
+        counts = counts.view(self.world, self.local_experts)  # per (rank, its expert)
+        received = all_to_all_rows(counts, self.world, group=self.group)  # (W, E/W): mine
+        if self.capacity is None:
+            y_sorted = self._exchange_exact(tokens, slots, counts, received)
+        else:
+            y_sorted = self._exchange_capacity(tokens, slots, counts, received)
+        return combine(y_sorted, weights, slots.inverse).view(x.shape)
+
+    def _experts(self, rows, row_expert):
+        """The local experts on received ``rows``; ``row_expert`` (R,) the local
+        expert of each (``E/W``: none, a padding row).  Returns (R, H) in the
+        order of ``rows``."""
+        local = sort_slots(row_expert.view(-1, 1), self.local_experts)
+        h = grouped_gemm_swiglu(rows, self.gate_up_proj, local.offs, a_index=local.token_index)
+        y = grouped_gemm(h, self.down_proj.transpose(-2, -1), local.offs)
+        return gather_permutation(y, local.inverse)
+
+    def _exchange_exact(self, tokens, slots, counts, received):
+        # the one host sync of this mode: the exchange's split sizes
+        sizes = torch.cat([counts.sum(1), received.sum(1), received.flatten()]).tolist()
+        w = self.world
+        send, recv, per_expert = sizes[:w], sizes[w:2 * w], sizes[2 * w:]
+        rows = all_to_all_rows(_gather(tokens, slots.token_index), sum(recv), recv, send,
+                               self.group)
+        row_expert = torch.repeat_interleave(
+            torch.arange(self.local_experts, device=tokens.device).repeat(w),
+            received.flatten(), output_size=sum(per_expert))
+        y = self._experts(rows, row_expert)
+        return all_to_all_rows(y, sum(send), send, recv, self.group)
+
+    def _exchange_capacity(self, tokens, slots, counts, received):
+        w, cap, device = self.world, self.capacity, tokens.device
+        send = counts.sum(1)                                   # (W,) slots for each rank
+        start = torch.cumsum(send, 0) - send                   # their first sorted slot
+        j = torch.arange(cap, device=device)
+        num_slots = slots.token_index.shape[0]
+        pos = (start[:, None] + j).clamp(max=max(num_slots - 1, 0))
+        kept = j < send[:, None]                               # (W, C)
+        token = torch.where(kept, slots.token_index[pos] if num_slots else pos, -1)
+        self.dropped_slots = (send - cap).clamp(min=0).sum().detach()
+        rows = all_to_all_rows(_gather(tokens, token.flatten().to(torch.int32)), w * cap,
+                               group=self.group)
+        # what arrives from rank s: its slots in expert order, cut at C rows
+        ends = torch.cumsum(received, 1).clamp(max=cap)        # (W, E/W)
+        row_expert = torch.searchsorted(ends, j.expand(w, cap).contiguous(), right=True)
+        y = self._experts(rows, row_expert.flatten())
+        back = all_to_all_rows(y, w * cap, group=self.group)   # (W * C, H) in the order sent
+        # sorted slot p went to rank r as row p - start[r] of its block (if < C)
+        p = torch.arange(num_slots, device=device)
+        dest = torch.searchsorted(torch.cumsum(send, 0), p, right=True).clamp(max=w - 1)
+        offset = p - start[dest]
+        source = torch.where(offset < cap, dest * cap + offset, -1)
+        return _gather(back, source.to(torch.int32))
+
+    def check_no_drops(self) -> None:
+        """Raise if the last call (capacity mode) dropped slots (a host sync)."""
+        dropped = int(self.dropped_slots)
+        if dropped:
+            raise RuntimeError(f"rank {self.rank}: {dropped} (token, expert) slots exceeded "
+                               f"capacity {self.capacity} in the last call and were dropped")
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, world={self.world}, "
+                f"rank={self.rank}, experts=[{self.first_expert}, "
+                f"{self.first_expert + self.local_experts}), capacity={self.capacity}")
+
+
+def _collective_device(group, device) -> torch.device:
+    """Where this group's collectives take tensors: CUDA for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device()) if device is None else \
+            torch.device(device)
+    return torch.device("cpu")
