@@ -231,6 +231,19 @@ class ExpertParallelMoE(nn.Module):
             y_sorted = self._exchange_capacity(tokens, slots, counts, received)
         return combine(y_sorted, weights, slots.inverse).view(x.shape)
 
+    def exchange_rows(self, x: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The rows this rank would send to and receive from each rank for tokens
+        ``x`` (exact splits; a collective and a host sync): what the exchange of
+        a forward moves, for the harness."""
+        tokens = x.reshape(-1, self.hidden_size)
+        _, experts = route(F.linear(tokens, self.router), self.top_k)
+        slots = sort_slots(experts, self.num_experts)
+        counts = torch.diff(slots.offs, prepend=slots.offs.new_zeros(1)).to(torch.int64)
+        counts = counts.view(self.world, self.local_experts)
+        received = all_to_all_rows(counts, self.world, group=self.group)
+        sizes = torch.cat([counts.sum(1), received.sum(1)]).tolist()
+        return sizes[:self.world], sizes[self.world:]
+
     def _experts(self, rows, row_expert):
         """The local experts on received ``rows``; ``row_expert`` (R,) the local
         expert of each (``E/W``: none, a padding row).  Returns (R, H) in the
