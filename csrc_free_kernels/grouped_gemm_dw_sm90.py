@@ -23,7 +23,8 @@ from cutlass.tensor_utils import LayoutEnum
 import ts_pipeline
 
 from . import compile as kcompile
-from .grouped_gemm_sm90 import _TORCH_TO_CUTE, MAX_EXPERTS, SMEM_CAPACITY, GroupedGemmSm90
+from .grouped_gemm_sm90 import _TORCH_TO_CUTE, MAX_EXPERTS, SMEM_CAPACITY
+from .sm90_epilogue import accumulator_chunk, mma_operands, stage_to_shared, store_copy
 from .tile_schedule import RaggedTileSchedule
 
 __all__ = ["DwConfig", "GroupedGemmDwSm90", "CONFIGS", "MAX_EXPERTS", "choose_config",
@@ -526,28 +527,15 @@ class GroupedGemmDwSm90:
     def consume(self, tiled_mma, tma_atom_c, mC_tma, mC, sA, sB, sC, ring, ctid, store_warp,
                 sched: DwScheduler):
         cfg = self.cfg
-        thr_mma = tiled_mma.get_slice(ctid)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(
-            thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))).shape,
-            self.acc_dtype)
+        tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
+                                       self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])
 
         # epilogue: registers -> shared (stmatrix) -> global (TMA store, or 16-byte
         # predicated thread stores: the forward kernel's copies)
-        r2s = cute.make_tiled_copy_S(
-            sm90_utils.sm90_get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype),
-            cute.make_tiled_copy_C_atom(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype),
-                tiled_mma))
-        thr_r2s = r2s.get_slice(ctid)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_rAcc = r2s.retile(acc)
-        tRS_rD = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], self.acc_dtype)
-        tRS_rOut = cute.make_rmem_tensor(tRS_rD.shape, self.c_dtype)
-        # GroupedGemmSm90's 16-byte store layout (reads c_dtype, epi_tile, num_mma_threads)
-        s2g = GroupedGemmSm90.make_store_copy(self)
+        r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = stage_to_shared(
+            tiled_mma, acc, sC, ctid, self.c_layout, self.c_dtype, self.acc_dtype)
+        s2g = store_copy(self.c_dtype, self.epi_tile[1], self.num_mma_threads)
         thr_s2g = s2g.get_slice(ctid)
         tSsC = thr_s2g.partition_S(sC)
         num_epi = cfg.tile_n // self.epi_tile[1]
@@ -597,7 +585,7 @@ class GroupedGemmDwSm90:
                     cute.group_modes(cute.local_tile(gC_boxes, self.epi_tile, (0, None)), 0, 2))
                 for epi in cutlass.range_constexpr(num_epi):
                     buf = epi_count % self.epi_stages
-                    GroupedGemmSm90.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+                    accumulator_chunk(tRS_rAcc, epi, tRS_rD)
                     tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
                     cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
                     # the stmatrix writes, for the TMA (async proxy) to read
@@ -623,7 +611,7 @@ class GroupedGemmDwSm90:
                                      (cfg.tile_m, cfg.tile_n), (unit.m_tile, unit.n_tile))
                 for epi in cutlass.range_constexpr(num_epi):
                     buf = epi_count % self.epi_stages
-                    GroupedGemmSm90.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+                    accumulator_chunk(tRS_rAcc, epi, tRS_rD)
                     tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
                     cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
                     self.epi_barrier.arrive_and_wait()

@@ -22,6 +22,7 @@ from cutlass.tensor_utils import LayoutEnum
 import ts_pipeline
 
 from . import compile as kcompile
+from .sm90_epilogue import accumulator_chunk, mma_operands, stage_to_shared, store_copy
 from .tile_schedule import RaggedTileSchedule, TileScheduler
 
 MAX_EXPERTS = 512
@@ -464,25 +465,13 @@ class GroupedGemmSm90:
     @cute.jit
     def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: TileScheduler, k_tiles):
         cfg = self.cfg
-        thr_mma = tiled_mma.get_slice(ctid)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(
-            thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))).shape,
-            self.acc_dtype)
+        tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
+                                       self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])
 
         # epilogue: registers -> shared (stmatrix) -> global (16-byte predicated)
-        r2s = cute.make_tiled_copy_S(
-            sm90_utils.sm90_get_smem_store_op(self.c_layout, self.c_dtype, self.acc_dtype),
-            cute.make_tiled_copy_C_atom(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype),
-                tiled_mma))
-        thr_r2s = r2s.get_slice(ctid)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_rAcc = r2s.retile(acc)
-        tRS_rD = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], self.acc_dtype)
-        tRS_rOut = cute.make_rmem_tensor(tRS_rD.shape, self.c_dtype)
+        r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = stage_to_shared(
+            tiled_mma, acc, sC, ctid, self.c_layout, self.c_dtype, self.acc_dtype)
         s2g = self.make_store_copy()
         thr_s2g = s2g.get_slice(ctid)
         tSsC = thr_s2g.partition_S(sC)
@@ -553,11 +542,7 @@ class GroupedGemmSm90:
                 epi_count += 1
             t += sched.step
 
-    @staticmethod
-    def accumulator_chunk(tRS_rAcc, chunk, tRS_rD):
-        """Copy epilogue sub-tile ``chunk`` (``epi_tile`` columns) of the accumulators."""
-        for v in range(cute.size(tRS_rD)):  # plain Python: unrolled at trace time
-            tRS_rD[v] = tRS_rAcc[chunk * cute.size(tRS_rD) + v]
+    accumulator_chunk = staticmethod(accumulator_chunk)
 
     @cute.jit
     def epilogue_fragment(self, tRS_rAcc, epi, tRS_rD, tRS_rOut):
@@ -567,14 +552,7 @@ class GroupedGemmSm90:
 
     def make_store_copy(self):
         """16-byte vectors, rows of the epilogue tile spread over the MMA threads."""
-        vec = 128 // self.c_dtype.width
-        per_row = self.epi_tile[1] // vec
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype,
-                                   num_bits_per_copy=128)
-        return cute.make_tiled_copy_tv(
-            atom,
-            cute.make_layout((self.num_mma_threads // per_row, per_row), stride=(per_row, 1)),
-            cute.make_layout((1, vec)))
+        return store_copy(self.c_dtype, self.epi_tile[1], self.num_mma_threads)
 
 
 class GroupedGemmSwigluSm90(GroupedGemmSm90):

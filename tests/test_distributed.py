@@ -8,17 +8,15 @@ as its slice of the whole layer's, the router's summed over ranks.  Float64,
 so "equal" is to rounding.  One spawn per group size runs every scenario.
 """
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import ts_moe
 from ts_moe.distributed import ExpertParallelMoE
+
+from .ranks import run_ranks
 
 E, H, I, TOP_K = 8, 32, 16, 2
 TOKENS = [5, 0, 9, 3]  # tokens per rank (a rank with none)
@@ -73,26 +71,13 @@ def _scenarios(rank, world):
     return results
 
 
-def _worker(rank, world, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        result = _scenarios(rank, world)
-    except Exception as exc:  # reported by the test, not lost in the child
-        result = {"crash": f"{type(exc).__name__}: {exc}"}
-    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+def _gloo(rank, world, init_method):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request):
-    world = request.param
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d), nprocs=world)
-        results = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(world)]
-    for r, result in enumerate(results):
-        assert "crash" not in result, f"rank {r}: {result.get('crash')}"
-    return world, results
+    return request.param, run_ranks(request.param, _gloo, _scenarios)
 
 
 def _reference(world):

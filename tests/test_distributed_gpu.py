@@ -8,17 +8,16 @@ graph and replayed on new tokens.  NVLink multicast stays off
 """
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ts_moe
 from ts_moe.distributed import ExpertParallelMoE
 
 from .conftest import rel_err
+from .ranks import run_ranks
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_SM90, reason="needs sm_90 GPUs")]
@@ -41,49 +40,43 @@ def _tokens(world):
             torch.randn(sum(counts), H, generator=g).to(BF16))
 
 
-def _worker(rank, world, init_file, out_dir):
+def _nccl(rank, world, init_method):
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
-    try:
-        counts, x_all, grad_all = _tokens(world)
-        rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
-        x = x_all[rows].cuda().requires_grad_()
-        weights = {k: v.cuda() for k, v in _weights().items()}
-        result = {}
-        exact = ExpertParallelMoE.from_weights(weights, TOP_K)
-        out = exact(x)
-        out.backward(grad_all[rows].cuda())
-        result["exact"] = {"out": out.detach().cpu(), "dx": x.grad.cpu(),
-                           "router": exact.router.grad.float().cpu(),
-                           "gate_up": exact.gate_up_proj.grad.cpu(),
-                           "down": exact.down_proj.grad.cpu(), "first": exact.first_expert}
-        capped = ExpertParallelMoE.from_weights(weights, TOP_K, capacity=max(counts) * TOP_K)
-        with torch.no_grad():
-            static = x.detach().clone()
-            capped(static)  # warm up (compiles the kernels) outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = capped(static)
-            static.copy_(torch.flip(x.detach(), [0]))  # new tokens, replayed
-            graph.replay()
-            result["graph"] = (captured.cpu(), capped(static).cpu(), int(capped.dropped_slots))
-    except Exception as exc:
-        result = {"crash": f"{type(exc).__name__}: {exc}"}
-    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+
+
+def _scenarios(rank, world):
+    counts, x_all, grad_all = _tokens(world)
+    rows = slice(sum(counts[:rank]), sum(counts[:rank + 1]))
+    x = x_all[rows].cuda().requires_grad_()
+    weights = {k: v.cuda() for k, v in _weights().items()}
+    result = {}
+    exact = ExpertParallelMoE.from_weights(weights, TOP_K)
+    out = exact(x)
+    out.backward(grad_all[rows].cuda())
+    result["exact"] = {"out": out.detach().cpu(), "dx": x.grad.cpu(),
+                       "router": exact.router.grad.float().cpu(),
+                       "gate_up": exact.gate_up_proj.grad.cpu(),
+                       "down": exact.down_proj.grad.cpu(), "first": exact.first_expert}
+    capped = ExpertParallelMoE.from_weights(weights, TOP_K, capacity=max(counts) * TOP_K)
+    with torch.no_grad():
+        static = x.detach().clone()
+        capped(static)  # warm up (compiles the kernels) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = capped(static)
+        static.copy_(torch.flip(x.detach(), [0]))  # new tokens, replayed
+        graph.replay()
+        result["graph"] = (captured.cpu(), capped(static).cpu(), int(capped.dropped_slots))
+    return result
 
 
 @pytest.fixture(scope="module")
 def ranks():
     world = torch.cuda.device_count()
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), d), nprocs=world)
-        results = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(world)]
-    for r, result in enumerate(results):
-        assert "crash" not in result, f"rank {r}: {result.get('crash')}"
-    return world, results
+    return world, run_ranks(world, _nccl, _scenarios)
 
 
 def test_nccl_matches_one_gpu(ranks):

@@ -3,12 +3,13 @@ PTX has the instructions its design relies on.  No Blackwell GPU exists here:
 this (with the protocol model check) is all the verification the kernel has."""
 
 import re
-import shutil
 import subprocess
 
 import pytest
 
 from csrc_free_kernels import ptx_dump
+
+from .ptxas import NO_SPILLS, PTXAS, assemble, registers
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("sm100_")]
 PEER_BIT = 1 << 24
@@ -75,20 +76,15 @@ def test_weights_by_tma_armed_once_per_stage(ptx, name):
     assert len(re.findall(r"mbarrier\.arrive\.expect_tx", text)) == 1
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
+@pytest.mark.skipif(PTXAS is None, reason="ptxas not installed")
 @pytest.mark.parametrize("name", BUILDS)
 def test_no_spills_when_assembled(ptx, name, tmp_path):
     """ptxas for sm_100a: registers per configuration, and no spill."""
-    src = tmp_path / f"{name}.ptx"
-    src.write_text(ptx[name])
-    proc = subprocess.run(["ptxas", "-arch=sm_100a", "-v", str(src), "-o", str(tmp_path / "k")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    info = proc.stderr + proc.stdout
-    registers = int(re.search(r"Used (\d+) registers", info).group(1))
-    print(f"{name}: {registers} registers")
-    assert "0 bytes spill stores, 0 bytes spill loads" in info
-    assert registers * 320 <= 65536  # one CTA of 320 threads per SM
+    info = assemble(ptx[name], "sm_100a", tmp_path)
+    used = registers(info)
+    print(f"{name}: {used} registers")
+    assert NO_SPILLS in info
+    assert used * 320 <= 65536  # one CTA of 320 threads per SM
 
 
 def test_gather_writes_the_bytes_the_mma_reads(tmp_path):

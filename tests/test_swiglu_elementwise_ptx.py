@@ -5,7 +5,6 @@ the fp32 references behave."""
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -14,9 +13,9 @@ import torch
 
 from csrc_free_kernels import ptx_dump
 
+from .ptxas import NO_SPILLS, PTXAS, assemble, registers
+
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]
-PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas")
-                                  else None)
 
 
 def sw():
@@ -61,16 +60,10 @@ def test_kernel_ptx(ptx, name):
 @pytest.mark.skipif(PTXAS is None, reason="needs ptxas")
 @pytest.mark.parametrize("name", BUILDS)
 def test_ptxas_no_spills(ptx, name, tmp_path):
-    src = tmp_path / f"{name}.ptx"
-    src.write_text(ptx[name])
-    proc = subprocess.run([PTXAS, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    info = proc.stdout + proc.stderr
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in info, info
-    (regs,) = re.findall(r"Used (\d+) registers", info)
+    info = assemble(ptx[name], "sm_90a", tmp_path)
+    assert "0 bytes stack frame, " + NO_SPILLS in info, info
     # 256 threads a CTA: at least 3 CTAs (768 threads) an SM
-    assert int(regs) <= 80, info
+    assert registers(info) <= 80, info
 
 
 def test_tvm_ffi_build_compiles():

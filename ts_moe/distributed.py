@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .moe import _check_tensor, check_layer_sizes
+from .moe import _check_tensor, check_layer_config, init_linear_
 from .ops import grouped_gemm, grouped_gemm_swiglu, scatter_rows
 from .reference import gather_rows
 from .routing import combine, gather_permutation, route, sort_slots
@@ -115,12 +115,7 @@ class ExpertParallelMoE(nn.Module):
                  *, group=None, capacity: int | None = None, device=None, dtype=None):
         super().__init__()
         world, rank = _group_info(group)
-        for name, value in (("num_experts", num_experts), ("top_k", top_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        check_layer_sizes(hidden_size=hidden_size, intermediate_size=intermediate_size)
-        if top_k > num_experts:
-            raise ValueError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
+        check_layer_config(hidden_size, intermediate_size, num_experts, top_k)
         if num_experts % world:
             raise ValueError(f"num_experts = {num_experts} must be divisible by the group's "
                              f"size {world} (each rank holds num_experts / {world} experts)")
@@ -160,9 +155,7 @@ class ExpertParallelMoE(nn.Module):
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default init per matrix (each rank draws its own experts;
         use :meth:`from_weights` for weights that match a single-process layer)."""
-        for p in (self.router, self.gate_up_proj, self.down_proj):
-            bound = p.shape[-1] ** -0.5
-            nn.init.uniform_(p, -bound, bound)
+        init_linear_(self.router, self.gate_up_proj, self.down_proj)
 
     @classmethod
     def from_weights(cls, weights, top_k: int, *, group=None, capacity: int | None = None):

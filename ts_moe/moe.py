@@ -56,6 +56,25 @@ def check_layer_sizes(**sizes) -> None:
                 f"read 16-byte rows of the layer's activations)")
 
 
+def check_layer_config(hidden_size, intermediate_size, num_experts, top_k) -> None:
+    """A layer's sizes: E and top-k positive ints, top-k <= E, H and I as
+    :func:`check_layer_sizes` wants them; a ValueError naming the bad one."""
+    for name, value in (("num_experts", num_experts), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_layer_sizes(hidden_size=hidden_size, intermediate_size=intermediate_size)
+    if top_k > num_experts:
+        raise ValueError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
+
+
+def init_linear_(*weights: torch.Tensor) -> None:
+    """``nn.Linear``'s default init in place, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with
+    fan_in the last dim, for each (stack of) weight matrices."""
+    for w in weights:
+        bound = w.shape[-1] ** -0.5
+        nn.init.uniform_(w, -bound, bound)
+
+
 def _check_tensor(name, t, rank):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -185,12 +204,7 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  *, fused: bool = True, device=None, dtype=None):
         super().__init__()
-        for name, value in (("num_experts", num_experts), ("top_k", top_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        check_layer_sizes(hidden_size=hidden_size, intermediate_size=intermediate_size)
-        if top_k > num_experts:
-            raise ValueError(f"top_k = {top_k} exceeds num_experts = {num_experts}")
+        check_layer_config(hidden_size, intermediate_size, num_experts, top_k)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.fused = num_experts, top_k, fused
         factory = {"device": device, "dtype": dtype}
@@ -203,9 +217,7 @@ class MoE(nn.Module):
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), per matrix."""
-        for p in (self.router, self.gate_up_proj, self.down_proj):
-            bound = p.shape[-1] ** -0.5
-            nn.init.uniform_(p, -bound, bound)
+        init_linear_(self.router, self.gate_up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, return_router_logits: bool = False):
         """(..., H) -> (..., H); with ``return_router_logits`` also the logits (T, E)."""
