@@ -544,9 +544,9 @@ def scatter_rows(rows: torch.Tensor, a_index: torch.Tensor, num_rows: int) -> to
     """The gradient of :func:`ts_moe.reference.gather_rows`: ``out[i]`` = the sum of
     ``rows[r]`` over ``a_index[r] == i``, (num_rows, K); indices outside
     ``[0, num_rows)`` (read as zero rows) get nothing: they are sent to a spare
-    row past the end.  ``index_put_(accumulate=True)``: on CUDA a sort-based
-    kernel that sums each row's contributions in fp32 and rounds once
-    (deterministic, no host sync, no fp32 copy of ``rows``)."""
+    row past the end.  ``index_put_(accumulate=True)``: on CUDA torch's
+    sort-based kernel (deterministic, no host sync; no fp32 copy of ``rows``,
+    checked against an fp32 reference by the GPU tests)."""
     out = rows.new_zeros(num_rows + 1, rows.shape[1])
     if rows.shape[0]:
         index = a_index.long()
