@@ -5,10 +5,21 @@
     python -m bench --models qwen3 --T 16,1024 --backends ts_moe,torch_grouped_mm
     python -m bench --suite moe_layer --list         # show cases and backends only
     python -m bench --suite training                 # fwd, dA, dW and layer fwd+bwd (~3 min)
+    python -m bench --suite moe_block                # router + top-k + experts: eager
+                                                     # (host + GPU) and CUDA-graph ms
+    python -m bench --suite moe_block --quick --models qwen3 --backends ts_moe,hf_grouped_mm
     python -m bench report bench/results/nvidia-h200-grouped_gemm.json
     python -m bench overhead                         # host time of one op call
     python -m bench targets bench/results/nvidia-h200-grouped_gemm.json  # issue 4 targets
     python -m bench targets bench/results/nvidia-h200-training.json      # training targets
+
+The moe_block suite times the whole MoE block (router GEMM, top-k, experts;
+routing is the router's own) twice in one run: eagerly, an event pair around
+each call, so a host-bound call counts its host time (``ms``), and as CUDA-graph
+replays (``graph_ms``; ``unavailable`` for a block that cannot be captured);
+``floor ms`` is the weight-streaming floor (touched experts + router over the
+measured HBM roof).  ts_moe's per-stage NVTX ranges (route, permute, gate_up,
+down, combine) show in its eager calls under Nsight Systems.
 
 A run prints one progress line per case on stderr and the results table on
 stdout, then writes bench/results/<gpu>-<suite>.json, its plot
@@ -33,7 +44,7 @@ from pathlib import Path
 import torch
 
 from . import cases as case_lib
-from . import report
+from . import moe_block, report
 from .roofs import measure_roofs
 from .runner import SUITES, TOLERANCE, Settings, run_suite
 
@@ -81,25 +92,31 @@ def build_parser() -> argparse.ArgumentParser:
                         f"CPU smoke: {','.join(case_lib.SMOKE_MODELS)}")
     p.add_argument("--T", type=_csv(int), help="token counts; default "
                    f"{','.join(map(str, case_lib.GEMM_T))} (moe_layer: also 1; training: "
-                   f"{','.join(map(str, case_lib.TRAIN_T))})")
+                   f"{','.join(map(str, case_lib.TRAIN_T))}; moe_block: "
+                   f"{','.join(map(str, case_lib.BLOCK_T))})")
     p.add_argument("--gemms", type=_csv(str), help="grouped_gemm: gate_up,down (default both); "
                    "training: also layer (default all three)")
     p.add_argument("--steps", type=_csv(str),
                    help=f"training: the GEMMs' steps, {','.join(case_lib.GEMM_STEPS)} (default "
                         f"all; the layer's step is always {case_lib.LAYER_STEP})")
-    p.add_argument("--routing", type=_csv(str), help="uniform,skewed (default both)")
+    p.add_argument("--routing", type=_csv(str), help="uniform,skewed (default both; "
+                   f"moe_block: {case_lib.BLOCK_ROUTING}, the router's own)")
     p.add_argument("--backends", type=_csv(str), help="default: the suite's usual ones")
     p.add_argument("--weight-layout", choices=case_lib.WEIGHT_LAYOUTS, default="nmajor",
                    help="grouped_gemm b: (E,K,N) N-major, or kmajor = w.transpose(-2,-1) "
                         "of an (E,N,K) tensor")
     p.add_argument("--quick", action="store_true",
                    help=f"T {','.join(map(str, case_lib.QUICK_T))} (training: "
-                        f"{','.join(map(str, case_lib.TRAIN_QUICK_T))}), uniform routing, "
+                        f"{','.join(map(str, case_lib.TRAIN_QUICK_T))}; moe_block: "
+                        f"{','.join(map(str, case_lib.BLOCK_QUICK_T))}), uniform routing, "
                         f"{' and '.join(case_lib.QUICK_MODELS)} (explicit filters win; on the "
                         f"CPU: the smoke suite, uniform routing)")
     p.add_argument("--graphs", action="store_true",
-                   help="time CUDA-graph replays (GPU time only) for cases with T <= --graph-max-t")
-    p.add_argument("--graph-max-t", type=int, default=1024)
+                   help="time CUDA-graph replays (GPU time only) for cases with T <= --graph-max-t "
+                        "(moe_block: always, next to the eager time)")
+    p.add_argument("--graph-max-t", type=int,
+                   help=f"default {SUITES['grouped_gemm'].graph_max_t} (moe_block: "
+                        f"{SUITES['moe_block'].graph_max_t})")
     p.add_argument("--no-roofs", action="store_true", help="skip measuring HBM and GEMM roofs")
     p.add_argument("--target-ms", type=float,
                    help=f"timed work per backend per case (5 to 200 calls); default 100 "
@@ -160,14 +177,20 @@ def resolve(args, parser) -> dict:
         parser.error("--device cuda, but torch sees no CUDA device (use --device cpu)")
     cpu = device.type == "cpu"
     suite = SUITES[args.suite]
-    training = args.suite == "training"
-    full_t = {"moe_layer": case_lib.LAYER_T, "training": case_lib.TRAIN_T}.get(args.suite,
-                                                                              case_lib.GEMM_T)
+    training, block = args.suite == "training", args.suite == "moe_block"
+    if args.graph_max_t is None:
+        args.graph_max_t = suite.graph_max_t
+    full_t = {"moe_layer": case_lib.LAYER_T, "training": case_lib.TRAIN_T,
+              "moe_block": case_lib.BLOCK_T}.get(args.suite, case_lib.GEMM_T)
+    quick_t = {"training": case_lib.TRAIN_QUICK_T,
+               "moe_block": case_lib.BLOCK_QUICK_T}.get(args.suite, case_lib.QUICK_T)
+    routings = (case_lib.BLOCK_ROUTING,) if block else case_lib.ROUTINGS
+    quick_routings = routings if block else case_lib.QUICK_ROUTINGS
     if cpu:
         default_models, default_t = list(case_lib.SMOKE_MODELS), list(case_lib.SMOKE_T)
     elif args.quick:
         default_models = list(case_lib.QUICK_MODELS)
-        default_t = list(case_lib.TRAIN_QUICK_T if training else case_lib.QUICK_T)
+        default_t = list(quick_t)
     else:
         default_models, default_t = list(case_lib.MODELS), list(full_t)
     known_models = [*case_lib.MODELS, *case_lib.SMOKE_MODELS]
@@ -175,9 +198,8 @@ def resolve(args, parser) -> dict:
         "suite": suite,
         "models": _pick(args.models or default_models, known_models, "model", parser),
         "T": args.T or default_t,
-        "routing": _pick(args.routing or (case_lib.QUICK_ROUTINGS if args.quick
-                                          else case_lib.ROUTINGS),
-                         list(case_lib.ROUTINGS), "routing", parser),
+        "routing": _pick(args.routing or (quick_routings if args.quick else routings),
+                         list(routings), "routing", parser),
         "gemms": _pick(args.gemms or (case_lib.TRAIN_GEMMS if training else case_lib.GEMMS),
                        list(case_lib.TRAIN_GEMMS if training else case_lib.GEMMS), "gemm",
                        parser),
@@ -227,6 +249,8 @@ def cpu_notice(args, sel, n_cases: int) -> str:
 def make_cases(args, sel) -> list:
     if args.suite == "moe_layer":
         return case_lib.layer_cases(sel["models"], sel["T"], sel["routing"], args.seed)
+    if args.suite == "moe_block":
+        return moe_block.block_cases(sel["models"], sel["T"], args.seed)
     if args.suite == "training":
         steps = [s for s in case_lib.GEMM_STEPS if s.lower() in sel["steps"]]
         return case_lib.training_cases(sel["models"], sel["T"], sel["gemms"], sel["routing"],

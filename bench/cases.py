@@ -3,9 +3,11 @@
 A case is one problem size: a model's expert shapes, a token count ``T``, a
 routing of the ``M = T * top_k`` token-expert pairs onto the ``E`` experts,
 and which GEMM of the expert MLP it is (``gate_up``: N = 2I, K = H;
-``down``: N = H, K = I; ``layer``: the whole expert MLP).  The training
-suite's cases also name a ``step``: a GEMM's ``fwd``, ``dA`` (input gradient)
-or ``dW`` (weight gradient), or the layer's ``fwd+bwd``.  Everything here is
+``down``: N = H, K = I; ``layer``: the whole expert MLP; ``block``: the whole
+MoE block, router GEMM and top-k included, whose routing is the router's own:
+see :mod:`bench.moe_block`).  The training suite's cases also name a
+``step``: a GEMM's ``fwd``, ``dA`` (input gradient) or ``dW`` (weight
+gradient), or the layer's ``fwd+bwd``.  Everything here is
 plain Python and CPU torch, so the case list is the same on every machine.
 """
 
@@ -51,6 +53,11 @@ GEMMS = ("gate_up", "down")
 ROUTINGS = ("uniform", "skewed")
 GEMM_T = (16, 128, 1024, 4096, 16384)
 LAYER_T = (1, 16, 128, 1024, 4096, 16384)
+# the moe_block suite (router + top-k + experts): decode-sized T first; its routing
+# is the router's top-k of the case's tokens (one routing, named BLOCK_ROUTING)
+BLOCK_T = (1, 16, 64, 128, 1024, 4096)
+BLOCK_QUICK_T = (1, 16, 128)
+BLOCK_ROUTING = "router"
 WEIGHT_LAYOUTS = ("nmajor", "kmajor")
 
 # --quick: about two minutes on an H200
@@ -118,7 +125,7 @@ class Case:
         """Short text with the shape, for progress lines and NVTX ranges.  A step's
         M, N, K are those of the forward GEMM it belongs to."""
         m = self.model
-        if self.gemm == "layer":
+        if self.gemm in ("layer", "block"):
             dims = f"M={self.M} H={m.hidden} I={m.inter} E={self.E} k={m.top_k}"
         else:
             dims = f"M={self.M} N={self.N} K={self.K} E={self.E}"
@@ -210,8 +217,11 @@ def training_cases(models, Ts, gemms, routings, steps=GEMM_STEPS, base_seed: int
 def flops(case: Case) -> int:
     """Multiply-adds x 2 of the useful work (padding rows of a tile are not counted).
     A GEMM's ``dA`` and ``dW`` do the work of its forward; the layer's ``fwd+bwd``
-    three times its forward (each GEMM's dA and dW)."""
+    three times its forward (each GEMM's dA and dW).  The ``block``: the layer's
+    forward and the router GEMM (T x E x H)."""
     m = case.model
+    if case.gemm == "block":
+        return 2 * case.M * 3 * m.inter * m.hidden + 2 * case.T * m.experts * m.hidden
     if case.gemm == "layer":
         # gate_up (2I x H) and down (H x I) for each of the M rows
         forward = 2 * case.M * (2 * m.inter * m.hidden + m.hidden * m.inter)
@@ -227,9 +237,13 @@ def traffic(case: Case) -> dict[str, int]:
     Steps: ``dA`` reads dy (M, N) and the weights, writes (M, K); ``dW`` reads
     x (M, K) and dy (M, N), writes (E, K, N); the layer's ``fwd+bwd`` reads the
     weights, x and the output's gradient, writes the weights' gradients, the
-    output and x's gradient."""
+    output and x's gradient.  The ``block`` also reads the router (E, H)."""
     m = case.model
     touched = case.touched_experts
+    if case.gemm == "block":
+        rows = case.T * m.hidden * 2
+        return {"weights": touched * 3 * m.inter * m.hidden * 2,
+                "router": m.experts * m.hidden * 2, "act_in": rows, "out": rows}
     if case.gemm == "layer":
         weights = touched * 3 * m.inter * m.hidden * 2
         rows = case.T * m.hidden * 2
@@ -252,6 +266,13 @@ def traffic(case: Case) -> dict[str, int]:
 
 def bytes_moved(case: Case) -> int:
     return sum(traffic(case).values())
+
+
+def weight_bytes(case: Case) -> int:
+    """The weights one call must stream from HBM: the touched experts' (and the
+    router's, for a ``block``); the weight-streaming floor's bytes."""
+    t = traffic(case)
+    return t["weights"] + t.get("router", 0)
 
 
 def skew(counts) -> float:

@@ -17,6 +17,9 @@ RESULTS_MD = BENCH_DIR / "RESULTS.md"
 COLUMNS = ("model", "gemm", "T", "routing", "backend", "ms", "TFLOP/s", "TB/s", "roof",
            "vs best peer", "status")
 PEAK_COLUMN = "peak GiB"  # runs that measure memory (the training suite): after "vs best peer"
+# runs that time CUDA-graph replays next to eager calls (the moe_block suite): after "ms"
+GRAPH_COLUMN = "graph ms"
+FLOOR_COLUMN = "floor ms"  # runs with a weight-streaming floor: after "ms" (and "graph ms")
 
 
 def sanitize(name: str) -> str:
@@ -47,11 +50,33 @@ def has_memory(records) -> bool:
     return any("peak_mem_bytes" in r for r in records)
 
 
+def has_graph(records) -> bool:
+    """Whether the run timed CUDA-graph replays next to eager calls (``graph_ms``)."""
+    return any("graph_ms" in r for r in records)
+
+
+def has_floor(records) -> bool:
+    """Whether the run's cases have a weight-streaming floor (``floor_ms``)."""
+    return any("floor_ms" in r for r in records)
+
+
 def columns(records) -> tuple[str, ...]:
-    if not has_memory(records):
-        return COLUMNS
-    i = COLUMNS.index("vs best peer") + 1
-    return (*COLUMNS[:i], PEAK_COLUMN, *COLUMNS[i:])
+    heads = list(COLUMNS)
+    extra = [c for c, there in ((GRAPH_COLUMN, has_graph(records)),
+                                (FLOOR_COLUMN, has_floor(records))) if there]
+    i = heads.index("ms") + 1
+    heads[i:i] = extra
+    if has_memory(records):
+        i = heads.index("vs best peer") + 1
+        heads[i:i] = [PEAK_COLUMN]
+    return tuple(heads)
+
+
+def graph_failed(r: dict) -> bool:
+    """Whether a timed record's CUDA-graph capture or replay was tried and failed
+    (not: skipped off CUDA or over --graph-max-t)."""
+    return r["status"] == "ok" and (r.get("graph_status") == "oom" or str(
+        r.get("graph_reason") or "").startswith("capture"))
 
 
 def add_ratios(records) -> None:
@@ -74,7 +99,7 @@ def _num(x, fmt: str) -> str:
 
 def table_rows(records) -> list[list[str]]:
     rows = []
-    memory = has_memory(records)
+    heads = columns(records)
     for r in records:
         status = r["status"]
         if status == "wrong":
@@ -82,16 +107,23 @@ def table_rows(records) -> list[list[str]]:
             status = f"wrong (err {_num(r['max_rel_err'], '.2g') or 'inf'})"
         elif status in ("unavailable", "error", "oom") and r.get("reason"):
             status = f"{status}: {r['reason']}"
+        if graph_failed(r):
+            status = f"{status}; graph {r['graph_status']}: {r['graph_reason']}"
         roof = ""
         if r.get("roof_frac") is not None:
             roof = f"{100 * r['roof_frac']:.0f}% {r['bound']}"
-        row = [r["model"], gemm_label(r), str(r["T"]), r["routing"], r["backend"],
-               _num(r["ms"], ".4f"), _num(r["tflops"], ".1f"), _num(r["tbps"], ".2f"),
-               roof, _num(r.get("vs_best_peer"), ".2f"), status]
-        if memory:
-            peak = r.get("peak_mem_bytes")
-            row.insert(-1, "" if peak is None else f"{peak / (1 << 30):.2f}")
-        rows.append(row)
+        graph = _num(r.get("graph_ms"), ".4f")
+        if not graph and r["status"] == "ok" and r.get("graph_status"):
+            graph = r["graph_status"]
+        peak = r.get("peak_mem_bytes")
+        cells = {"model": r["model"], "gemm": gemm_label(r), "T": str(r["T"]),
+                 "routing": r["routing"], "backend": r["backend"], "ms": _num(r["ms"], ".4f"),
+                 GRAPH_COLUMN: graph, FLOOR_COLUMN: _num(r.get("floor_ms"), ".4f"),
+                 "TFLOP/s": _num(r["tflops"], ".1f"), "TB/s": _num(r["tbps"], ".2f"),
+                 "roof": roof, "vs best peer": _num(r.get("vs_best_peer"), ".2f"),
+                 PEAK_COLUMN: "" if peak is None else f"{peak / (1 << 30):.2f}",
+                 "status": status}
+        rows.append([cells[h] for h in heads])
     return rows
 
 
@@ -131,6 +163,14 @@ def render_markdown(result: dict) -> str:
         "",
     ]
     heads = columns(result["cases"])
+    if GRAPH_COLUMN in heads or FLOOR_COLUMN in heads:
+        lines[-1:-1] = [
+            "", "The whole MoE block (router GEMM, top-k, experts; routing the router's own). "
+            "ms: eager, per call, an event pair around each call (a host-bound call counts "
+            "its host time); graph ms: per call of a CUDA-graph replay (GPU time only; "
+            "unavailable: not captured); floor ms: the touched experts' and the router's "
+            "bytes at the measured HBM read roof; TFLOP/s, TB/s, roof and vs best peer "
+            "are of the eager time."]
     if PEAK_COLUMN in heads:
         lines[-1:-1] = [
             "", "Steps: a GEMM's fwd, dA (`grouped_mm(dy, w^T)`), dW (k-grouped "
@@ -194,12 +234,15 @@ def plot(result: dict, out_dir: Path) -> Path | None:
     ok = [r for r in result["cases"] if r["status"] == "ok"]
     if not ok:
         return None
+    metrics = (("tflops", "TFLOP/s"), ("tbps", "TB/s"))
+    latency = has_graph(ok)  # eager and graph ms per call, log scale
+    if latency:
+        metrics = (("ms", "eager ms per call"), ("graph_ms", "graph ms per call"))
     rows = list(dict.fromkeys((r["model"], gemm_label(r)) for r in ok))
     routings = list(dict.fromkeys(r["routing"] for r in ok))
     backends = list(dict.fromkeys(r["backend"] for r in ok))
     Ts = sorted({r["T"] for r in ok})
     colors = {b: f"C{i % 10}" for i, b in enumerate(backends)}
-    metrics = (("tflops", "TFLOP/s"), ("tbps", "TB/s"))
     ncols = len(routings) * len(metrics)
     fig, axes = plt.subplots(len(rows), ncols, figsize=(4.2 * ncols, 3.2 * len(rows)),
                              squeeze=False)
@@ -210,10 +253,19 @@ def plot(result: dict, out_dir: Path) -> Path | None:
                 for b in backends:
                     panel = (model, gemm, routing)
                     pts = sorted((r["T"], r[key]) for r in ok if r["backend"] == b
-                                 and (r["model"], gemm_label(r), r["routing"]) == panel)
+                                 and (r["model"], gemm_label(r), r["routing"]) == panel
+                                 and r.get(key) is not None)
                     if pts:
                         ax.plot(*zip(*pts), marker="o", color=colors[b], label=b)
+                if latency and key == "ms":  # the floor under the eager panel
+                    floor = sorted({(r["T"], r["floor_ms"]) for r in ok
+                                    if (r["model"], gemm_label(r), r["routing"]) == panel
+                                    and r.get("floor_ms") is not None})
+                    if floor:
+                        ax.plot(*zip(*floor), color="k", linestyle=":", label="floor")
                 ax.set_xscale("log", base=2)
+                if latency:
+                    ax.set_yscale("log")
                 ax.set_xticks(Ts, [str(t) for t in Ts])
                 ax.minorticks_off()
                 ax.set_title(f"{model} {gemm} {routing}", fontsize=9)
@@ -221,9 +273,11 @@ def plot(result: dict, out_dir: Path) -> Path | None:
                 ax.set_ylabel(label)
                 ax.grid(True, alpha=0.3)
     handles = [plt.Line2D([], [], color=colors[b], marker="o", label=b) for b in backends]
+    if latency and any(r.get("floor_ms") is not None for r in ok):
+        handles.append(plt.Line2D([], [], color="k", linestyle=":", label="weight floor"))
     fig.suptitle(f"{result['suite']} on {result['device']} ({result['date']})")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(backends), 6))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{result_stem(result)}.png"
     fig.savefig(path, dpi=90, bbox_inches="tight")

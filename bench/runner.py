@@ -3,7 +3,10 @@ then per backend: prepare, check every input copy against the reference,
 and only if it is right, time it.  One record per (case, backend) of the
 backends that apply to the case (a factory's ``applies(case)``, where it has
 one).  Suites that ask for it also get each backend's peak memory over one
-call (on CUDA)."""
+call (on CUDA), or both its eager and its CUDA-graph time (``graph_timing``:
+``ms`` eager, ``graph_ms`` graph replays, on CUDA), and the case's
+weight-streaming floor (``floor_bytes``: ``floor_ms`` at the measured HBM
+roof, ``floor_frac`` and ``graph_floor_frac`` of each backend's times)."""
 
 import gc
 import math
@@ -16,7 +19,7 @@ import torch
 
 from . import backends as gemm_backends
 from . import cases as case_lib
-from . import moe_layer, training
+from . import moe_block, moe_layer, training
 from .backends import Factory, Unavailable
 from .cases import Case
 from .roofs import roof_fraction
@@ -36,6 +39,12 @@ class Suite:
     default_backends: tuple[str, ...]
     default_target_ms: float = 100.0  # timed work per backend and case on a GPU
     memory: bool = False  # record each backend's peak memory over one call (CUDA)
+    # time each backend eagerly (ms) and, on CUDA, as CUDA-graph replays (graph_ms), in
+    # the same run; --graphs then changes nothing
+    graph_timing: bool = False
+    graph_max_t: int = 1024  # --graph-max-t's default
+    # bytes of the weights a call must stream (the floor_ms of its records), or None
+    floor_bytes: Callable[[Case], int] | None = None
 
 
 SUITES = {
@@ -48,6 +57,10 @@ SUITES = {
     "training": Suite("training", training.make_training_inputs, training.reference_training,
                       training.training_backends, training.DEFAULT_BACKENDS,
                       default_target_ms=training.TARGET_MS, memory=True),
+    "moe_block": Suite("moe_block", moe_block.make_block_inputs, moe_block.reference_block,
+                       moe_block.block_backends, moe_block.DEFAULT_BACKENDS,
+                       graph_timing=True, graph_max_t=max(case_lib.BLOCK_T),
+                       floor_bytes=moe_block.floor_bytes),
 }
 
 
@@ -184,10 +197,22 @@ def measure_memory(run, base: dict, name: str, device: torch.device):
         return _empty(base, name, "error", reason=f"{type(exc).__name__}: {exc}")
 
 
-def time_backend(runs, case: Case, settings: Settings, target_ms: float):
-    """One timing pass of a checked backend: a :class:`Timing`, or the exception."""
+def graph_skip_reason(case: Case, settings: Settings) -> str | None:
+    """Why a case's calls are not timed as CUDA-graph replays, or None."""
+    if settings.device.type != "cuda":
+        return "no CUDA graphs off CUDA"
+    if case.T > settings.graph_max_t:
+        return f"T > --graph-max-t {settings.graph_max_t}"
+    return None
+
+
+def time_backend(runs, case: Case, settings: Settings, target_ms: float,
+                 graph: bool | None = None):
+    """One timing pass of a checked backend: a :class:`Timing`, or the exception.
+    ``graph`` None: CUDA-graph replays where ``settings.graphs`` asks for them."""
     device = settings.device
-    graph = settings.graphs and device.type == "cuda" and case.T <= settings.graph_max_t
+    if graph is None:
+        graph = settings.graphs and graph_skip_reason(case, settings) is None
     try:
         return measure(runs, device, target_ms=target_ms, min_iters=settings.min_iters,
                        max_iters=settings.max_iters, graph=graph)
@@ -209,15 +234,55 @@ def timed_record(base: dict, name: str, err: float, passes, roofs) -> dict:
             "tflops": base["flops"] / seconds / 1e12, "tbps": base["bytes"] / seconds / 1e12,
             "max_rel_err": err, "iters": sum(t.iters for t in passes),
             "pass_ms": [t.ms for t in passes], "graphed": passes[0].graphed,
-            "roof_frac": frac, "bound": bound}
+            "roof_frac": frac, "bound": bound, **_floor_frac(base, ms, "floor_frac")}
+
+
+def floor_ms(nbytes: int, roofs) -> float | None:
+    """The time the measured HBM read roof needs for ``nbytes``, or None without roofs."""
+    if not roofs:
+        return None
+    return nbytes / (roofs["hbm_read_tbps"] * 1e12) * 1e3
+
+
+def _floor_frac(base: dict, ms: float, key: str) -> dict:
+    """``{key: floor_ms / ms}`` where the case has a floor (else nothing, or None)."""
+    if "floor_ms" not in base:
+        return {}
+    floor = base["floor_ms"]
+    return {key: floor / ms if floor is not None and ms else None}
+
+
+def graph_fields(record: dict, passes, skip_reason: str | None, roofs) -> dict:
+    """``record`` with its CUDA-graph time: ``graph_ms`` (median over both passes),
+    ``graph_status`` ("ok"; "unavailable" with a ``graph_reason``: not on CUDA, T over
+    the limit, or the capture or a replay failed; "oom"), ``graph_iters``,
+    ``graph_pass_ms``, ``graph_roof_frac``, ``graph_floor_frac``.  A record that was
+    not timed eagerly keeps the case's empty graph fields."""
+    if record["status"] != "ok":
+        return record
+    if skip_reason is not None or not passes:
+        return {**record, "graph_status": "unavailable",
+                "graph_reason": skip_reason or "not timed"}
+    for t in passes:
+        if isinstance(t, torch.OutOfMemoryError):
+            return {**record, "graph_status": "oom", "graph_reason": str(t).splitlines()[0]}
+        if isinstance(t, Exception):
+            first = (str(t).strip().splitlines() or [""])[0]
+            return {**record, "graph_status": "unavailable",
+                    "graph_reason": f"capture or replay failed: {type(t).__name__}: {first}"}
+    ms = statistics.median([x for t in passes for x in t.samples])
+    frac, _ = roof_fraction(ms, record["flops"], record["bytes"], roofs)
+    return {**record, "graph_ms": ms, "graph_status": "ok",
+            "graph_iters": sum(t.iters for t in passes), "graph_pass_ms": [t.ms for t in passes],
+            "graph_roof_frac": frac, **_floor_frac(record, ms, "graph_floor_frac")}
 
 
 def prepare_inputs(suite: Suite, case: Case, settings: Settings):
     """(reference, copies): the case's inputs and enough clones to rotate through."""
     first = suite.make_inputs(case, settings.device)
     ref = suite.reference(first)
-    t = case_lib.traffic(case)
-    n = rotation_copies(t["weights"] + t["act_in"], first.nbytes, l2_bytes(settings.device),
+    read = case_lib.weight_bytes(case) + case_lib.traffic(case)["act_in"]
+    n = rotation_copies(read, first.nbytes, l2_bytes(settings.device),
                         settings.input_budget_bytes)
     return ref, [first] + [first.clone() for _ in range(n - 1)]
 
@@ -229,6 +294,11 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
     base = case_record(case)
     if suite.memory:
         base["peak_mem_bytes"] = None
+    if suite.floor_bytes is not None:
+        base["floor_bytes"] = suite.floor_bytes(case)
+        base["floor_ms"] = floor_ms(base["floor_bytes"], roofs)
+    if suite.graph_timing:
+        base.update(graph_ms=None, graph_status=None)
     names = [name for name in factories if applies(factories[name], case)]
     if not names:
         return []
@@ -266,27 +336,73 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
                 _free(device)
             else:
                 peaks[name] = got
+    eager = False if suite.graph_timing else None  # graph_timing: ms is always eager
     passes = {name: [] for name in checked}
     for order in (list(checked), list(reversed(checked))):
         for name in order:
             with nvtx_range(f"{name} {case.describe()}"):
                 passes[name].append(time_backend(checked[name][0], case, settings,
-                                                 settings.target_ms / 2))
+                                                 settings.target_ms / 2, graph=eager))
+    if suite.graph_timing:  # after every eager pass: a failed capture cannot touch those
+        skip = graph_skip_reason(case, settings)
+        graph_passes = time_graphs(checked, passes, case, settings) if skip is None else {}
     for name, (_, err) in checked.items():
         records[name] = timed_record(base, name, err, passes[name], roofs)
         if name in peaks and records[name]["status"] == "ok":
             records[name]["peak_mem_bytes"] = peaks[name]
+        if suite.graph_timing:
+            records[name] = graph_fields(records[name], graph_passes.get(name), skip, roofs)
     records = [records[name] for name in names]
     del ref, copies
     _free(device)
     return records
 
 
+def time_graphs(checked: dict, passes: dict, case: Case, settings: Settings) -> dict:
+    """CUDA-graph timing passes of the backends whose eager passes all ran, in order
+    and reversed like the eager ones; a backend whose capture or replay failed is
+    not tried again (its one exception is its list)."""
+    ok = [n for n in checked if not any(isinstance(t, Exception) for t in passes[n])]
+    graph_passes = {name: [] for name in ok}
+    for order in (ok, list(reversed(ok))):
+        for name in order:
+            if any(isinstance(t, Exception) for t in graph_passes[name]):
+                continue
+            with nvtx_range(f"{name} graph {case.describe()}"):
+                t = time_backend(checked[name][0], case, settings, settings.target_ms / 2,
+                                 graph=True)
+            if isinstance(t, Exception):  # its frames pin the capture's tensors: drop them
+                t = t.with_traceback(None)
+                t.__context__ = t.__cause__ = None
+            graph_passes[name].append(t)
+            if isinstance(t, Exception):  # give the next backend a clean pool
+                del t
+                _settle(settings.device)
+    return graph_passes
+
+
+def _settle(device: torch.device) -> None:
+    """After a failed capture: wait for the device (an error here is the capture's,
+    already recorded) and free the cached memory."""
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001  (the failure is recorded with the backend)
+            pass
+    _free(device)
+
+
 def _progress_line(i: int, total: int, case: Case, records, seconds: float) -> str:
     parts = []
     for r in records:
         if r["status"] == "ok":
-            parts.append(f"{r['backend']} {r['ms']:.3f} ms")
+            graph = ""  # a graph time, or a graph that was tried and failed
+            if r.get("graph_ms") is not None:
+                graph = f" (graph {r['graph_ms']:.3f})"
+            elif r.get("graph_status") == "oom" or \
+                    str(r.get("graph_reason", "")).startswith("capture"):
+                graph = f" (graph {r['graph_status']})"
+            parts.append(f"{r['backend']} {r['ms']:.3f} ms{graph}")
         else:
             parts.append(f"{r['backend']} {r['status']}")
     return f"[{i}/{total}] {case.describe()}: {', '.join(parts)} ({seconds:.1f} s)"
