@@ -28,7 +28,7 @@ from .sm90_epilogue import accumulator_chunk, mma_operands, stage_to_shared, sto
 from .tile_schedule import RaggedTileSchedule
 
 __all__ = ["DwConfig", "GroupedGemmDwSm90", "CONFIGS", "MAX_EXPERTS", "choose_config",
-           "grouped_gemm_k", "grouped_gemm_k_reference"]
+           "grouped_gemm_k"]
 
 
 @dataclass(frozen=True)
@@ -631,25 +631,6 @@ class GroupedGemmDwSm90:
 
 
 # ------------------------------------------------------------------ torch side
-def grouped_gemm_k_reference(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor,
-                             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Plain torch: ``out[e] = a[rows e].T @ dy[rows e]`` in fp32 (fp64 for fp64
-    inputs), rows ``[ends[e-1], ends[e])`` with ``ends = cummax(clamp(offs, 0, M))``;
-    zeros for an expert without rows; rows past ``ends[-1]`` count nowhere."""
-    m = a.shape[0]
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    out = torch.zeros(offs.shape[0], a.shape[1], dy.shape[1], dtype=out_dtype or a.dtype,
-                      device=a.device)
-    ends = offs.to(torch.int64).clamp(0, m)
-    ends = torch.cummax(ends, 0).values.tolist() if ends.numel() else []
-    start = 0
-    for e, end in enumerate(ends):
-        if end > start:
-            out[e] = (a[start:end].to(acc).t() @ dy[start:end].to(acc)).to(out.dtype)
-        start = end
-    return out
-
-
 def _fake_args(ab_dtype, c_dtype):
     """Symbolic (M, K) a, (M, N) dy, (E, K, N) out, (E,) offs: last dims
     contiguous, other strides symbolic multiples of 16 bytes."""

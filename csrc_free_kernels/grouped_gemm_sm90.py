@@ -8,7 +8,6 @@ torch entry point.
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 import cutlass

@@ -9,9 +9,8 @@
 
 bf16 or fp16 in and out, fp32 math, one rounding.  See
 :class:`SwigluElementwise` for the design, :func:`swiglu_forward` and
-:func:`swiglu_backward` for the torch entry points, and
-:func:`swiglu_forward_reference` / :func:`swiglu_backward_reference` for
-plain-torch fp32 references.
+:func:`swiglu_backward` for the torch entry points (the plain-torch
+references are ``ts_moe.reference.swiglu`` / ``swiglu_backward``).
 """
 
 import functools
@@ -209,17 +208,3 @@ def swiglu_backward(dy: torch.Tensor, h: torch.Tensor, dh: torch.Tensor) -> torc
         return dh
     compiled_kernel(h.dtype, True)(_normalized(h), _normalized(dh), _normalized(dy))
     return dh
-
-
-def swiglu_forward_reference(h: torch.Tensor) -> torch.Tensor:
-    """fp32 ``silu(g) * u``."""
-    g, u = h.float().chunk(2, dim=-1)
-    return torch.nn.functional.silu(g) * u
-
-
-def swiglu_backward_reference(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[dy * u * s * (1 + g * (1 - s)), dy * g * s]``, ``s = sigmoid(g)``."""
-    g, u = h.float().chunk(2, dim=-1)
-    dy = dy.float()
-    s = torch.sigmoid(g)
-    return torch.cat([dy * u * s * (1 + g * (1 - s)), dy * g * s], dim=-1)

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def sm90_available() -> bool:
@@ -21,3 +22,29 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class OpRecorder(TorchDispatchMode):
+    """The names of the operators that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.name()))
+        return func(*args, **(kwargs or {}))
+
+
+def counts_to_offs(counts):
+    """Cumulative row ends (int32, on the GPU) of rows per expert."""
+    return torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
+
+
+def random_counts(m, e, skew=0.0):
+    """``m`` rows over ``e`` experts at random; ``skew``: Zipf popularities."""
+    w = torch.rand(e) + 1e-3
+    if skew:
+        w = torch.arange(1, e + 1, dtype=torch.float).pow(-skew)[torch.randperm(e)]
+    idx = torch.multinomial(w, m, replacement=True) if m else torch.zeros(0, dtype=torch.long)
+    return torch.bincount(idx, minlength=e)

@@ -12,7 +12,7 @@ import torch
 import ts_moe
 from ts_moe.reference import grouped_gemm_reference, segment_ends
 
-from .conftest import rel_err
+from .conftest import counts_to_offs, random_counts, rel_err
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,18 +26,6 @@ MODELS = {  # E, H, I, top-k
 def gg():
     from csrc_free_kernels import grouped_gemm_sm90
     return grouped_gemm_sm90
-
-
-def counts_to_offs(counts):
-    return torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
-
-
-def random_counts(m, e, skew=0.0):
-    w = torch.rand(e) + 1e-3
-    if skew:
-        w = torch.arange(1, e + 1, dtype=torch.float).pow(-skew)[torch.randperm(e)]
-    idx = torch.multinomial(w, m, replacement=True) if m else torch.zeros(0, dtype=torch.long)
-    return torch.bincount(idx, minlength=e)
 
 
 def make(m, k, n, e, counts=None, kmajor=False, dtype=torch.bfloat16):

@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ts_moe
 
@@ -16,24 +15,9 @@ from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 from ts_moe.integrations.transformers import (  # noqa: E402
     register, replace_moe_blocks, ts_moe_experts_forward)
 
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+from .conftest import OpRecorder, rel_err  # noqa: E402
+
 PROMPT = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
-
-
-def rel_err(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
-class OpRecorder(TorchDispatchMode):
-    """The names of the operators that run under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(str(func.name()))
-        return func(*args, **(kwargs or {}))
 
 
 def tiny(tmp_path, dtype, names="v4", **kw):
@@ -252,7 +236,6 @@ def test_replace_rejects_what_it_cannot_run():
 
 # ---------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 CUDA GPU")
 def test_gpu_tiny_mixtral_logits_and_20_greedy_tokens(tmp_path):
     ref, model, _ = tiny(tmp_path, torch.bfloat16, layers=1, experts=8, top_k=2, hidden=128,
                          intermediate=256)

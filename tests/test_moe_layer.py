@@ -11,16 +11,9 @@ import torch.nn.functional as F
 import ts_moe
 from ts_moe.moe import moe_forward_reference
 
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+from .conftest import rel_err
 
-
-def gpu(test):
-    """The ``gpu`` mark, skipped without an sm_90 GPU."""
-    return pytest.mark.gpu(pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 CUDA GPU")(test))
-
-
-def rel_err(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+gpu = pytest.mark.gpu  # skipped without an sm_90 GPU (conftest)
 
 
 def dense_reference(x, router, gate_up, down, top_k):

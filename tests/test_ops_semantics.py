@@ -358,9 +358,11 @@ def test_use_sm100_kernel_switches_the_path(monkeypatch):
         ops._cuda_path.cache_clear()
 
 
-def test_sm100_path_passes_the_gather_to_the_kernel():
+def test_sm100_path_passes_the_gather_to_the_kernel(monkeypatch):
     from ts_moe.ops import _grouped_gemm_run, _swiglu_run
 
+    # CPU tensors stand in for a B200's: what the kernel can't take follows choose_path
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
     fake = _FakeSm100()
     a, b, offs = torch.randn(40, 64).to(BF16), torch.randn(3, 64, 24).to(BF16), _offs([9, 0, 20])
     a_index = torch.randint(0, 40, (33,), dtype=torch.int32)
@@ -384,3 +386,8 @@ def test_sm100_path_passes_the_gather_to_the_kernel():
     ref = _gathered_loop(a, small_i.transpose(1, 2), offs, a_index)
     assert len(fake.calls) == n_calls
     assert rel_err(h, F.silu(ref[:, :48]) * ref[:, 48:]) < 1e-2
+    # fp16, which torch's grouped_mm does not take: the reference
+    half = _grouped_gemm_run(Path.KERNEL_SM100, fake, odd_k.half(), b60.half(), offs, None,
+                             a_index)
+    assert len(fake.calls) == n_calls
+    assert rel_err(half, _gathered_loop(odd_k, b60, offs, a_index)) < 1e-2

@@ -17,12 +17,7 @@ from transformers import MixtralForCausalLM  # noqa: E402
 
 from ts_moe.integrations.transformers import register, replace_moe_blocks  # noqa: E402
 
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu,
-                                pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90 GPU")]),
-]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # gpu: sm_90 only (conftest)
 STEPS = 20
 LR = 2.0
 

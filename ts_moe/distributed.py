@@ -213,27 +213,29 @@ class ExpertParallelMoE(nn.Module):
             raise TypeError(f"x must be {self.router.dtype} on {self.router.device}, got "
                             f"{x.dtype} on {x.device}")
         tokens = x.reshape(-1, self.hidden_size)
-        weights, experts = route(F.linear(tokens, self.router), self.top_k)
-        slots = sort_slots(experts, self.num_experts)
-        counts = torch.diff(slots.offs, prepend=slots.offs.new_zeros(1)).to(torch.int64)
-        counts = counts.view(self.world, self.local_experts)  # per (rank, its expert)
-        received = all_to_all_rows(counts, self.world, group=self.group)  # (W, E/W): mine
+        weights, slots, counts, received = self._plan(tokens)
         if self.capacity is None:
             y_sorted = self._exchange_exact(tokens, slots, counts, received)
         else:
             y_sorted = self._exchange_capacity(tokens, slots, counts, received)
         return combine(y_sorted, weights, slots.inverse).view(x.shape)
 
-    def exchange_rows(self, x: torch.Tensor) -> tuple[list[int], list[int]]:
-        """The rows this rank would send to and receive from each rank for tokens
-        ``x`` (exact splits; a collective and a host sync): what the exchange of
-        a forward moves, for the harness."""
-        tokens = x.reshape(-1, self.hidden_size)
-        _, experts = route(F.linear(tokens, self.router), self.top_k)
+    def _plan(self, tokens):
+        """Route ``tokens`` (T, H) and exchange the counts (a collective): the
+        combine weights, the slots in expert order, the (W, E/W) slots this rank
+        sends to each rank's experts, and the (W, E/W) it receives for its own."""
+        weights, experts = route(F.linear(tokens, self.router), self.top_k)
         slots = sort_slots(experts, self.num_experts)
         counts = torch.diff(slots.offs, prepend=slots.offs.new_zeros(1)).to(torch.int64)
         counts = counts.view(self.world, self.local_experts)
         received = all_to_all_rows(counts, self.world, group=self.group)
+        return weights, slots, counts, received
+
+    def exchange_rows(self, x: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The rows this rank would send to and receive from each rank for tokens
+        ``x`` (exact splits; a collective and a host sync): what the exchange of
+        a forward moves, for the harness."""
+        _, _, counts, received = self._plan(x.reshape(-1, self.hidden_size))
         sizes = torch.cat([counts.sum(1), received.sum(1)]).tolist()
         return sizes[:self.world], sizes[self.world:]
 

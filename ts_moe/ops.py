@@ -47,7 +47,7 @@ import torch
 from .checks import (ALIGN_BYTES, check_grouped_gemm_args, check_swiglu_activation_args,
                      check_swiglu_args,
                      check_tensor_types, contiguous_dim, layout_ok, plausible_kernel_args)
-from .reference import (gather_rows, grouped_gemm_k_reference, grouped_gemm_reference,
+from .reference import (acc_dtype, gather_rows, grouped_gemm_k_reference, grouped_gemm_reference,
                         grouped_gemm_swiglu_reference, segment_ends, swiglu, swiglu_backward)
 
 _lib = torch.library.Library("ts_moe", "DEF")
@@ -96,16 +96,20 @@ def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
 
 
 @functools.cache
-def _kernels(device_index: int):
-    """The kernel module for this CUDA device's arch (sm_90, sm_100), else None."""
-    module = {(9, 0): "grouped_gemm_sm90", (10, 0): "grouped_gemm_sm100"}.get(
-        torch.cuda.get_device_capability(device_index))
-    if module is None:
-        return None
+def _module(name: str):
+    """``csrc_free_kernels.<name>``, or None without cutlass (nvidia-cutlass-dsl)."""
     try:
-        return importlib.import_module(f"csrc_free_kernels.{module}")
-    except ImportError:  # no cutlass (nvidia-cutlass-dsl) in this environment
+        return importlib.import_module(f"csrc_free_kernels.{name}")
+    except ImportError:
         return None
+
+
+@functools.cache
+def _kernels(device_index: int):
+    """The grouped GEMM module for this CUDA device's arch (sm_90, sm_100), else None."""
+    name = {(9, 0): "grouped_gemm_sm90", (10, 0): "grouped_gemm_sm100"}.get(
+        torch.cuda.get_device_capability(device_index))
+    return None if name is None else _module(name)
 
 
 _sm100_opt_in = False
@@ -155,13 +159,16 @@ def _row_pad(n, dtype: torch.dtype):
     return (n + align - 1) // align * align
 
 
-def _empty_output(like: torch.Tensor, m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """(m, n) with rows padded to 16 bytes, as torch's grouped_mm allocates them;
-    the padding is real memory: the kernels store whole 16-byte vectors."""
+def _empty_output(like: torch.Tensor, m: int, n: int, dtype: torch.dtype,
+                  experts: int | None = None) -> torch.Tensor:
+    """(m, n), or (experts, m, n), with rows padded to 16 bytes, as torch's
+    grouped_mm allocates them; the padding is real memory: the kernels store
+    whole 16-byte vectors."""
     pad = _row_pad(n, dtype)
+    lead = (m,) if experts is None else (experts, m)
     if pad == n:
-        return like.new_empty((m, n), dtype=dtype)
-    return like.new_empty((m, pad), dtype=dtype)[:, :n]
+        return like.new_empty((*lead, n), dtype=dtype)
+    return like.new_empty((*lead, pad), dtype=dtype)[..., :n]
 
 
 def _padded_strides(shape, major: int, align: int) -> list[int]:
@@ -199,29 +206,12 @@ def _torch_grouped_mm(a, b, offs, out_dtype=None) -> torch.Tensor:
     return out.masked_fill_(past.unsqueeze(1), 0)
 
 
-@functools.cache
-def _k_grouped_kernels(device_index: int):
-    """The k-grouped (weight-gradient) kernel module for this CUDA device, else None."""
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return None
-    try:
-        return importlib.import_module("csrc_free_kernels.grouped_gemm_dw_sm90")
-    except ImportError:  # no cutlass (nvidia-cutlass-dsl) in this environment
-        return None
-
-
-def _torch_fallback(dtype: torch.dtype, out_dtype: torch.dtype | None) -> Path:
-    """Where a kernel-path call goes when the kernel can't take it (see choose_path)."""
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and out_dtype in (None, dtype)):
-        return Path.TORCH_GROUPED_MM
-    return Path.REFERENCE
-
-
-def _k_grouped_output(like, num_experts, k, n, dtype) -> torch.Tensor:
-    """(E, K, N) with rows padded to 16 bytes, as torch's grouped_mm allocates them."""
-    pad = _row_pad(n, dtype)
-    out = like.new_empty((num_experts, k, pad), dtype=dtype)
-    return out if pad == n else out[..., :n]
+def _without_kernel(t: torch.Tensor, out_dtype, num_experts: int) -> Path:
+    """The path of a kernel-path call that the kernel can't take: what
+    :func:`choose_path` gives this device without the kernels."""
+    return choose_path(torch.cuda.get_device_capability(t.device), t.dtype, out_dtype,
+                       num_experts, kernels_available=False,
+                       has_torch_grouped_mm=hasattr(torch, "_grouped_mm"))
 
 
 def _grouped_gemm_k_run(path: Path, a, b, offs, out_dtype=None) -> torch.Tensor:
@@ -232,15 +222,16 @@ def _grouped_gemm_k_run(path: Path, a, b, offs, out_dtype=None) -> torch.Tensor:
     take; the reference elsewhere.  Experts without rows get zeros."""
     out_dtype = out_dtype or a.dtype
     (k, m), n, num_experts = a.shape, b.shape[1], offs.shape[0]
-    out = _k_grouped_output(a, num_experts, k, n, out_dtype)
+    out = _empty_output(a, k, n, out_dtype, experts=num_experts)
     if 0 in (num_experts, k, m, n):
         return out.zero_()
-    if path in (Path.KERNEL_SM90, Path.KERNEL_SM100):
-        kernels = _k_grouped_kernels(a.get_device())
+    if path is Path.KERNEL_SM90:
+        kernels = _module("grouped_gemm_dw_sm90")
         if (kernels is not None and k % 8 == 0 and n % 8 == 0
                 and num_experts <= kernels.MAX_EXPERTS):
             return kernels.grouped_gemm_k(_tma_view(a, 0).t(), _tma_view(b, 1), offs, out)
-        path = _torch_fallback(a.dtype, out_dtype)
+    if path in (Path.KERNEL_SM90, Path.KERNEL_SM100):
+        path = _without_kernel(a, out_dtype, num_experts)
     if path is Path.TORCH_GROUPED_MM:
         ends = segment_ends(offs, m).to(torch.int32)
         got = torch._grouped_mm(_tma_view(a, contiguous_dim(a.shape, a.stride())),
@@ -268,7 +259,7 @@ def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None, a_index=N
             return kernels.grouped_gemm(_tma_view(a, 1),
                                         _tma_view(b, contiguous_dim(b.shape, b.stride())), offs,
                                         _empty_output(a, m, n, out_dtype), a_index=a_index)
-        path = Path.TORCH_GROUPED_MM
+        path = _without_kernel(a, out_dtype, b.shape[0])
     if a_index is not None:
         a = gather_rows(a, a_index)
     if path is Path.KERNEL_SM90:
@@ -289,7 +280,7 @@ def _grouped_gemm_cpu(a, b, offs, out_dtype=None, *, a_index=None):
 
 def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
     index = a.get_device()
-    path, kernels = cuda_path(index, a.dtype, out_dtype, offs.shape[0])
+    path, kernels = cuda_path(index, a.dtype, out_dtype, offs.numel())
     if a_index is not None:
         check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
         if path is Path.KERNEL_SM100:  # the kernel gathers itself
@@ -374,7 +365,7 @@ def _swiglu_run(path: Path, kernels, a, gate_up, offs, a_index=None) -> torch.Te
             return kernels.grouped_gemm(
                 _tma_view(a, 1), _tma_view(gate_up, 2).transpose(-2, -1), offs,
                 _empty_output(a, m, two_i // 2, a.dtype), a_index=a_index, swiglu=True)
-        path = Path.TORCH_GROUPED_MM  # what the kernel cannot take
+        path = _without_kernel(a, None, num_experts)  # what the kernel cannot take
     if a_index is not None:
         a = gather_rows(a, a_index)
     if path is Path.KERNEL_SM90:
@@ -406,7 +397,7 @@ def _grouped_gemm_swiglu_cpu(a, gate_up, offs, *, a_index=None):
 
 def _grouped_gemm_swiglu_cuda(a, gate_up, offs, *, a_index=None):
     index = a.get_device()
-    path, kernels = cuda_path(index, a.dtype, None, gate_up.shape[0])
+    path, kernels = cuda_path(index, a.dtype, None, offs.numel())
     if a_index is not None:
         check_swiglu_args(a, gate_up, offs, a_index=a_index)
         if path is Path.KERNEL_SM100:  # the kernel gathers itself
@@ -466,25 +457,12 @@ _lib.define("swiglu(Tensor h) -> Tensor")
 _lib.define("swiglu_backward(Tensor dy, Tensor h) -> Tensor")
 
 
-@functools.cache
-def _elementwise_kernels(device_index: int):
-    """The sm_90a SwiGLU elementwise kernels for this CUDA device, else None."""
-    try:
-        return importlib.import_module("csrc_free_kernels.swiglu_sm90")
-    except ImportError:  # no cutlass (nvidia-cutlass-dsl) in this environment
-        return None
-
-
 def _elementwise_for(h: torch.Tensor):
     """The elementwise kernel module where ``h``'s calls run the sm_90a kernels, else None."""
     if (h.device.type != "cuda" or h.dtype not in (torch.bfloat16, torch.float16)
             or h.shape[-1] % 16 or cuda_path(h.get_device(), h.dtype)[0] is not Path.KERNEL_SM90):
         return None
-    return _elementwise_kernels(h.get_device())
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return _module("swiglu_sm90")
 
 
 def _swiglu_impl(h):
@@ -493,7 +471,7 @@ def _swiglu_impl(h):
     kernels = _elementwise_for(h)
     if kernels is not None:
         return kernels.swiglu_forward(_operand(h), out)
-    return out.copy_(swiglu(h.to(_acc_dtype(h.dtype)), h.dtype))
+    return out.copy_(swiglu(h.to(acc_dtype(h.dtype)), h.dtype))
 
 
 def _swiglu_backward_impl(dy, h):
@@ -598,18 +576,16 @@ def grouped_gemm_backward(dy, a, b, offs, a_index=None, need_a=True, need_b=True
     return da, db
 
 
-def grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index=None, h=None,
-                                 need_a=True, need_gate_up=True):
-    """``(da, dgate_up)`` of ``grouped_gemm_swiglu``; ``h`` the pre-activation
-    (M, 2I) kept by the forward, or None to recompute it.  ``dh`` =
-    d(SwiGLU)/dh (``ts_moe::swiglu_backward``: fp32 math, one rounding; the
-    sm_90a elementwise kernel where the GEMMs run the kernels), then ``da = grouped_gemm(dh, gate_up)``
-    and ``dgate_up = grouped_gemm(dh.t(), a)`` (k-grouped)."""
+def grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index=None, need_a=True,
+                                 need_gate_up=True):
+    """``(da, dgate_up)`` of ``grouped_gemm_swiglu`` without :data:`SWIGLU_KEEPS_H`:
+    the pre-activation ``h`` (M, 2I) recomputed, ``dh`` = d(SwiGLU)/dh
+    (``ts_moe::swiglu_backward``), then ``da = grouped_gemm(dh, gate_up)`` and
+    ``dgate_up = grouped_gemm(dh.t(), a)`` (k-grouped).  (With it, the op is the
+    GEMM to h and ``ts_moe::swiglu``, each with its own formula.)"""
     x = a if a_index is None else gather_rows(a, a_index)
-    if h is None:
-        h = grouped_gemm(x, gate_up.transpose(-2, -1), offs)
-    dh = torch.ops.ts_moe.swiglu_backward(_operand(dy.to(a.dtype)), h)
-    del h
+    dh = torch.ops.ts_moe.swiglu_backward(
+        _operand(dy.to(a.dtype)), grouped_gemm(x, gate_up.transpose(-2, -1), offs))
     da = dgate_up = None
     if need_a:
         da = grouped_gemm(dh, gate_up, offs)
@@ -655,7 +631,7 @@ class _SwigluRecomputeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         a, gate_up, offs, a_index = ctx.saved_tensors
-        da, dgate_up = grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index, None,
+        da, dgate_up = grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index,
                                                     *ctx.needs_input_grad[1:3])
         return None, da, dgate_up, None, None
 

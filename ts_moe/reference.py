@@ -34,7 +34,7 @@ def gather_rows(a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_(((index < 0) | (index >= m)).unsqueeze(1), 0)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation dtype of the references: fp32, fp64 for fp64 inputs (gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -49,7 +49,7 @@ def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     """
     if b.dim() == 2:
         return grouped_gemm_k_reference(a, b, offs, out_dtype)
-    acc = _acc(a.dtype)
+    acc = acc_dtype(a.dtype)
     out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype or a.dtype, device=a.device)
     start = 0
     for e, end in enumerate(segment_ends(offs, a.shape[0]).tolist()):
@@ -67,7 +67,7 @@ def grouped_gemm_k_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tenso
     an expert without rows gets zeros, rows past ``offs[-1]`` count nowhere.
     This is the weight gradient of the row-grouped form: ``dW = grouped(x.t(), dy)``.
     """
-    acc = _acc(a.dtype)
+    acc = acc_dtype(a.dtype)
     out = torch.zeros(offs.shape[0], a.shape[0], b.shape[1], dtype=out_dtype or a.dtype,
                       device=a.device)
     start = 0
@@ -91,7 +91,7 @@ def swiglu_backward(dy: torch.Tensor, h: torch.Tensor, dtype: torch.dtype) -> to
     ``silu'(g) = s * (1 + g * (1 - s))`` with ``s = sigmoid(g)``; computed in
     fp32 (fp64 for fp64 inputs), rounded once to ``dtype``.
     """
-    acc = _acc(h.dtype)
+    acc = acc_dtype(h.dtype)
     inter = h.shape[-1] // 2
     gate, up = h[..., :inter].to(acc), h[..., inter:].to(acc)
     dy = dy.to(acc)
@@ -108,7 +108,7 @@ def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
 
     The activation is applied in fp32, before the single rounding to ``a.dtype``.
     """
-    acc = _acc(a.dtype)
+    acc = acc_dtype(a.dtype)
     inter = gate_up.shape[1] // 2
     out = torch.zeros(a.shape[0], inter, dtype=a.dtype, device=a.device)
     start = 0
