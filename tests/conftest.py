@@ -16,6 +16,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """``torch.cuda.is_available()`` True: what a selection is on a machine with CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """``torch.cuda.is_available()`` False."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; NaN or inf anywhere fails."""
     out, ref = out.double(), ref.double()

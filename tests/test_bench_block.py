@@ -24,16 +24,6 @@ def _resolve(argv):
     return cli.resolve(parser.parse_args(argv), parser)
 
 
-@pytest.fixture
-def gpu_machine(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-
-@pytest.fixture
-def cpu_machine(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
 def test_suite_registered_with_its_defaults(gpu_machine):
     sel = _resolve(["--suite", "moe_block"])
     assert sel["suite"] is SUITE and SUITE.graph_timing

@@ -24,17 +24,6 @@ def tiny_model(monkeypatch):
     monkeypatch.setattr(cases, "MODELS", models)
 
 
-@pytest.fixture
-def gpu_machine(monkeypatch):
-    """What the selection is on a machine with CUDA (the H200-sized defaults)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-
-@pytest.fixture
-def cpu_machine(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
 def test_defaults_are_the_full_suite(gpu_machine):
     sel = _resolve([])
     assert sel["suite"].name == "grouped_gemm"

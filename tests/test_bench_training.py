@@ -34,11 +34,6 @@ def tiny_model(monkeypatch):
     monkeypatch.setattr(cases, "MODELS", models)
 
 
-@pytest.fixture
-def gpu_machine(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-
 def _resolve(argv):
     parser = cli.build_parser()
     return cli.resolve(parser.parse_args(argv), parser)

@@ -584,8 +584,8 @@ def grouped_gemm_swiglu_backward(dy, a, gate_up, offs, a_index=None, need_a=True
     ``dgate_up = grouped_gemm(dh.t(), a)`` (k-grouped).  (With it, the op is the
     GEMM to h and ``ts_moe::swiglu``, each with its own formula.)"""
     x = a if a_index is None else gather_rows(a, a_index)
-    dh = torch.ops.ts_moe.swiglu_backward(
-        _operand(dy.to(a.dtype)), grouped_gemm(x, gate_up.transpose(-2, -1), offs))
+    dh = torch.ops.ts_moe.swiglu_backward(dy.to(a.dtype),
+                                          grouped_gemm(x, gate_up.transpose(-2, -1), offs))
     da = dgate_up = None
     if need_a:
         da = grouped_gemm(dh, gate_up, offs)
@@ -648,7 +648,7 @@ class _SwigluActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (h,) = ctx.saved_tensors
-        return None, torch.ops.ts_moe.swiglu_backward(_operand(dy.to(h.dtype)), h)
+        return None, torch.ops.ts_moe.swiglu_backward(dy.to(h.dtype), h)
 
 
 def _grouped_gemm_autograd(keyset, a, b, offs, out_dtype=None, *, a_index=None):
