@@ -2,6 +2,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ts_moe.reference import swiglu, swiglu_backward
+
 
 def sm90_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
@@ -60,3 +62,13 @@ def random_counts(m, e, skew=0.0):
         w = torch.arange(1, e + 1, dtype=torch.float).pow(-skew)[torch.randperm(e)]
     idx = torch.multinomial(w, m, replacement=True) if m else torch.zeros(0, dtype=torch.long)
     return torch.bincount(idx, minlength=e)
+
+
+def swiglu_ref(h):
+    """fp32 ``silu(g) * u`` of bf16/fp16 ``h`` (the project's reference)."""
+    return swiglu(h.float(), torch.float32)
+
+
+def swiglu_grad_ref(dy, h):
+    """fp32 d(SwiGLU)/dh (the project's reference)."""
+    return swiglu_backward(dy, h, torch.float32)

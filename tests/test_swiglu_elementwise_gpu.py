@@ -7,24 +7,12 @@ kernels at M=32768, I=14336."""
 import pytest
 import torch
 
-from ts_moe.reference import swiglu, swiglu_backward
-
-from .conftest import rel_err
+from .conftest import rel_err, swiglu_grad_ref, swiglu_ref
 
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
-
-
-def swiglu_ref(h):
-    """fp32 ``silu(g) * u`` of bf16/fp16 ``h`` (the project's reference)."""
-    return swiglu(h.float(), torch.float32)
-
-
-def swiglu_grad_ref(dy, h):
-    """fp32 d(SwiGLU)/dh (the project's reference)."""
-    return swiglu_backward(dy, h, torch.float32)
 
 def sw():
     from csrc_free_kernels import swiglu_sm90

@@ -12,22 +12,12 @@ import pytest
 import torch
 
 from csrc_free_kernels import ptx_dump
-from ts_moe.reference import swiglu, swiglu_backward
 
+from .conftest import swiglu_grad_ref, swiglu_ref
 from .ptxas import NO_SPILLS, PTXAS, assemble, registers
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]
 
-
-
-def swiglu_ref(h):
-    """fp32 ``silu(g) * u`` of bf16/fp16 ``h`` (the project's reference)."""
-    return swiglu(h.float(), torch.float32)
-
-
-def swiglu_grad_ref(dy, h):
-    """fp32 d(SwiGLU)/dh (the project's reference)."""
-    return swiglu_backward(dy, h, torch.float32)
 
 def sw():
     from csrc_free_kernels import swiglu_sm90
