@@ -28,7 +28,11 @@ def sanitize(name: str) -> str:
 
 
 def result_stem(result: dict) -> str:
-    return f"{sanitize(result['device'])}-{result['suite']}"
+    """``<device>-<suite>``, with ``-kmajor`` for a run of K-major (nn.Linear layout)
+    weights: its JSON, plot and RESULTS.md section sit beside the default layout's."""
+    layouts = {r.get("weight_layout") for r in result.get("cases", [])}
+    suffix = "-kmajor" if layouts == {"kmajor"} else ""
+    return f"{sanitize(result['device'])}-{result['suite']}{suffix}"
 
 
 def case_groups(records):

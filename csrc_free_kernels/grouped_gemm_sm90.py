@@ -7,6 +7,7 @@ torch entry point.
 """
 
 import dataclasses
+import enum
 import functools
 from dataclasses import dataclass
 
@@ -55,6 +56,11 @@ class TileConfig:
     expert and n-tile and loading its own otherwise: the pair's weight sharing
     without the idle spare half of a cluster tile when an expert's m-tiles
     are odd.
+
+    ``pingpong``: the two MMA warpgroups take alternate tiles of the CTA's
+    walk, each a whole ``tile_m x tile_n`` tile, so that one's epilogue and
+    tile lookup run under the other's MMAs (each stage is consumed by one
+    warpgroup); otherwise both share every tile, 64 rows each.
     """
 
     name: str
@@ -68,6 +74,7 @@ class TileConfig:
     cluster_m: int = 1
     band_m: int = 0
     pair_tiles: bool = False
+    pingpong: bool = False
 
     def __hash__(self) -> int:
         # on every call's path (the launcher cache): the name's cached str hash,
@@ -76,7 +83,12 @@ class TileConfig:
 
     @property
     def mma_warpgroups(self) -> int:
-        return self.tile_m // 64
+        return 2 if self.pingpong else self.tile_m // 64
+
+    @property
+    def stage_consumers(self) -> int:
+        """MMA warpgroups reading each stage of the ring."""
+        return 1 if self.pingpong else self.mma_warpgroups
 
     @property
     def rows(self) -> int:
@@ -111,8 +123,17 @@ PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_w
 PREFILL_C2 = dataclasses.replace(PREFILL, name="prefill_c2", cluster_m=2)
 # ...or with CTA pairs on consecutive 128-row tiles
 PREFILL_P2 = dataclasses.replace(PREFILL_C2, name="prefill_p2", pair_tiles=True)
+# Prefill, ping-pong: each MMA warpgroup owns a whole 128x128 tile (128 fp32
+# accumulators per thread) and the two alternate, so that one's epilogue runs
+# under the other's MMAs; 32 KB stages.  With CTA pairs (256-row cluster
+# tiles) multicasting the weight tile, a CTA reads 24 KB of operands per
+# 2 MFLOP, as the 128x256 tile does (one weight warp: an N-major part's
+# per-CTA share must be 64 columns).
+PREFILL_PP = TileConfig("prefill_pp", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2,
+                        band_m=8, pingpong=True)
+PREFILL_PP_C2 = dataclasses.replace(PREFILL_PP, name="prefill_pp_c2", cluster_m=2, b_warps=1)
 CONFIGS = {c.name: c for c in (DECODE16, DECODE, DECODE_P2, MID, PREFILL, PREFILL_C2,
-                               PREFILL_P2)}
+                               PREFILL_P2, PREFILL_PP, PREFILL_PP_C2)}
 
 
 def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) -> TileConfig:
@@ -164,6 +185,26 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     return PREFILL
 
 
+class Warp(enum.IntEnum):
+    """Warp roles of a CTA (``128 * (1 + mma_warpgroups)`` threads)."""
+
+    LOAD_A = 0     # TMA of the token tile; the task warp leader (arms each full barrier)
+    LOAD_B = 1     # warps 1 .. b_warps: TMA of one weight part each
+    SCHEDULE = 3   # builds the tile schedule in shared memory, then idles
+    MMA = 4        # warps 4..: the WGMMA warpgroups, then the epilogue
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers among the MMA threads (id 0 is the CTA-wide one)."""
+
+    EPILOGUE = 1      # an epilogue sub-tile is in shared memory (a tile's MMA threads)
+    EPILOGUE_WG1 = 2  # the same for the second warpgroup of a ping-pong pair
+    # ping-pong: warpgroup 0 (1) may start its next tile's mainloop, the other
+    # one has passed all the ring waits of the tile before
+    TURN_WG0 = 3
+    TURN_WG1 = 4
+
+
 class GroupedGemmSm90:
     """Persistent ragged grouped GEMM, ``C[rows of e] = A[rows of e] @ B[e]``.
 
@@ -176,9 +217,12 @@ class GroupedGemmSm90:
       ``tile_n / b_warps`` rows of ``B[e]`` (``multi_warp=False``: warp 0
       issues these loads too).
     - warp 3: builds the tile schedule in shared memory at start, then idles.
-    - warpgroups 1..: WGMMA consumers (64 rows each), then the epilogue:
-      registers -> stmatrix -> shared memory -> 16-byte predicated stores, so
-      a tile never writes a row of a neighbouring expert.
+    - warpgroups 1..: WGMMA consumers (64 rows each of every tile, or with
+      ``pingpong`` whole tiles, alternately), then the epilogue: registers ->
+      stmatrix -> shared memory -> 16-byte predicated stores, so a tile never
+      writes a row of a neighbouring expert.  Ping-pong warpgroups take turns
+      through two named barriers: a warpgroup starts a tile's mainloop once
+      the other has passed its ring waits of the tile before.
 
     Pipeline: TMA producers -> MMA warpgroups, ``TSPipelineTmaAsync``
     (``PipelineTmaAsync`` for ``multi_warp=False``), ``stages`` stages of
@@ -200,11 +244,24 @@ class GroupedGemmSm90:
         self.num_mma_warpgroups = config.mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_warpgroups
         self.threads = 128 + self.num_mma_threads
-        self.sched_warp = 3
         self.producer_regs = 40
         self.mma_regs = 232 if self.num_mma_warpgroups == 2 else 240
-        self.epi_barrier = cp.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        # the threads of one tile's MMAs and epilogue; ping-pong: one warpgroup,
+        # each with its own barrier and epilogue buffers
+        self.epi_threads = 128 * config.stage_consumers
+        self.epi_groups = self.num_mma_warpgroups // config.stage_consumers
+        self.epi_barriers = [cp.NamedBarrier(barrier_id=Barrier.EPILOGUE + g,
+                                             num_threads=self.epi_threads)
+                             for g in range(self.epi_groups)]
+        # ping-pong turns: a warpgroup waits on its own barrier and signals the
+        # other's (a ring wait is by phase parity, so a warpgroup must not wait
+        # on a stage more than one phase ahead of the ring: it would pass)
+        self.turn_barriers = [cp.NamedBarrier(barrier_id=Barrier.TURN_WG0 + g,
+                                              num_threads=2 * 128)
+                              for g in range(self.epi_groups if config.pingpong else 0)]
         self.epi_stages = 2
+        if config.pingpong and config.tile_m != 128:
+            raise ValueError(f"a ping-pong warpgroup owns a 128-row tile: {config}")
         if config.b_warps not in (1, 2) or config.tile_n % config.b_warps:
             raise ValueError(f"b_warps must be 1 or 2 and divide tile_n: {config}")
         self.schedule = RaggedTileSchedule(
@@ -231,13 +288,15 @@ class GroupedGemmSm90:
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, (self.num_mma_warpgroups, 1, 1), tiler_mn=(64, cfg.tile_n),
+            self.acc_dtype, (cfg.stage_consumers, 1, 1), tiler_mn=(64, cfg.tile_n),
         )
+        # sub-tiles of all the tile's rows (128: a row of each warpgroup's 64),
+        # or with ping-pong 64 rows, one of the warpgroup's two MMA row blocks
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
-            self.tile_shape_mnk, c_dtype, is_cooperative=self.num_mma_warpgroups == 2
-        )
+            self.tile_shape_mnk, c_dtype,
+            is_cooperative=cfg.tile_m == 128 and not cfg.pingpong)
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
-            c_dtype, c_layout, self.epi_tile, self.epi_stages)
+            c_dtype, c_layout, self.epi_tile, self.epi_stages * self.epi_groups)
         self.a_bytes = cfg.rows * cfg.tile_k * a_dtype.width // 8
         self.b_part_bytes = self.b_part_n * cfg.tile_k * a_dtype.width // 8
         self.stage_bytes = self.a_bytes + cfg.b_warps * self.b_part_bytes
@@ -330,7 +389,7 @@ class GroupedGemmSm90:
         sched = sched.bind(storage.seg_end.get_tensor(table), storage.tile_end.get_tensor(table),
                            mOffs.shape[0], (n_cols + self.out_tile_n - 1) // self.out_tile_n)
         k_tiles = (mA.shape[1] + cfg.tile_k - 1) // cfg.tile_k
-        if warp_idx == self.sched_warp:
+        if warp_idx == Warp.SCHEDULE:
             sched.build(mOffs, m_rows)
         cute.arch.sync_threads()  # the schedule, for every role
 
@@ -341,20 +400,28 @@ class GroupedGemmSm90:
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
 
-        if warp_idx < 4:
+        if warp_idx < Warp.MMA:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx <= (cfg.b_warps if cutlass.const_expr(cfg.multi_warp) else 0):
                 self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring,
                              warp_idx, sched, k_tiles, n_cols)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, sched, k_tiles)
+            if cutlass.const_expr(cfg.pingpong):
+                group = (warp_idx - Warp.MMA) // 4
+                for g in cutlass.range_constexpr(self.epi_groups):
+                    if group == g:
+                        self.consume(tiled_mma, mC, sA, sB, sC, ring,
+                                     tidx - 128 * (Warp.MMA // 4 + g), sched, k_tiles, g)
+            else:
+                self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, sched, k_tiles, 0)
 
     def make_ring(self, barriers, warp_idx):
         cluster_m = self.cfg.cluster_m
         # a stage is released by every consumer warp of every CTA whose
         # producer multicasts into it
-        consumers = cp.CooperativeGroup(cp.Agent.Thread, 4 * self.num_mma_warpgroups * cluster_m)
+        consumers = cp.CooperativeGroup(cp.Agent.Thread,
+                                        4 * self.cfg.stage_consumers * cluster_m)
         common = dict(
             num_stages=self.stages,
             producer_group=cp.CooperativeGroup(cp.Agent.Thread),
@@ -462,7 +529,12 @@ class GroupedGemmSm90:
         return n_tile * self.cfg.b_warps + part
 
     @cute.jit
-    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: TileScheduler, k_tiles):
+    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: TileScheduler, k_tiles,
+                group: cutlass.Constexpr):
+        """The MMAs and epilogue of the tiles of epilogue group ``group``: every
+        tile, or with ``pingpong`` every other tile of the CTA's walk (the
+        stages of the other group's tiles are skipped); ``ctid`` the thread's
+        index in its group."""
         cfg = self.cfg
         tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
                                        self.acc_dtype)
@@ -474,12 +546,21 @@ class GroupedGemmSm90:
         s2g = self.make_store_copy()
         thr_s2g = s2g.get_slice(ctid)
         tSsC = thr_s2g.partition_S(sC)
-        num_epi = self.out_tile_n // self.epi_tile[1]
+        # sub-tiles (mi, ni) of the output tile; the retiled accumulators hold
+        # a thread's values row block by row block (mode 1), each with all of
+        # its columns in mode 0, so sub-tile (mi, ni) is chunk mi * chunks_n + ni
+        m_subs = cfg.tile_m // self.epi_tile[0]
+        n_subs = self.out_tile_n // self.epi_tile[1]
+        chunks_n = cfg.tile_n // self.epi_tile[1]
+        assert cute.size(tRS_rAcc, mode=[1]) == m_subs and cute.size(tRS_rAcc, mode=[2]) == 1, \
+            (tRS_rAcc.layout, self.epi_tile)
+        epi_barrier = self.epi_barriers[group]
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         lead, total_tiles = sched.lead, sched.total_tiles
         t = sched.first
+        turn = cutlass.Int32(0)  # the CTA's tiles so far
         epi_count = cutlass.Int32(0)
         while t - lead < total_tiles:
             expert, row0, seg_end, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
@@ -499,59 +580,75 @@ class GroupedGemmSm90:
                 if expert >= sched.num_experts:
                     run = t - lead < total_tiles  # true in the loop: run the stages
                     mma_rows = cutlass.Int32(0)
-            acc.fill(0.0)
-            if run:
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.fence()
-                for k in cutlass.range(k_tiles, unroll=1):
-                    ring.consumer_wait(read)
-                    if mma_rows > 0:
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
-                                      tCrB[None, None, kb, read.index], acc)
-                    warpgroup.commit_group()
-                    # keep one k-tile of WGMMA in flight; free the one before it
-                    if k > 0:
-                        warpgroup.wait_group(1)
-                        ring.consumer_release(release)
-                        release.advance()
-                    read.advance()
-                warpgroup.wait_group(0)
-                ring.consumer_release(release)
-                release.advance()
+            if turn % self.epi_groups == group:
+                if cutlass.const_expr(cfg.pingpong):
+                    if turn > 0:
+                        self.turn_barriers[group].arrive_and_wait()
+                acc.fill(0.0)
+                if run:
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.fence()
+                    for k in cutlass.range(k_tiles, unroll=1):
+                        ring.consumer_wait(read)
+                        if mma_rows > 0:
+                            for kb in cutlass.range_constexpr(num_k_blocks):
+                                cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
+                                          tCrB[None, None, kb, read.index], acc)
+                        warpgroup.commit_group()
+                        # keep one k-tile of WGMMA in flight; free the one before it
+                        if k > 0:
+                            warpgroup.wait_group(1)
+                            ring.consumer_release(release)
+                            release.advance()
+                        read.advance()
+                    warpgroup.wait_group(0)
+                    ring.consumer_release(release)
+                    release.advance()
+                if cutlass.const_expr(cfg.pingpong):
+                    if t + sched.step - lead < total_tiles:  # the other's turn follows
+                        self.turn_barriers[1 - group].arrive()
 
-            # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates (tile row, column)
-            gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
-                                 (cfg.tile_m, self.out_tile_n), (0, n_tile))
-            cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
-                                 (cfg.tile_m, self.out_tile_n), (0, n_tile))
-            for epi in cutlass.range_constexpr(num_epi):
-                buf = epi_count % self.epi_stages
-                self.epilogue_fragment(tRS_rAcc, epi, tRS_rD, tRS_rOut)
-                cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-                self.epi_barrier.arrive_and_wait()
-                # (epi_m, epi_n) sub-tile of C and of its coordinates
-                tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (0, epi)))
-                tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (0, epi)))
-                for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                    for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                        crd = tScC[0, i, j]
-                        if crd[0] < rows_valid and crd[1] < mC.shape[1]:
-                            cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
-                epi_count += 1
+                # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
+                gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
+                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
+                cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
+                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
+                for epi in cutlass.range_constexpr(m_subs * n_subs):
+                    mi, ni = divmod(epi, n_subs)
+                    buf = group * self.epi_stages + epi_count % self.epi_stages
+                    self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
+                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                    epi_barrier.arrive_and_wait()
+                    # (epi_m, epi_n) sub-tile of C and of its coordinates
+                    tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
+                    tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (mi, ni)))
+                    for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+                        for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
+                            crd = tScC[0, i, j]
+                            if crd[0] < rows_valid and crd[1] < mC.shape[1]:
+                                cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
+                    epi_count += 1
+            else:
+                if run:
+                    # the other warpgroup's tile: its stages are not ours
+                    for _ in cutlass.range(k_tiles, unroll=1):
+                        read.advance()
+                        release.advance()
+            turn += 1
             t += sched.step
 
     accumulator_chunk = staticmethod(accumulator_chunk)
 
     @cute.jit
-    def epilogue_fragment(self, tRS_rAcc, epi, tRS_rD, tRS_rOut):
-        """Output sub-tile ``epi`` in registers: fp32 accumulators -> output dtype."""
-        self.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+    def epilogue_fragment(self, tRS_rAcc, chunk, tRS_rD, tRS_rOut):
+        """An output sub-tile in registers, from accumulator chunk ``chunk``: fp32
+        accumulators -> output dtype."""
+        self.accumulator_chunk(tRS_rAcc, chunk, tRS_rD)
         tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
 
     def make_store_copy(self):
-        """16-byte vectors, rows of the epilogue tile spread over the MMA threads."""
-        return store_copy(self.c_dtype, self.epi_tile[1], self.num_mma_threads)
+        """16-byte vectors, rows of the epilogue tile spread over a tile's MMA threads."""
+        return store_copy(self.c_dtype, self.epi_tile[1], self.epi_threads)
 
 
 class GroupedGemmSwigluSm90(GroupedGemmSm90):
@@ -579,10 +676,11 @@ class GroupedGemmSwigluSm90(GroupedGemmSm90):
         return n_tile + part * (n_cols // self.b_part_n)
 
     @cute.jit
-    def epilogue_fragment(self, tRS_rAcc, epi, tRS_rD, tRS_rOut):
+    def epilogue_fragment(self, tRS_rAcc, chunk, tRS_rD, tRS_rOut):
+        # gate columns first, then the matching up columns out_tile_n further on
         up = cute.make_rmem_tensor(tRS_rD.shape, self.acc_dtype)
-        self.accumulator_chunk(tRS_rAcc, epi, tRS_rD)
-        self.accumulator_chunk(tRS_rAcc, epi + self.out_tile_n // self.epi_tile[1], up)
+        self.accumulator_chunk(tRS_rAcc, chunk, tRS_rD)
+        self.accumulator_chunk(tRS_rAcc, chunk + self.out_tile_n // self.epi_tile[1], up)
         g = tRS_rD.load()
         # silu(g) = g / (1 + e^-g), in fp32
         silu = g * cute.math.rcp(1.0 + cute.math.exp2(g * (-1.4426950408889634)))

@@ -108,6 +108,31 @@ def _swiglu_ew(backward, dtype="bfloat16"):
     return build
 
 
+def _route(from_logits, dtype="bfloat16"):
+    def build():
+        import cutlass
+
+        from . import route_sm90 as r
+
+        c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32",
+                              "int64": "Int64", "int32": "Int32"}[dtype])
+        return r.RouteSlots(from_logits), r.route_fake_args(c, c, from_logits)
+    build.config = {"from_logits": from_logits, "dtype": dtype}
+    return build
+
+
+def _rowsum(weighted, index="int64"):
+    def build():
+        import cutlass
+
+        from . import route_sm90 as r
+
+        return r.WeightedRowSum(weighted), r.rowsum_fake_args(
+            cutlass.BFloat16, getattr(cutlass, index.capitalize()), weighted)
+    build.config = {"weighted": weighted, "index": index}
+    return build
+
+
 BUILDS = {
     **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
     **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
@@ -129,6 +154,10 @@ BUILDS = {
     "gemm_prefill_c2_bk": _gemm("prefill_c2", b_n_major=False),
     "gemm_prefill_p2": _gemm("prefill_p2"),
     "gemm_prefill_p2_bk": _gemm("prefill_p2", b_n_major=False),
+    "gemm_prefill_pp": _gemm("prefill_pp"),
+    "gemm_prefill_pp_bk": _gemm("prefill_pp", b_n_major=False),
+    "gemm_prefill_pp_c2": _gemm("prefill_pp_c2"),
+    "gemm_prefill_pp_c2_bk": _gemm("prefill_pp_c2", b_n_major=False),
     "gemm_mid": _gemm("mid"),
     "gemm_prefill": _gemm("prefill"),
     "gemm_prefill_bk": _gemm("prefill", b_n_major=False),
@@ -141,6 +170,7 @@ BUILDS = {
     "swiglu_decode_p2": _gemm("decode_p2", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
     "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
+    "swiglu_prefill_pp": _gemm("prefill_pp", b_n_major=False, swiglu=True),
     # k-grouped GEMM (weight gradient), sm_90a
     "dw_128x256": _dw("dw_128x256"),
     "dw_128x256_fp16": _dw("dw_128x256", dtype="float16"),
@@ -155,6 +185,13 @@ BUILDS = {
     "swiglu_ew_fwd_fp16": _swiglu_ew(False, "float16"),
     "swiglu_ew_bwd": _swiglu_ew(True),
     "swiglu_ew_bwd_fp16": _swiglu_ew(True, "float16"),
+    # routing, slot order, combine and row gather of the decode block, sm_90a
+    "route_slots": _route(True),
+    "route_slots_f32": _route(True, "float32"),
+    "sort_slots_i64": _route(False, "int64"),
+    "sort_slots_i32": _route(False, "int32"),
+    "combine_rows": _rowsum(True),
+    "gather_rows_i32": _rowsum(False, "int32"),
     # sm_100a (Blackwell): compile- and schedule-verified only
     "sm100_gemm_n256": _gemm100("n256"),
     "sm100_gemm_n256_bk": _gemm100("n256", b_n_major=False),

@@ -103,7 +103,7 @@ def test_cpu_run_writes_json_markdown_plot(tiny_model, tmp_path, capsys):
     assert captured.err.count("[") >= 4  # one progress line per case
     assert "torch_grouped_mm" in captured.out
 
-    path = tmp_path / "cpu-grouped_gemm.json"
+    path = tmp_path / "cpu-grouped_gemm-kmajor.json"  # a K-major run: its own stem
     data = json.loads(path.read_text())
     assert set(data) >= {"device", "date", "torch", "cuda", "roofs", "command", "cases"}
     assert data["device"] == "cpu" and data["roofs"] is None
@@ -114,13 +114,13 @@ def test_cpu_run_writes_json_markdown_plot(tiny_model, tmp_path, capsys):
         expect = "unavailable" if rec["backend"] == "cublas_grouped" else "ok"
         assert rec["status"] == expect, rec
         assert rec["weight_layout"] == "kmajor"
-    assert (tmp_path / "cpu-grouped_gemm.png").exists()
-    assert "<!-- bench:cpu-grouped_gemm begin -->" in md.read_text()
+    assert (tmp_path / "cpu-grouped_gemm-kmajor.png").exists()
+    assert "<!-- bench:cpu-grouped_gemm-kmajor begin -->" in md.read_text()
 
     # report regenerates the section and the plot from the JSON alone
-    (tmp_path / "cpu-grouped_gemm.png").unlink()
+    (tmp_path / "cpu-grouped_gemm-kmajor.png").unlink()
     assert cli.main(["report", str(path), "--results-md", str(md)]) == 0
-    assert (tmp_path / "cpu-grouped_gemm.png").exists()
+    assert (tmp_path / "cpu-grouped_gemm-kmajor.png").exists()
     assert md.read_text().count("begin -->") == 1
     assert "| tiny | down | 32 | skewed | reference |" in capsys.readouterr().out
 

@@ -76,10 +76,12 @@ def test_model_shapes(model, gemm, tokens):
         assert rel_err(out[:end], torch._grouped_mm(a, b, offs=offs)[:end]) < 1e-2
 
 
-CONFIG_NAMES = ["decode16", "decode", "decode_p2", "mid", "prefill", "prefill_c2", "prefill_p2"]
+CONFIG_NAMES = ["decode16", "decode", "decode_p2", "mid", "prefill", "prefill_c2", "prefill_p2",
+                "prefill_pp", "prefill_pp_c2"]
 # raster bands of two m-tiles, so that the small cases below span several bands
 VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
-            "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2)}
+            "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2),
+            "prefill_pp:band": dict(band_m=2), "prefill_pp_c2:band": dict(band_m=2)}
 
 
 def config_named(name):
@@ -245,3 +247,13 @@ def test_swiglu_configs(config):
     ref = grouped_gemm_swiglu_reference(a.float(), gate_up.float(), offs)
     assert rel_err(out, ref) < 1e-2
     assert (out[952:] == 0).all()
+
+
+@pytest.mark.parametrize("config", ["prefill", "prefill_pp", "prefill_pp_c2"])
+def test_long_walks(config):
+    """Many tiles per CTA, each with many more k-tiles than the ring has stages:
+    a ping-pong warpgroup skips the other's stages, far ahead of the ring (it
+    must wait its turn: a parity wait on a stage phases ahead would pass)."""
+    cfg = gg().CONFIGS[config]
+    check(*make(4096, 2048, 4096, 8), config=cfg)
+    check(*make(4096, 2048, 4096, 8, counts=[1000, 0, 37, 2000, 0, 900, 159, 0]), config=cfg)

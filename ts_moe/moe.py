@@ -5,6 +5,7 @@ Mixtral's sparse MoE block on the ``torch.ops.ts_moe`` grouped GEMMs::
     logits = x @ router.T                                   (T, E)
     weights, experts = route(logits, top_k)                 (T, k) fp32, int64
     token, offs, inverse = sort_slots(experts, E)           (T*k,) slot order
+        (the two in one op, ops.route_slots: one launch for a decode batch)
     h = grouped_gemm_swiglu(x, gate_up_proj, offs,          (T*k, I): rows x[token]
                             a_index=token)
     y = grouped_gemm(h, down_proj^T, offs)                  (T*k, H)
@@ -37,9 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checks import DTYPES
+from . import ops
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import swiglu
-from .routing import combine, nvtx_range, route, sort_slots
+from . import routing
+from .routing import SlotOrder, nvtx_range
 
 FLOAT_DTYPES = DTYPES  # float64 runs the references (gradcheck)
 SIZE_MULTIPLE = 8  # 16-byte rows of the bf16 activations the layer permutes
@@ -121,7 +124,14 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     _check_tensor("x", x, 2)
     _check_expert_weights(x, gate_up_proj, down_proj, "x")
     with nvtx_range("permute"):
-        slots = sort_slots(experts, gate_up_proj.shape[0])
+        slots = ops.sort_slots(experts, gate_up_proj.shape[0])
+    return _experts_in_slot_order(x, slots, weights, gate_up_proj, down_proj, fused)
+
+
+def _experts_in_slot_order(x: torch.Tensor, slots: SlotOrder, weights: torch.Tensor,
+                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                           fused: bool) -> torch.Tensor:
+    """The GEMMs and the combine of :func:`experts_forward`, the slots sorted."""
     with nvtx_range("gate_up"):  # the token rows gathered by the GEMM (a_index)
         if fused:
             h = grouped_gemm_swiglu(x, gate_up_proj, slots.offs, a_index=slots.token_index)
@@ -131,7 +141,7 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     with nvtx_range("down"):
         y = grouped_gemm(h, down_proj.transpose(-2, -1), slots.offs)
     with nvtx_range("combine"):
-        return combine(y, weights, slots.inverse)
+        return ops.combine(y, weights, slots.inverse)
 
 
 def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -166,8 +176,8 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
             f"{gate_up_proj.shape[0]}")
     with nvtx_range("route"):
         logits = F.linear(x, router_weight)
-        weights, experts = route(logits, top_k)
-    out = experts_forward(x, experts, weights, gate_up_proj, down_proj, fused=fused)
+        weights, _, slots = ops.route_slots(logits, top_k)
+    out = _experts_in_slot_order(x, slots, weights, gate_up_proj, down_proj, fused)
     out = out.view(hidden.shape)
     return (out, logits) if return_router_logits else out
 
@@ -181,7 +191,7 @@ def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
     as the fast path computes them (in the hidden dtype), so both route alike.
     """
     x = hidden.reshape(-1, hidden.shape[-1])
-    weights, experts = route(F.linear(x, router_weight), top_k)
+    weights, experts = routing.route(F.linear(x, router_weight), top_k)
     inter = gate_up_proj.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):

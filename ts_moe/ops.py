@@ -44,6 +44,7 @@ import os
 
 import torch
 
+from . import routing
 from .checks import (ALIGN_BYTES, check_grouped_gemm_args, check_swiglu_activation_args,
                      check_swiglu_args,
                      check_tensor_types, contiguous_dim, layout_ok, plausible_kernel_args)
@@ -244,6 +245,30 @@ def _grouped_gemm_k_run(path: Path, a, b, offs, out_dtype=None) -> torch.Tensor:
     return out.copy_(grouped_gemm_k_reference(a, b, offs, out_dtype))
 
 
+def _row_kernels(path: Path):
+    """The routing / row kernels (``csrc_free_kernels.route_sm90``) where the
+    grouped GEMMs run the sm_90 kernels, else None."""
+    return _module("route_sm90") if path is Path.KERNEL_SM90 else None
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """16-bit rows the row kernel reads and writes whole 16-byte vectors of."""
+    return (t.dtype in (torch.bfloat16, torch.float16) and t.shape[1] % 8 == 0
+            and t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)
+            and t.data_ptr() % ALIGN_BYTES == 0)
+
+
+def _gather_rows(path: Path, a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
+    """``a[a_index]`` with zero rows for indices outside ``[0, M)``: one launch of
+    the row kernel on the sm_90 path, else :func:`ts_moe.reference.gather_rows`."""
+    kernels = _row_kernels(path)
+    if (kernels is not None and a.shape[0] and _rows_ok(a)
+            and a_index.dtype in (torch.int32, torch.int64)):
+        index = a_index if a_index.is_contiguous() else a_index.contiguous()
+        return kernels.weighted_row_sum(a, index, None, a.new_empty(index.shape[0], a.shape[1]))
+    return gather_rows(a, a_index)
+
+
 # ------------------------------------------------------------- grouped_gemm
 def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None, a_index=None):
     """Any validated call on ``path``, the degenerate sizes included; ``a_index``
@@ -261,7 +286,7 @@ def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None, a_index=N
                                         _empty_output(a, m, n, out_dtype), a_index=a_index)
         path = _without_kernel(a, out_dtype, b.shape[0])
     if a_index is not None:
-        a = gather_rows(a, a_index)
+        a = _gather_rows(path, a, a_index)
     if path is Path.KERNEL_SM90:
         out = _empty_output(a, m, n, out_dtype)
         return kernels.grouped_gemm(_tma_view(a, 1), _tma_view(b, contiguous_dim(b.shape, b.stride())),
@@ -285,7 +310,7 @@ def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
         check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
         if path is Path.KERNEL_SM100:  # the kernel gathers itself
             return _grouped_gemm_run(path, kernels, a, b, offs, out_dtype, a_index)
-        a = gather_rows(a, a_index)  # no Hopper gather path yet: on the device, first
+        a = _gather_rows(path, a, a_index)  # the Hopper kernels take gathered rows
     if path is Path.KERNEL_SM90 and plausible_kernel_args(a, b, offs, out_dtype, index):
         m, n = a.shape[0], b.shape[2]
         if n % 8:
@@ -367,7 +392,7 @@ def _swiglu_run(path: Path, kernels, a, gate_up, offs, a_index=None) -> torch.Te
                 _empty_output(a, m, two_i // 2, a.dtype), a_index=a_index, swiglu=True)
         path = _without_kernel(a, None, num_experts)  # what the kernel cannot take
     if a_index is not None:
-        a = gather_rows(a, a_index)
+        a = _gather_rows(path, a, a_index)
     if path is Path.KERNEL_SM90:
         config = kernels.swiglu_config(num_experts, two_i, k, m)
         if config is not None:
@@ -402,7 +427,7 @@ def _grouped_gemm_swiglu_cuda(a, gate_up, offs, *, a_index=None):
         check_swiglu_args(a, gate_up, offs, a_index=a_index)
         if path is Path.KERNEL_SM100:  # the kernel gathers itself
             return _swiglu_run(path, kernels, a, gate_up, offs, a_index)
-        a = gather_rows(a, a_index)  # no Hopper gather path yet: on the device, first
+        a = _gather_rows(path, a, a_index)  # the Hopper kernels take gathered rows
     if (path is Path.KERNEL_SM90 and plausible_kernel_args(a, gate_up, offs, None, index)
             and gate_up.shape[1] % 2 == 0):
         m, k = a.shape
@@ -500,6 +525,120 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("swiglu", _swiglu_impl, _key)
     _lib.impl("swiglu_backward", _swiglu_backward_impl, _key)
 _swiglu_op = torch.ops.ts_moe.swiglu.default
+
+
+# ------------------------------------------------ routing, slot order, combine
+_lib.define("route_slots(Tensor logits, int top_k) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_lib.define("sort_slots(Tensor experts, int num_experts) -> (Tensor, Tensor, Tensor)")
+_lib.define("combine(Tensor y_sorted, Tensor weights, Tensor inverse) -> Tensor")
+
+
+def _row_kernels_for(t: torch.Tensor):
+    """The row kernels where ``t``'s device runs the sm_90 kernels, else None."""
+    if t.device.type != "cuda":
+        return None
+    return _row_kernels(cuda_path(t.get_device(), torch.bfloat16)[0])
+
+
+def _route_slots_impl(logits, top_k):
+    routing.check_route_args(logits, top_k)
+    kernels = _row_kernels_for(logits)
+    if (kernels is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and kernels.fits(logits.shape[0] * top_k, logits.shape[1])):
+        return kernels.route_slots(logits.contiguous(), top_k)
+    weights, experts = routing.route(logits, top_k)
+    experts = experts.contiguous()  # a slice of the sort: the kernel's layout
+    return (weights.contiguous(), experts, *routing.sort_slots(experts, logits.shape[1]))
+
+
+def _sort_slots_impl(experts, num_experts):
+    routing.check_experts(experts, num_experts)
+    kernels = _row_kernels_for(experts)
+    if kernels is not None and kernels.fits(experts.numel(), num_experts):
+        return kernels.sort_slots(experts.contiguous(), num_experts)
+    return tuple(routing.sort_slots(experts, num_experts))
+
+
+def _combine_impl(y_sorted, weights, inverse):
+    routing.check_combine_args(y_sorted, weights, inverse)
+    kernels = _row_kernels_for(y_sorted)
+    if (kernels is not None and y_sorted.shape[0] and _rows_ok(y_sorted)
+            and weights.device == inverse.device == y_sorted.device):
+        w = weights if weights.dtype == torch.float32 else weights.float()
+        out = y_sorted.new_empty(weights.shape[0], y_sorted.shape[1])
+        return kernels.weighted_row_sum(y_sorted, inverse.contiguous(), w.contiguous(), out)
+    return routing.combine(y_sorted, weights, inverse)
+
+
+@torch.library.register_fake("ts_moe::route_slots", lib=_lib)
+def _route_slots_fake(logits, top_k):
+    routing.check_route_args(logits, top_k)
+    tokens, num_experts = logits.shape
+    return (logits.new_empty(tokens, top_k, dtype=torch.float32),
+            logits.new_empty(tokens, top_k, dtype=torch.int64),
+            logits.new_empty(tokens * top_k, dtype=torch.int32),
+            logits.new_empty(num_experts, dtype=torch.int32),
+            logits.new_empty(tokens * top_k, dtype=torch.int64))
+
+
+@torch.library.register_fake("ts_moe::sort_slots", lib=_lib)
+def _sort_slots_fake(experts, num_experts):
+    routing.check_experts(experts, num_experts)
+    slots = experts.numel()
+    return (experts.new_empty(slots, dtype=torch.int32),
+            experts.new_empty(num_experts, dtype=torch.int32),
+            experts.new_empty(slots, dtype=torch.int64))
+
+
+@torch.library.register_fake("ts_moe::combine", lib=_lib)
+def _combine_fake(y_sorted, weights, inverse):
+    routing.check_combine_args(y_sorted, weights, inverse)
+    return y_sorted.new_empty(weights.shape[0], y_sorted.shape[1])
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("route_slots", _route_slots_impl, _key)
+    _lib.impl("sort_slots", _sort_slots_impl, _key)
+    _lib.impl("combine", _combine_impl, _key)
+_route_slots_op = torch.ops.ts_moe.route_slots.default
+_sort_slots_op = torch.ops.ts_moe.sort_slots.default
+_combine_op = torch.ops.ts_moe.combine.default
+
+
+def route_slots(logits: torch.Tensor, top_k: int):
+    """:func:`ts_moe.route` and :func:`ts_moe.sort_slots` of its experts:
+    ``(weights, experts, SlotOrder)``.
+
+    ``torch.ops.ts_moe.route_slots``: on the sm_90 path a batch of up to
+    1024 slots and 256 experts takes one launch (``csrc_free_kernels.route_sm90``),
+    otherwise the plain-torch functions.  Not differentiable itself: where
+    the logits need a gradient, the differentiable torch functions run.
+    """
+    if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad:
+        weights, experts = routing.route(logits, top_k)
+        return weights, experts, routing.sort_slots(experts, logits.shape[1])
+    routing.check_route_args(logits, top_k)
+    weights, experts, token_index, offs, inverse = _route_slots_op(logits, top_k)
+    return weights, experts, routing.SlotOrder(token_index, offs, inverse)
+
+
+def sort_slots(experts: torch.Tensor, num_experts: int):
+    """:func:`ts_moe.sort_slots` as ``torch.ops.ts_moe.sort_slots``: one launch on
+    the sm_90 path for up to 1024 slots and 256 experts."""
+    routing.check_experts(experts, num_experts)
+    return routing.SlotOrder(*_sort_slots_op(experts, num_experts))
+
+
+def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor):
+    """:func:`ts_moe.combine` (``inverse`` a permutation, as :func:`sort_slots`
+    makes it) as ``torch.ops.ts_moe.combine``: one launch on the sm_90 path
+    (fp32 sums, one rounding, no atomics); where ``y_sorted`` or ``weights``
+    need a gradient, the differentiable torch function."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (y_sorted, weights)):
+        return routing.combine(y_sorted, weights, inverse)
+    routing.check_combine_args(y_sorted, weights, inverse)
+    return _combine_op(y_sorted, weights, inverse)
 
 
 # ----------------------------------------------------------------- autograd

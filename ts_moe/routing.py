@@ -46,7 +46,7 @@ def nvtx_range(name: str):
     return _annotation(name)
 
 
-def _check_top_k(top_k, num_experts: int) -> None:
+def check_top_k(top_k, num_experts: int) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
     if not 1 <= top_k <= num_experts:
@@ -54,13 +54,19 @@ def _check_top_k(top_k, num_experts: int) -> None:
             f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
 
 
-def _check_logits(logits) -> None:
+def check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D (tokens, experts), got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
+
+
+def check_route_args(logits, top_k) -> None:
+    """(T, E) float logits and 1 <= top_k <= E, else a TypeError/ValueError naming them."""
+    check_logits(logits)
+    check_top_k(top_k, logits.shape[1])
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +81,8 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     (on CPU it returns the *higher* indices of equal values first), so the
     selection is a stable descending sort of the E probabilities instead.
     """
-    _check_logits(logits)
-    _check_top_k(top_k, logits.shape[1])
+    check_logits(logits)
+    check_top_k(top_k, logits.shape[1])
     probs = torch.softmax(logits.float(), dim=-1)
     top, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
     top, experts = top[:, :top_k], experts[:, :top_k]
@@ -85,8 +91,8 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def route_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route`, one token at a time in float64 with a Python sort (tests only)."""
-    _check_logits(logits)
-    _check_top_k(top_k, logits.shape[1])
+    check_logits(logits)
+    check_top_k(top_k, logits.shape[1])
     weights = torch.empty(logits.shape[0], top_k, dtype=torch.float32)
     experts = torch.empty(logits.shape[0], top_k, dtype=torch.int64)
     for t, row in enumerate(logits.double().cpu()):
@@ -113,7 +119,7 @@ class Dispatch(NamedTuple):
     inverse: torch.Tensor
 
 
-def _check_experts(experts, num_experts) -> None:
+def check_experts(experts, num_experts) -> None:
     if not isinstance(experts, torch.Tensor):
         raise TypeError(f"experts must be a torch.Tensor, got {type(experts).__name__}")
     if experts.dim() != 2:
@@ -129,7 +135,7 @@ def _check_permute_args(x, experts, num_experts) -> None:
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
-    _check_experts(experts, num_experts)
+    check_experts(experts, num_experts)
     if experts.shape[0] != x.shape[0]:
         raise ValueError(
             f"experts has {experts.shape[0]} rows (tokens) but x has {x.shape[0]}")
@@ -164,7 +170,7 @@ def sort_slots(experts: torch.Tensor, num_experts: int) -> SlotOrder:
     sentinels) are dropped: their slots sort after ``offs[-1]``, where the
     grouped GEMMs write zeros.
     """
-    _check_experts(experts, num_experts)
+    check_experts(experts, num_experts)
     top_k = experts.shape[1]
     sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)
     ids = torch.arange(num_experts, device=experts.device, dtype=sorted_ids.dtype)
@@ -201,7 +207,7 @@ def permute_reference(x: torch.Tensor, experts: torch.Tensor, num_experts: int) 
     return Dispatch(x_sorted, offs.to(x.device), inverse.to(x.device))
 
 
-def _check_combine_args(y_sorted, weights, inverse) -> None:
+def check_combine_args(y_sorted, weights, inverse) -> None:
     for name, t, rank in (("y_sorted", y_sorted, 2), ("weights", weights, 2),
                           ("inverse", inverse, 1)):
         if not isinstance(t, torch.Tensor):
@@ -254,7 +260,7 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
     ``y_sorted.dtype``: deterministic, no atomics, forward and backward
     (``inverse`` is a permutation: its gradient is a gather too).
     """
-    _check_combine_args(y_sorted, weights, inverse)
+    check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
     y = gather_permutation(y_sorted, inverse).view(tokens, top_k, y_sorted.shape[1])
     # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
@@ -266,7 +272,7 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
 def combine_reference(y_sorted: torch.Tensor, weights: torch.Tensor,
                       inverse: torch.Tensor) -> torch.Tensor:
     """:func:`combine`, one token and one slot at a time in fp32 (tests only)."""
-    _check_combine_args(y_sorted, weights, inverse)
+    check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
     out = torch.zeros(tokens, y_sorted.shape[1], dtype=torch.float32, device=y_sorted.device)
     for t in range(tokens):

@@ -1,0 +1,105 @@
+"""CPU: the decode block's small kernels (routing and slot order, combine, row
+gather) compile for sm_90a and assemble without spills; their torch entry points
+and the ops' CPU paths agree with the plain-torch functions."""
+
+import re
+
+import pytest
+import torch
+
+import ts_moe
+from csrc_free_kernels import ptx_dump
+from ts_moe import ops, routing
+
+from .ptxas import NO_SPILLS, PTXAS, assemble
+
+BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("route_slots", "sort_slots", "combine_rows",
+                                                      "gather_rows"))]
+
+
+@pytest.fixture(scope="module")
+def ptx(tmp_path_factory):
+    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("route")))
+
+
+def test_builds(ptx):
+    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 6
+    for name in BUILDS:
+        assert len(re.findall(r"\.entry\s", ptx[name])) == 1
+        assert ".local" not in ptx[name]
+
+
+def test_row_kernels_move_16_byte_vectors(ptx):
+    for name in ("combine_rows", "gather_rows_i32"):
+        text = ptx[name]
+        assert re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", text), name
+        assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", text)) == 1, name
+        assert not re.search(r"st\.global(?:\.\w+)*\.(?:b16|v2)", text), name
+
+
+def test_routing_is_one_cta_with_warp_shuffles(ptx):
+    text = ptx["route_slots"]
+    assert "shfl.sync.bfly" in text
+    assert ".shared" in text and "atom." not in text  # no atomics: deterministic
+
+
+@pytest.mark.skipif(PTXAS is None, reason="needs ptxas")
+@pytest.mark.parametrize("name", BUILDS)
+def test_ptxas_no_spills(ptx, name, tmp_path):
+    assert NO_SPILLS in assemble(ptx[name], "sm_90a", tmp_path)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 8, 2), (33, 64, 6), (0, 4, 1)])
+def test_ops_cpu_paths_are_the_torch_functions(tokens, experts, top_k):
+    logits = torch.randn(tokens, experts)
+    w, ex, slots = ops.route_slots(logits, top_k)
+    w_ref, ex_ref = routing.route(logits, top_k)
+    slots_ref = routing.sort_slots(ex_ref, experts)
+    assert torch.equal(ex, ex_ref) and torch.equal(w, w_ref)
+    for got, ref in zip(slots, slots_ref):
+        assert torch.equal(got, ref)
+    for got, ref in zip(ops.sort_slots(ex, experts), slots_ref):
+        assert torch.equal(got, ref)
+    y = torch.randn(tokens * top_k, 16, dtype=torch.bfloat16)
+    assert torch.equal(ops.combine(y, w, slots.inverse), routing.combine(y, w, slots.inverse))
+
+
+def test_ops_keep_gradients():
+    """Where the logits or the expert outputs need a gradient, the differentiable
+    torch functions run: the router still learns."""
+    logits = torch.randn(4, 8, requires_grad=True)
+    w, _, slots = ops.route_slots(logits, 2)
+    y = torch.randn(8, 16, requires_grad=True)
+    ops.combine(y, w, slots.inverse).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    assert y.grad is not None and y.grad.abs().sum() > 0
+
+
+def test_ops_bad_arguments_name_them():
+    with pytest.raises(ValueError, match="top_k"):
+        ops.route_slots(torch.randn(3, 4), 5)
+    with pytest.raises(TypeError, match="logits"):
+        ops.route_slots(torch.ones(3, 4, dtype=torch.int32), 1)
+    with pytest.raises(TypeError, match="experts"):
+        ops.sort_slots(torch.ones(3, 2), 4)
+    with pytest.raises(ValueError, match="inverse"):
+        ops.combine(torch.randn(6, 8), torch.rand(3, 2), torch.arange(5))
+
+
+def test_opcheck():
+    logits = torch.randn(6, 8)
+    torch.library.opcheck(torch.ops.ts_moe.route_slots.default, (logits, 2))
+    ex = torch.randint(0, 8, (6, 2))
+    torch.library.opcheck(torch.ops.ts_moe.sort_slots.default, (ex, 8))
+    slots = routing.sort_slots(ex, 8)
+    torch.library.opcheck(torch.ops.ts_moe.combine.default,
+                          (torch.randn(12, 16), torch.rand(6, 2), slots.inverse))
+
+
+def test_layer_compiles_with_the_ops():
+    moe = ts_moe.MoE(16, 32, 4, 2)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        eager = moe(x)
+        compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    assert torch.allclose(eager, compiled, atol=1e-6)
