@@ -79,13 +79,14 @@ def judge(group: list[dict], roofs: dict, backend: str = "ts_moe") -> Verdict | 
     timed = {r["backend"]: r for r in group if r["status"] == "ok"}
     r = timed.get(backend)
     key = (group[0]["model"], group[0]["gemm"], group[0]["T"], group[0]["routing"])
-    peers, cap = FORWARD[forward_regime(key[2])]
+    regime = forward_regime(key[2])
+    peers, cap = FORWARD[regime]
     wants = [(timed[name], want) for name, want in peers if name in timed]
     if r is None or not wants:
         return None
     peer, want = min(wants, key=lambda pw: pw[0]["ms"] / pw[1])  # the strictest
     target_ms = peer["ms"] / want
-    target = f">= {want:.2f}x {'each peer' if forward_regime(key[2]) == 'large' else ''}".rstrip()
+    target = f">= {want:.2f}x each peer" if regime == "large" else f">= {want:.2f}x"
     frac, bound = roof_fraction(r["ms"], r["flops"], r["bytes"], roofs)
     if frac is not None:
         roof_ms = frac * r["ms"]
@@ -161,34 +162,37 @@ def _gib(n: int | None) -> str:
     return "" if n is None else f"{n / (1 << 30):.2f}"
 
 
-def render_training_markdown(vs: list[Verdict]) -> str:
+def _table(vs: list[Verdict], header: list[str], row) -> str:
+    """The count line and a markdown table: ``header``'s columns, ``row(v)``'s
+    cells for each verdict, and the verdict last."""
     met = sum(v.met for v in vs)
     lines = [f"**{met} of {len(vs)} met, {len(vs) - met} missed.**", "",
-             "| model | gemm | step | T | routing | ts_moe ms | peer (ms) | ratio | target | "
-             "ts_moe TFLOP/s | peak GiB (ts_moe / peer) | met |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for v in vs:
+             "| " + " | ".join(header + ["met"]) + " |", "|---" * (len(header) + 1) + "|"]
+    lines += ["| " + " | ".join(row(v) + ["yes" if v.met else "**no**"]) + " |" for v in vs]
+    return "\n".join(lines) + "\n"
+
+
+def render_training_markdown(vs: list[Verdict]) -> str:
+    def row(v):
         model, gemm, T, routing = v.case
         peak = f"{_gib(v.peak)} / {_gib(v.peer_peak)}" if v.peak is not None else ""
-        lines.append(f"| {model} | {gemm} | {v.step} | {T} | {routing} | {v.ms:.3f} | {v.peer} "
-                     f"{v.peer_ms:.3f} | {v.ratio:.2f}x | {v.target} | {v.tflops:.0f} | "
-                     f"{peak} | {'yes' if v.met else '**no**'} |")
-    return "\n".join(lines) + "\n"
+        return [model, gemm, str(v.step), str(T), routing, f"{v.ms:.3f}",
+                f"{v.peer} {v.peer_ms:.3f}", f"{v.ratio:.2f}x", v.target, f"{v.tflops:.0f}",
+                peak]
+
+    return _table(vs, ["model", "gemm", "step", "T", "routing", "ts_moe ms", "peer (ms)",
+                       "ratio", "target", "ts_moe TFLOP/s", "peak GiB (ts_moe / peer)"], row)
 
 
 def render_markdown(vs: list[Verdict]) -> str:
-    met = sum(v.met for v in vs)
-    lines = [f"**{met} of {len(vs)} met, {len(vs) - met} missed.**", "",
-             "| model | gemm | T | routing | ts_moe ms | strictest peer (ms) | ratio | target | "
-             "ts_moe TB/s | TFLOP/s | roof | met |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for v in vs:
+    def row(v):
         model, gemm, T, routing = v.case
         roof = "" if v.roof is None else f"{100 * v.roof:.0f}%"
-        lines.append(f"| {model} | {gemm} | {T} | {routing} | {v.ms:.3f} | {v.peer} "
-                     f"{v.peer_ms:.3f} | {v.ratio:.2f}x | {v.target} | {v.tbps:.2f} | "
-                     f"{v.tflops:.0f} | {roof} | {'yes' if v.met else '**no**'} |")
-    return "\n".join(lines) + "\n"
+        return [model, gemm, str(T), routing, f"{v.ms:.3f}", f"{v.peer} {v.peer_ms:.3f}",
+                f"{v.ratio:.2f}x", v.target, f"{v.tbps:.2f}", f"{v.tflops:.0f}", roof]
+
+    return _table(vs, ["model", "gemm", "T", "routing", "ts_moe ms", "strictest peer (ms)",
+                       "ratio", "target", "ts_moe TB/s", "TFLOP/s", "roof"], row)
 
 
 def main(argv) -> int:

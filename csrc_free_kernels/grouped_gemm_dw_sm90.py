@@ -25,7 +25,7 @@ import ts_pipeline
 from . import compile as kcompile
 from .grouped_gemm_sm90 import _TORCH_TO_CUTE, MAX_EXPERTS, SMEM_CAPACITY
 from .sm90_epilogue import accumulator_chunk, mma_operands, stage_to_shared, store_copy
-from .tile_schedule import RaggedTileSchedule
+from .tile_schedule import RaggedTileSchedule, warp_segment_ends
 
 __all__ = ["DwConfig", "GroupedGemmDwSm90", "CONFIGS", "MAX_EXPERTS", "choose_config",
            "grouped_gemm_k"]
@@ -156,15 +156,7 @@ class DwScheduler:
         carry = cutlass.Int32(0)
         for base in cutlass.range(0, self.num_experts, 32, unroll=1):
             e = base + lane
-            end = cutlass.Int32(0)
-            if e < self.num_experts:
-                end = mOffs[e]
-            # >= carry >= 0 clamps below; a running max over the lanes
-            end = cutlass.max(cutlass.min(end, m_rows), carry)
-            for d in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(end, 1 << d)
-                if lane >= (1 << d):
-                    end = cutlass.max(end, other)
+            end = warp_segment_ends(mOffs, self.num_experts, m_rows, base, lane, carry)
             if e < self.num_experts:
                 self.seg_end[e] = end
             carry = cute.arch.shuffle_sync(end, 31)

@@ -260,10 +260,8 @@ class GroupedGemmSm100:
             cpasync.prefetch_descriptor(tma_atom_b)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        table = cute.make_layout(self.schedule.table_words)
         m_rows, n_cols = mC.shape
-        sched = sched.bind(storage.seg_end.get_tensor(table), storage.tile_end.get_tensor(table),
-                           mOffs.shape[0], (n_cols + self.out_tile_n - 1) // self.out_tile_n)
+        sched = sched.bind(storage, mOffs.shape[0], n_cols, self.out_tile_n)
         k_tiles = (mA.shape[1] + self.cfg.tile_k - 1) // self.cfg.tile_k
 
         a_pipe, b_pipe, acc_pipe = self.make_pipelines(storage, cluster_layout_vmnk)

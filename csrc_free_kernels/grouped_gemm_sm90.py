@@ -384,10 +384,8 @@ class GroupedGemmSm90:
                 cpasync.prefetch_descriptor(tma_atom_b1)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        table = cute.make_layout(self.schedule.table_words)
         m_rows, n_cols = mC.shape
-        sched = sched.bind(storage.seg_end.get_tensor(table), storage.tile_end.get_tensor(table),
-                           mOffs.shape[0], (n_cols + self.out_tile_n - 1) // self.out_tile_n)
+        sched = sched.bind(storage, mOffs.shape[0], n_cols, self.out_tile_n)
         k_tiles = (mA.shape[1] + cfg.tile_k - 1) // cfg.tile_k
         if warp_idx == Warp.SCHEDULE:
             sched.build(mOffs, m_rows)

@@ -116,7 +116,7 @@ def _route(from_logits, dtype="bfloat16"):
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32",
                               "int64": "Int64", "int32": "Int32"}[dtype])
-        return r.RouteSlots(from_logits), r.route_fake_args(c, c, from_logits)
+        return r.RouteSlots(from_logits), r.route_fake_args(c, from_logits)
     build.config = {"from_logits": from_logits, "dtype": dtype}
     return build
 

@@ -236,11 +236,12 @@ def _compact(dtype, *shape):
         assumed_align=dtype.width // 8)
 
 
-def route_fake_args(logits_dtype, ids_dtype, from_logits: bool) -> tuple:
-    """Symbolic T, E, k, and T k (checked against each other on the host)."""
+def route_fake_args(dtype, from_logits: bool) -> tuple:
+    """Symbolic T, E, k, and T k (checked against each other on the host);
+    ``dtype``: the logits' (``from_logits``) or the input ids'."""
     t, e, k, s = kcompile.sym_dims(4)
-    experts = _compact(cutlass.Int64 if from_logits else ids_dtype, t, k)
-    logits = _compact(logits_dtype, t, e) if from_logits else None
+    experts = _compact(cutlass.Int64 if from_logits else dtype, t, k)
+    logits = _compact(dtype, t, e) if from_logits else None
     weights = _compact(cutlass.Float32, t, k) if from_logits else None
     return (logits, weights, experts, _compact(cutlass.Int32, s), _compact(cutlass.Int32, e),
             _compact(cutlass.Int64, s), kcompile.fake_stream())
@@ -265,8 +266,7 @@ def _route_kernel(from_logits: bool, dtype: torch.dtype):
     key = ("RouteSlots", from_logits, str(dtype), "sm_90a")
 
     def build():
-        c = _TORCH_TO_CUTE[dtype]
-        return RouteSlots(from_logits), route_fake_args(c, c, from_logits)
+        return RouteSlots(from_logits), route_fake_args(_TORCH_TO_CUTE[dtype], from_logits)
 
     return kcompile.get_compiled(key, build)
 

@@ -77,6 +77,22 @@ class RaggedTileSchedule:
         return cutlass.Int32((cutlass.Int64(rows) + (tile_rows - 1)) // tile_rows)
 
 
+@cute.jit
+def warp_segment_ends(mOffs: cute.Tensor, num_experts, m_rows, base, lane, carry):
+    """One warp, experts ``base .. base + 31``: lane ``i``'s expert's row end
+    ``cummax(clamp(offs, 0, M))``, ``carry`` the previous step's last end (>= 0,
+    so it clamps from below too); a running max over the lanes."""
+    end = cutlass.Int32(0)
+    if base + lane < num_experts:
+        end = mOffs[base + lane]
+    end = cutlass.max(cutlass.min(end, m_rows), carry)
+    for d in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(end, 1 << d)
+        if lane >= (1 << d):
+            end = cutlass.max(end, other)
+    return end
+
+
 @dataclass(frozen=True)
 class TileScheduler:
     """The schedule inside one CTA, a value built up in three steps: its place in
@@ -111,11 +127,15 @@ class TileScheduler:
         return TileScheduler(schedule, cta_rank, first=cluster * pairs + lead,
                              step=clusters * pairs, lead=lead)
 
-    def bind(self, seg_end: cute.Tensor, tile_end: cute.Tensor, num_experts,
-             n_tiles) -> "TileScheduler":
-        """With the tables and the problem's expert and n-tile counts."""
-        return dataclasses.replace(self, seg_end=seg_end, tile_end=tile_end,
-                                   num_experts=num_experts, n_tiles=n_tiles)
+    def bind(self, storage, num_experts, n_cols, tile_n: int) -> "TileScheduler":
+        """With the tables (``storage.seg_end``, ``storage.tile_end``: the kernel's
+        shared storage) and the problem's expert count and n-tiles of ``tile_n``
+        of the ``n_cols`` output columns."""
+        table = cute.make_layout(self.schedule.table_words)
+        return dataclasses.replace(self, seg_end=storage.seg_end.get_tensor(table),
+                                   tile_end=storage.tile_end.get_tensor(table),
+                                   num_experts=num_experts,
+                                   n_tiles=(n_cols + tile_n - 1) // tile_n)
 
     def with_total(self) -> "TileScheduler":
         """With ``total_tiles``, the tail included (read once the build is visible)."""
@@ -134,14 +154,7 @@ class TileScheduler:
         carry_tiles = cutlass.Int32(0)
         for base in cutlass.range(0, num_experts, 32, unroll=1):
             e = base + lane
-            end = cutlass.Int32(0)
-            if e < num_experts:
-                end = mOffs[e]
-            end = cutlass.max(cutlass.min(end, m_rows), carry_end)
-            for d in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(end, 1 << d)
-                if lane >= (1 << d):
-                    end = cutlass.max(end, other)
+            end = warp_segment_ends(mOffs, num_experts, m_rows, base, lane, carry_end)
             start = cute.arch.shuffle_sync_up(end, 1)
             if lane == 0:
                 start = carry_end

@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas")
                                   else None)
@@ -23,3 +24,18 @@ def assemble(ptx_text: str, arch: str, tmp_path) -> str:
 
 def registers(report: str) -> int:
     return int(re.search(r"Used (\d+) registers", report).group(1))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_for_arch(arch: str, args: list, timeout: float = 600) -> str:
+    """``python *args`` in a fresh process that compiles for ``arch`` (CuTeDSL
+    reads ``CUTE_DSL_ARCH`` once) without the disk cache; its stdout, after
+    asserting that it succeeded."""
+    env = dict(os.environ, CUTE_DSL_ARCH=arch, TS_MOE_NO_DISK_CACHE="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

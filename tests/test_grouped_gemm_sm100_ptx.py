@@ -3,13 +3,12 @@ PTX has the instructions its design relies on.  No Blackwell GPU exists here:
 this (with the protocol model check) is all the verification the kernel has."""
 
 import re
-import subprocess
 
 import pytest
 
 from csrc_free_kernels import ptx_dump
 
-from .ptxas import NO_SPILLS, PTXAS, assemble, registers
+from .ptxas import NO_SPILLS, PTXAS, assemble, registers, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("sm100_")]
 PEER_BIT = 1 << 24
@@ -91,9 +90,6 @@ def test_gather_writes_the_bytes_the_mma_reads(tmp_path):
     """The gather threads' (row, k, stage) view of the A stages and the MMA's layout
     are the same map: offset 64 r + k + 8192 s (bf16, tile_k 64), under the same
     128-byte swizzle.  Both layouts are pinned as cutlass 4.8.1 builds them."""
-    import os
-    import sys
-
     script = tmp_path / "probe_layouts.py"  # the DSL compiles from source files only
     script.write_text(
         "import cutlass, cutlass.cute as cute\n"
@@ -105,13 +101,8 @@ def test_gather_writes_the_bytes_the_mma_reads(tmp_path):
         "    print('MMA', k.a_smem_layout)\n"
         "    print('LOAD', k.a_load_layout())\n"
         "probe()\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", TS_MOE_NO_DISK_CACHE="1",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    out = run_for_arch("sm_100a", [str(script)], timeout=300)
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
     # MMA: ((rows, k in atom), 1, k atoms, stages) -> 64 r + k%16 + 16 (k//16) + 8192 s
     assert lines["MMA"] == "S<3,4,3> o 0 o ((128,16),1,4,6):((64,1),0,16,8192)"
     # gather view: ((r%8, r//8), (k, 1), (1, stages)) -> 64 (r%8) + 512 (r//8) + k + 8192 s

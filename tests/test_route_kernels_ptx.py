@@ -11,7 +11,7 @@ import ts_moe
 from csrc_free_kernels import ptx_dump
 from ts_moe import ops, routing
 
-from .ptxas import NO_SPILLS, PTXAS, assemble
+from .ptxas import NO_SPILLS, PTXAS, assemble, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("route_slots", "sort_slots", "combine_rows",
                                                       "gather_rows"))]
@@ -47,6 +47,21 @@ def test_routing_is_one_cta_with_warp_shuffles(ptx):
 @pytest.mark.parametrize("name", BUILDS)
 def test_ptxas_no_spills(ptx, name, tmp_path):
     assert NO_SPILLS in assemble(ptx[name], "sm_90a", tmp_path)
+
+
+def test_tvm_ffi_builds_compile():
+    """The builds the ops use (TVM-FFI, symbolic sizes): compiled in a fresh process
+    for sm_90a, no GPU needed."""
+    code = ("import torch\n"
+            "from csrc_free_kernels import route_sm90 as r\n"
+            "for dt in (torch.bfloat16, torch.float32):\n"
+            "    assert r._route_kernel(True, dt) is not None\n"
+            "for dt in (torch.int32, torch.int64):\n"
+            "    assert r._route_kernel(False, dt) is not None\n"
+            "    assert r._rowsum_kernel(False, torch.bfloat16, dt) is not None\n"
+            "assert r._rowsum_kernel(True, torch.bfloat16, torch.int64) is not None\n"
+            "print('built')\n")
+    assert "built" in run_for_arch("sm_90a", ["-c", code])
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 8, 2), (33, 64, 6), (0, 4, 1)])
@@ -103,3 +118,21 @@ def test_layer_compiles_with_the_ops():
         eager = moe(x)
         compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
     assert torch.allclose(eager, compiled, atol=1e-6)
+
+
+def test_kernel_modules_only_where_the_sm90_kernels_run(monkeypatch):
+    """``ops._sm90_module``: the module on a CUDA device whose calls take the sm_90
+    kernels, None on the CPU and where the path is another."""
+    from csrc_free_kernels import route_sm90
+
+    class CudaTensor:  # what the helper reads of a tensor on cuda:0
+        device = torch.device("cuda", 0)
+
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(ops, "cuda_path", lambda index, dtype: (ops.Path.KERNEL_SM90, None))
+    assert ops._sm90_module(CudaTensor(), "route_sm90") is route_sm90
+    assert ops._sm90_module(torch.ones(1), "route_sm90") is None
+    monkeypatch.setattr(ops, "cuda_path", lambda index, dtype: (ops.Path.TORCH_GROUPED_MM, None))
+    assert ops._sm90_module(CudaTensor(), "route_sm90") is None

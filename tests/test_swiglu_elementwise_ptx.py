@@ -3,10 +3,7 @@ their PTX moves data in 16-byte vectors only, keeps everything in registers and
 assembles without spills; the TVM-FFI build compiles; the host-side checks and
 the fp32 references behave."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ import torch
 from csrc_free_kernels import ptx_dump
 
 from .conftest import swiglu_grad_ref, swiglu_ref
-from .ptxas import NO_SPILLS, PTXAS, assemble, registers
+from .ptxas import NO_SPILLS, PTXAS, assemble, registers, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]
 
@@ -76,12 +73,7 @@ def test_tvm_ffi_build_compiles():
             "    for dt in (torch.bfloat16, torch.float16):\n"
             "        assert s.compiled_kernel(dt, b) is not None\n"
             "print('built')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", TS_MOE_NO_DISK_CACHE="1",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+    assert "built" in run_for_arch("sm_90a", ["-c", code])
 
 
 def test_no_ts_moe_import():

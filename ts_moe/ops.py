@@ -245,10 +245,13 @@ def _grouped_gemm_k_run(path: Path, a, b, offs, out_dtype=None) -> torch.Tensor:
     return out.copy_(grouped_gemm_k_reference(a, b, offs, out_dtype))
 
 
-def _row_kernels(path: Path):
-    """The routing / row kernels (``csrc_free_kernels.route_sm90``) where the
-    grouped GEMMs run the sm_90 kernels, else None."""
-    return _module("route_sm90") if path is Path.KERNEL_SM90 else None
+def _sm90_module(t: torch.Tensor, name: str):
+    """``csrc_free_kernels.<name>`` where ``t``'s CUDA device runs the sm_90
+    kernels (its bf16 calls take :attr:`Path.KERNEL_SM90`), else None."""
+    if t.device.type != "cuda" or cuda_path(t.get_device(), torch.bfloat16)[0] is not \
+            Path.KERNEL_SM90:
+        return None
+    return _module(name)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -261,7 +264,7 @@ def _rows_ok(t: torch.Tensor) -> bool:
 def _gather_rows(path: Path, a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
     """``a[a_index]`` with zero rows for indices outside ``[0, M)``: one launch of
     the row kernel on the sm_90 path, else :func:`ts_moe.reference.gather_rows`."""
-    kernels = _row_kernels(path)
+    kernels = _module("route_sm90") if path is Path.KERNEL_SM90 else None
     if (kernels is not None and a.shape[0] and _rows_ok(a)
             and a_index.dtype in (torch.int32, torch.int64)):
         index = a_index if a_index.is_contiguous() else a_index.contiguous()
@@ -484,10 +487,9 @@ _lib.define("swiglu_backward(Tensor dy, Tensor h) -> Tensor")
 
 def _elementwise_for(h: torch.Tensor):
     """The elementwise kernel module where ``h``'s calls run the sm_90a kernels, else None."""
-    if (h.device.type != "cuda" or h.dtype not in (torch.bfloat16, torch.float16)
-            or h.shape[-1] % 16 or cuda_path(h.get_device(), h.dtype)[0] is not Path.KERNEL_SM90):
+    if h.dtype not in (torch.bfloat16, torch.float16) or h.shape[-1] % 16:
         return None
-    return _module("swiglu_sm90")
+    return _sm90_module(h, "swiglu_sm90")
 
 
 def _swiglu_impl(h):
@@ -533,16 +535,9 @@ _lib.define("sort_slots(Tensor experts, int num_experts) -> (Tensor, Tensor, Ten
 _lib.define("combine(Tensor y_sorted, Tensor weights, Tensor inverse) -> Tensor")
 
 
-def _row_kernels_for(t: torch.Tensor):
-    """The row kernels where ``t``'s device runs the sm_90 kernels, else None."""
-    if t.device.type != "cuda":
-        return None
-    return _row_kernels(cuda_path(t.get_device(), torch.bfloat16)[0])
-
-
 def _route_slots_impl(logits, top_k):
     routing.check_route_args(logits, top_k)
-    kernels = _row_kernels_for(logits)
+    kernels = _sm90_module(logits, "route_sm90")
     if (kernels is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and kernels.fits(logits.shape[0] * top_k, logits.shape[1])):
         return kernels.route_slots(logits.contiguous(), top_k)
@@ -553,7 +548,7 @@ def _route_slots_impl(logits, top_k):
 
 def _sort_slots_impl(experts, num_experts):
     routing.check_experts(experts, num_experts)
-    kernels = _row_kernels_for(experts)
+    kernels = _sm90_module(experts, "route_sm90")
     if kernels is not None and kernels.fits(experts.numel(), num_experts):
         return kernels.sort_slots(experts.contiguous(), num_experts)
     return tuple(routing.sort_slots(experts, num_experts))
@@ -561,7 +556,7 @@ def _sort_slots_impl(experts, num_experts):
 
 def _combine_impl(y_sorted, weights, inverse):
     routing.check_combine_args(y_sorted, weights, inverse)
-    kernels = _row_kernels_for(y_sorted)
+    kernels = _sm90_module(y_sorted, "route_sm90")
     if (kernels is not None and y_sorted.shape[0] and _rows_ok(y_sorted)
             and weights.device == inverse.device == y_sorted.device):
         w = weights if weights.dtype == torch.float32 else weights.float()
@@ -617,7 +612,8 @@ def route_slots(logits: torch.Tensor, top_k: int):
     if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad:
         weights, experts = routing.route(logits, top_k)
         return weights, experts, routing.sort_slots(experts, logits.shape[1])
-    routing.check_route_args(logits, top_k)
+    if not isinstance(logits, torch.Tensor) or type(top_k) is not int:
+        routing.check_route_args(logits, top_k)  # the op validates the rest, once
     weights, experts, token_index, offs, inverse = _route_slots_op(logits, top_k)
     return weights, experts, routing.SlotOrder(token_index, offs, inverse)
 
@@ -625,7 +621,8 @@ def route_slots(logits: torch.Tensor, top_k: int):
 def sort_slots(experts: torch.Tensor, num_experts: int):
     """:func:`ts_moe.sort_slots` as ``torch.ops.ts_moe.sort_slots``: one launch on
     the sm_90 path for up to 1024 slots and 256 experts."""
-    routing.check_experts(experts, num_experts)
+    if not isinstance(experts, torch.Tensor) or type(num_experts) is not int:
+        routing.check_experts(experts, num_experts)  # the op validates the rest, once
     return routing.SlotOrder(*_sort_slots_op(experts, num_experts))
 
 
@@ -637,7 +634,8 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                        for t in (y_sorted, weights)):
         return routing.combine(y_sorted, weights, inverse)
-    routing.check_combine_args(y_sorted, weights, inverse)
+    if not all(isinstance(t, torch.Tensor) for t in (y_sorted, weights, inverse)):
+        routing.check_combine_args(y_sorted, weights, inverse)  # the op validates the rest
     return _combine_op(y_sorted, weights, inverse)
 
 
