@@ -8,8 +8,10 @@ Hugging Face (transformers 5) layout, scaled by fan-in as moe_layer's) and
 routes them itself.  A backend returns the block's (T, H) output in
 ``x.dtype``.
 
-Backends (:func:`block_backends`): ``ts_moe`` (:func:`ts_moe.moe_forward`),
-``ts_moe_hf`` (a transformers 5 ``MixtralSparseMoeBlock`` on the same weights,
+Backends (:func:`block_backends`): ``ts_moe`` (:func:`ts_moe.moe_forward`; an
+eager call at decode sizes replays the layer's own CUDA graph,
+:mod:`ts_moe.decode_graphs`), ``ts_moe_stages`` (the same with
+``decode_graphs=False``: every stage launched eagerly), ``ts_moe_hf`` (a transformers 5 ``MixtralSparseMoeBlock`` on the same weights,
 switched to ts_moe by :func:`ts_moe.integrations.transformers.replace_moe_blocks`),
 transformers' own ``MixtralSparseMoeBlock`` with each experts implementation
 (``hf_eager``, ``hf_grouped_mm``, ``hf_batched_mm``), one module per input
@@ -48,7 +50,8 @@ from .cases import (BLOCK_ROUTING, Case, Model, case_seed, expert_counts, model_
                     weight_bytes)
 from .moe_layer import LayerInputs, reference_layer
 
-DEFAULT_BACKENDS = ("ts_moe", "ts_moe_hf", "hf_eager", "hf_grouped_mm", "hf_batched_mm")
+DEFAULT_BACKENDS = ("ts_moe", "ts_moe_stages", "ts_moe_hf", "hf_eager", "hf_grouped_mm",
+                    "hf_batched_mm")
 HF_IMPLEMENTATIONS = {"hf_eager": "eager", "hf_grouped_mm": "grouped_mm",
                       "hf_batched_mm": "batched_mm"}
 # a token's k-th and (k+1)-th logits (fp32 of the bf16 inputs) must be at least this
@@ -174,9 +177,10 @@ def reference(case: Case, device: torch.device) -> Bind:
     return lambda inp: lambda: reference_block(inp, inp.x.dtype)
 
 
-def ts_moe_block(fused: bool) -> Factory:
+def ts_moe_block(fused: bool, decode_graphs: bool = True) -> Factory:
     """:func:`ts_moe.moe_forward`: route (router GEMM, softmax, top-k), permute,
-    (fused) gate/up GEMM, down GEMM, combine; each stage an NVTX range."""
+    (fused) gate/up GEMM, down GEMM, combine; each stage an NVTX range (with
+    ``decode_graphs``, a decode-sized call replays the graph of these)."""
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
 
@@ -184,7 +188,8 @@ def ts_moe_block(fused: bool) -> Factory:
             def run():
                 with torch.no_grad():
                     return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
-                                              inp.top_k, fused=fused)
+                                              inp.top_k, fused=fused,
+                                              decode_graphs=decode_graphs)
             return run
         return bind
     return factory
@@ -262,6 +267,7 @@ def block_backends() -> dict[str, Factory]:
     return {
         "reference": reference,
         "ts_moe": ts_moe_block(fused=True),
+        "ts_moe_stages": ts_moe_block(fused=True, decode_graphs=False),
         "ts_moe_unfused": ts_moe_block(fused=False),
         "ts_moe_hf": ts_moe_hf,
         **{name: hf_block(impl) for name, impl in HF_IMPLEMENTATIONS.items()},

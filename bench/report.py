@@ -83,18 +83,26 @@ def graph_failed(r: dict) -> bool:
         r.get("graph_reason") or "").startswith("capture"))
 
 
+def family(backend: str) -> str:
+    """ts_moe's variants (``ts_moe_unfused``, ``ts_moe_stages``, ``ts_moe_hf``,
+    ``ts_moe:...``) are one family: not each other's peers."""
+    return "ts_moe" if backend.startswith("ts_moe") else backend
+
+
 def add_ratios(records) -> None:
-    """Per record: ``speedup_vs`` {peer: peer_ms / ms} against every other
-    timed backend of its case, and ``vs_best_peer`` (> 1: faster than every peer)."""
+    """Per record: ``speedup_vs`` {backend: its ms / this ms} against every other
+    timed backend of its case, and ``vs_best_peer`` against the fastest of
+    another :func:`family` (> 1: faster than every peer)."""
     for group in case_groups(records).values():
         timed = {r["backend"]: r["ms"] for r in group if r["status"] == "ok"}
         for r in group:
             if r["status"] != "ok":
                 r["speedup_vs"], r["vs_best_peer"] = {}, None
                 continue
-            peers = {b: ms / r["ms"] for b, ms in timed.items() if b != r["backend"]}
-            r["speedup_vs"] = peers
-            r["vs_best_peer"] = min(peers.values()) if peers else None
+            others = {b: ms / r["ms"] for b, ms in timed.items() if b != r["backend"]}
+            r["speedup_vs"] = others
+            peers = [v for b, v in others.items() if family(b) != family(r["backend"])]
+            r["vs_best_peer"] = min(peers) if peers else None
 
 
 def _num(x, fmt: str) -> str:
@@ -163,7 +171,8 @@ def render_markdown(result: dict) -> str:
         f"- command: `{result['command']}`",
         "",
         "roof: the time the bounding roof (hbm or flop) allows over the measured time; "
-        "vs best peer: the fastest other backend's time over this one's (> 1: fastest).",
+        "vs best peer: the fastest other backend's time over this one's, ts_moe's own "
+        "variants not counted as each other's peers (> 1: fastest).",
         "",
     ]
     heads = columns(result["cases"])

@@ -17,6 +17,8 @@ import time
 import cutlass
 import cutlass.cute as cute
 
+from . import pdl
+
 _SOURCES = [pathlib.Path(__file__).parent, pathlib.Path(__file__).parent.parent / "ts_pipeline"]
 _memory: dict = {}
 _lock = threading.Lock()
@@ -84,8 +86,10 @@ def get_compiled(key: tuple, build):
     """The compiled function for ``key``; ``build()`` returns ``(kernel, fake_args)``.
 
     ``key`` must name everything the compiled code depends on besides the
-    sources (dtypes, layouts, tile configuration, arch).
+    sources (dtypes, layouts, tile configuration, arch); whether the kernels
+    use programmatic dependent launch (:mod:`.pdl`) is added here.
     """
+    key = (*key, ("pdl", pdl.ENABLED))
     fn = _memory.get(key)
     if fn is not None:
         return fn

@@ -22,6 +22,7 @@ from cutlass.tensor_utils import LayoutEnum
 import ts_pipeline
 
 from . import compile as kcompile
+from . import pdl
 from .sm90_epilogue import accumulator_chunk, mma_operands, stage_to_shared, store_copy
 from .tile_schedule import RaggedTileSchedule, TileScheduler
 
@@ -101,6 +102,12 @@ class TileConfig:
 # 16-row variant loads only that many token rows per tile.
 DECODE = TileConfig("decode", tile_m=64, tile_n=128, tile_k=64, stages=8, b_warps=2)
 DECODE16 = dataclasses.replace(DECODE, name="decode16", a_rows=16)
+# ...on 64-column tiles (one weight warp; the SwiGLU kernel's two 32-row
+# parts), twelve 10 KB stages (16 KB of shared memory each): twice the
+# tiles, for decode GEMMs whose 128-column tiles leave SMs idle (Mixtral T=1
+# down: 64 tiles on 132 SMs, each streaming at its own limit; choose_config)
+DECODE16_N64 = TileConfig("decode16_n64", tile_m=64, tile_n=64, tile_k=64, stages=12,
+                          b_warps=1, a_rows=16)
 # ...on 64x256 tiles (five 40 KB stages) with CTA pairs on consecutive tiles,
 # for large experts: an expert holding more than 64 rows (skewed routing)
 # streams its weights once for the pair instead of once per m-tile
@@ -132,8 +139,13 @@ PREFILL_P2 = dataclasses.replace(PREFILL_C2, name="prefill_p2", pair_tiles=True)
 PREFILL_PP = TileConfig("prefill_pp", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2,
                         band_m=8, pingpong=True)
 PREFILL_PP_C2 = dataclasses.replace(PREFILL_PP, name="prefill_pp_c2", cluster_m=2, b_warps=1)
-CONFIGS = {c.name: c for c in (DECODE16, DECODE, DECODE_P2, MID, PREFILL, PREFILL_C2,
-                               PREFILL_P2, PREFILL_PP, PREFILL_PP_C2)}
+CONFIGS = {c.name: c for c in (DECODE16, DECODE16_N64, DECODE, DECODE_P2, MID, PREFILL,
+                               PREFILL_C2, PREFILL_P2, PREFILL_PP, PREFILL_PP_C2)}
+
+
+def _slot_fill(tiles: int, num_sms: int) -> float:
+    """The share of the SMs' tile slots that ``tiles`` tiles keep busy over their waves."""
+    return tiles / max(-(-tiles // num_sms) * num_sms, 1)
 
 
 def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) -> TileConfig:
@@ -144,7 +156,8 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
 
     - ``r < 6``: the op streams weights; a 16-row token box spares L2 the 48
       rows a 64-row tile would discard (Mixtral gate_up T=16: 0.470 ms
-      against 0.511).  A box smaller than an expert's rows would stream its
+      against 0.511); 64-column tiles where 128-column ones fill the SMs
+      poorly (a few touched experts: T = 1).  A box smaller than an expert's rows would stream its
       weights twice, hence only for a few rows per expert.
     - ``r < 48``: the 64x128 tile, one token tile per expert; 64x256 with
       CTA pairs (``decode_p2``) where an expert's weights are large (>= 24
@@ -168,7 +181,15 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     """
     rows = m / max(num_experts, 1)
     if rows < 6:
-        return DECODE16
+        # the touched experts' weights stream through the SMs, each at most
+        # ~60 GB/s: tiles that leave SMs idle (one short wave, or a short last
+        # one) leave HBM idle too.  64-column tiles where they fill the SMs'
+        # slots markedly better (Mixtral T=1: gate_up 3.4 waves of 128-column
+        # tiles, down half a wave; bench/RESULTS.md, "Issue 21")
+        touched = min(num_experts, m)
+        fill = [_slot_fill(touched * -(-n // cfg.tile_n), num_sms)
+                for cfg in (DECODE16, DECODE16_N64)]
+        return DECODE16_N64 if fill[1] > fill[0] + 0.05 else DECODE16
     large_experts = n * k * 2 >= 24 << 20
 
     def waves(cfg, m_tiles=1):
@@ -301,10 +322,12 @@ class GroupedGemmSm90:
         self.b_part_bytes = self.b_part_n * cfg.tile_k * a_dtype.width // 8
         self.stage_bytes = self.a_bytes + cfg.b_warps * self.b_part_bytes
         # as many stages as fit, up to the config's: an fp32 epilogue buffer
-        # costs the 128x256 tile one of its four
+        # costs the 128x256 tile one of its four.  A stage holds a whole
+        # tile_m-row token tile even where the box fills fewer rows
         fixed = (cute.cosize(self.epi_smem_layout) * c_dtype.width // 8
                  + 8 * self.schedule.table_words + 3 * 1024)
-        self.stages = min(cfg.stages, (SMEM_CAPACITY - fixed) // self.stage_bytes)
+        stage_smem = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * a_dtype.width // 8
+        self.stages = min(cfg.stages, (SMEM_CAPACITY - fixed) // stage_smem)
         if self.stages < 2:
             raise ValueError(f"{cfg} leaves room for {self.stages} stages")
         # (tile_m, tile_k, stages), (tile_n, tile_k, stages)
@@ -361,7 +384,8 @@ class GroupedGemmSm90:
             self.tiled_mma,
             self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
-                 cluster=(cfg.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream)
+                 cluster=(cfg.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream,
+                 use_pdl=pdl.ENABLED)
 
     # -------------------------------------------------------------- device
     @cute.kernel
@@ -371,6 +395,7 @@ class GroupedGemmSm90:
                a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
                epi_smem_layout: cute.ComposedLayout):
         cfg = self.cfg
+        pdl.enter()  # before the first global access (offs, tokens, weights, out)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()

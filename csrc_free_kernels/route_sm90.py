@@ -23,6 +23,7 @@ import cutlass.cute as cute
 import torch
 
 from . import compile as kcompile
+from . import pdl
 
 LOG2E = 1.4426950408889634
 # one CTA holds the slots' expert ids in shared memory; each lane holds
@@ -67,11 +68,12 @@ class RouteSlots:
         with ``from_logits``; else mLogits/mWeights None and mExperts the input ids),
         mTokenIndex (T k,) int32, mOffs (E,) int32, mInverse (T k,) int64."""
         self.kernel(mLogits, mWeights, mExperts, mTokenIndex, mOffs, mInverse).launch(
-            grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=pdl.ENABLED)
 
     @cute.kernel
     def kernel(self, mLogits, mWeights, mExperts: cute.Tensor, mTokenIndex: cute.Tensor,
                mOffs: cute.Tensor, mInverse: cute.Tensor):
+        pdl.enter()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -195,11 +197,12 @@ class WeightedRowSum:
         rows = cute.size(mOut, mode=[0])
         self.kernel(gSrc, mIndex, mWeights, gOut, cute.size(mSrc, mode=[0]), n_vec).launch(
             grid=(rows, (n_vec + self.threads - 1) // self.threads, 1),
-            block=(self.threads, 1, 1), stream=stream)
+            block=(self.threads, 1, 1), stream=stream, use_pdl=pdl.ENABLED)
 
     @cute.kernel
     def kernel(self, gSrc: cute.Tensor, mIndex: cute.Tensor, mWeights, gOut: cute.Tensor,
                m_rows: cutlass.Int32, n_vec: cutlass.Int32):
+        pdl.enter()
         tidx, _, _ = cute.arch.thread_idx()
         t, c, _ = cute.arch.block_idx()
         col = c * self.threads + tidx

@@ -39,3 +39,27 @@ def run_for_arch(arch: str, args: list, timeout: float = 600) -> str:
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+# an instruction that reads or writes global memory (loads, stores, atomics,
+# TMA and cp.async copies); ld.param, prefetch.tensormap and cvta do not
+_GLOBAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st|atom|red|cp\.async|cp\.reduce\.async)"
+                            r"[\w.:]*\.global", re.M)
+
+
+def assert_pdl_entry(ptx_text: str) -> None:
+    """A kernel launched with programmatic dependent launch waits for the stream
+    ahead (``griddepcontrol.wait``) before any global access, and only then lets
+    its dependents launch; with ``TS_MOE_PDL=0``, neither instruction."""
+    from csrc_free_kernels import pdl
+
+    body = ptx_text[ptx_text.index(".entry"):]
+    wait = body.find("griddepcontrol.wait;")
+    launch = body.find("griddepcontrol.launch_dependents;")
+    if not pdl.ENABLED:
+        assert wait < 0 and launch < 0
+        return
+    first = _GLOBAL_ACCESS.search(body)
+    assert 0 <= wait < launch, "griddepcontrol.wait, then launch_dependents"
+    assert first is not None and first.start() > wait, body[first.start():first.start() + 120]
+    assert body.count("griddepcontrol.wait;") == 1

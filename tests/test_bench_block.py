@@ -30,8 +30,8 @@ def test_suite_registered_with_its_defaults(gpu_machine):
     assert sel["models"] == ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"]
     assert sel["T"] == [1, 16, 64, 128, 1024, 4096]
     assert sel["routing"] == ["router"]
-    assert sel["backends"] == ["ts_moe", "ts_moe_hf", "hf_eager", "hf_grouped_mm",
-                               "hf_batched_mm"]
+    assert sel["backends"] == ["ts_moe", "ts_moe_stages", "ts_moe_hf", "hf_eager",
+                               "hf_grouped_mm", "hf_batched_mm"]
     quick = _resolve(["--suite", "moe_block", "--quick"])
     assert quick["models"] == list(cases.QUICK_MODELS) and quick["T"] == list(cases.BLOCK_QUICK_T)
     assert quick["routing"] == ["router"]
@@ -53,7 +53,8 @@ def test_bad_block_arguments_exit(argv, gpu_machine):
 def test_list_names_the_block_cases(gpu_machine, capsys):
     assert cli.main(["--suite", "moe_block", "--list", "--models", "mixtral", "--T", "1,16"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "backends: ts_moe, ts_moe_hf, hf_eager, hf_grouped_mm, hf_batched_mm"
+    assert out[0] == ("backends: ts_moe, ts_moe_stages, ts_moe_hf, hf_eager, hf_grouped_mm, "
+                      "hf_batched_mm")
     assert out[1:] == ["mixtral-8x7b block T=1 router M=2 H=4096 I=14336 E=8 k=2",
                        "mixtral-8x7b block T=16 router M=32 H=4096 I=14336 E=8 k=2"]
 
@@ -118,7 +119,7 @@ def test_backends_agree_with_the_reference_and_a_wrong_one_is_flagged():
         return lambda inp: lambda: moe_block.reference_block(inp, inp.x.dtype) * 1.5
 
     factories["wrong"] = wrong
-    names = ["reference", "ts_moe", "ts_moe_unfused", "ts_moe_hf", "hf_eager",
+    names = ["reference", "ts_moe", "ts_moe_stages", "ts_moe_unfused", "ts_moe_hf", "hf_eager",
              "hf_grouped_mm", "hf_batched_mm", "wrong"]
     case_list = [moe_block.block_case(TINY, T) for T in (1, 16)]
     records = runner.run_suite(SUITE, case_list, names, CPU, factories=factories, progress=None)
@@ -256,5 +257,5 @@ def test_block_suite_on_gpu_eager_and_graphed():
         assert r["graph_status"] in ("ok", "unavailable"), r
         assert r["floor_ms"] > 0 and r["floor_frac"] > 0
     for r in records:
-        if r["backend"] in ("ts_moe", "ts_moe_hf"):
+        if r["backend"] in ("ts_moe", "ts_moe_stages", "ts_moe_hf"):
             assert r["graph_status"] == "ok" and 0 < r["graph_ms"], r

@@ -28,6 +28,7 @@ def _result(suite="grouped_gemm"):
                 reason="No module named 'nvmath'"),
         _record(1024, "ts_moe", 0.5),
         _record(1024, "torch_grouped_mm", 0.4),
+        _record(1024, "ts_moe_stages", 0.3),  # a variant of ts_moe: not its peer
     ]
     report.add_ratios(records)
     return {"suite": suite, "device": "NVIDIA H200", "date": "2026-01-01T00:00:00+00:00",
@@ -45,6 +46,9 @@ def test_ratios_against_peers():
                                      "cublas_loop": pytest.approx(4.0)}
     assert recs[16, "cublas_loop"]["vs_best_peer"] == pytest.approx(0.25)
     assert recs[1024, "ts_moe"]["vs_best_peer"] == pytest.approx(0.8)
+    assert recs[1024, "ts_moe"]["speedup_vs"]["ts_moe_stages"] == pytest.approx(0.6)
+    assert recs[1024, "ts_moe_stages"]["vs_best_peer"] == pytest.approx(0.4 / 0.3)
+    assert recs[1024, "torch_grouped_mm"]["vs_best_peer"] == pytest.approx(0.75)
     # wrong and unavailable backends are neither compared nor peers
     assert recs[16, "bad"]["vs_best_peer"] is None and recs[16, "bad"]["speedup_vs"] == {}
     assert "bad" not in fastest["speedup_vs"]

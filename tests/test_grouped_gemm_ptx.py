@@ -7,6 +7,8 @@ import pytest
 
 from csrc_free_kernels import ptx_dump
 
+from .ptxas import assert_pdl_entry
+
 BUILDS = [n for n in ptx_dump.BUILDS
           if n.startswith(("gemm", "swiglu")) and not n.startswith("swiglu_ew_")]  # GEMMs
 
@@ -33,6 +35,12 @@ def test_every_configuration_is_built(ptx):
     built = {_config(n).name for n in BUILDS}
     assert built == set(g.CONFIGS)
     assert any(n.startswith("swiglu") for n in BUILDS)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_waits_for_the_stream_before_global_memory(ptx, name):
+    """Launched with PDL: no offs read, TMA load or store before griddepcontrol.wait."""
+    assert_pdl_entry(ptx[name])
 
 
 @pytest.mark.parametrize("name", BUILDS)
@@ -75,6 +83,12 @@ def test_kernel_ptx(ptx, name):
 
 @pytest.mark.parametrize("shape, name", [
     ((8, 28672, 4096, 32), "decode16"),          # Mixtral gate_up T=16
+    ((8, 28672, 4096, 2), "decode16_n64"),       # Mixtral gate_up T=1: 3.4 waves of 128 columns
+    ((8, 4096, 14336, 2), "decode16_n64"),       # Mixtral down T=1: 64 tiles of 128 columns
+    ((256, 7168, 2048, 8), "decode16_n64"),      # DeepSeek-V3 down T=1
+    ((128, 1536, 2048, 8), "decode16"),          # Qwen3 gate_up T=1: either fills 73 %
+    ((256, 4096, 7168, 8), "decode16"),          # DeepSeek-V3 gate_up T=1: 256 tiles
+    ((8, 4096, 14336, 32), "decode16"),          # Mixtral down T=16: 256 tiles
     ((128, 1536, 2048, 4096), "decode"),         # Qwen3 gate_up T=512: 6 MB per expert
     ((256, 4096, 7168, 8192), "decode_p2"),      # DeepSeek gate_up T=1024: 56 MB per expert
     ((8, 28672, 4096, 256), "decode_p2"),        # Mixtral gate_up T=128: 7 waves of 64x256

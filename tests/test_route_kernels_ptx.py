@@ -11,7 +11,7 @@ import ts_moe
 from csrc_free_kernels import ptx_dump
 from ts_moe import ops, routing
 
-from .ptxas import NO_SPILLS, PTXAS, assemble, run_for_arch
+from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("route_slots", "sort_slots", "combine_rows",
                                                       "gather_rows"))]
@@ -27,6 +27,12 @@ def test_builds(ptx):
     for name in BUILDS:
         assert len(re.findall(r"\.entry\s", ptx[name])) == 1
         assert ".local" not in ptx[name]
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_waits_for_the_stream_before_global_memory(ptx, name):
+    """Launched with PDL: nothing global before griddepcontrol.wait."""
+    assert_pdl_entry(ptx[name])
 
 
 def test_row_kernels_move_16_byte_vectors(ptx):

@@ -39,6 +39,7 @@ from torch import nn
 
 from .checks import DTYPES
 from . import ops
+from .decode_graphs import graphs
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import swiglu
 from . import routing
@@ -108,9 +109,14 @@ def _check_expert_weights(x, gate_up_proj, down_proj, x_name):
             raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
 
 
+def _num_experts(gate_up_proj) -> int:
+    """E of a (E, 2I, H) weight, or 0 for anything else (the call then validates)."""
+    return gate_up_proj.shape[0] if isinstance(gate_up_proj, torch.Tensor) and gate_up_proj.dim() else 0
+
+
 def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
-                    fused: bool = True) -> torch.Tensor:
+                    fused: bool = True, decode_graphs: bool = True) -> torch.Tensor:
     """The expert half of the layer for already-routed tokens: permute, GEMMs, combine.
 
     x: (T, H); experts, weights: (T, top_k) expert ids and their weights (as
@@ -120,7 +126,18 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     ``fused=True``: one ``grouped_gemm_swiglu`` for gate, up and the SwiGLU.
     ``fused=False``: ``grouped_gemm`` to (T*k, 2I) in fp32, ``silu(gate) * up``
     in fp32, one rounding; the same math, for checking the fused kernel.
+
+    An eager call with few tokens replays a CUDA graph of itself
+    (:mod:`ts_moe.decode_graphs`): the same result, three launches;
+    ``decode_graphs=False`` runs every stage eagerly.
     """
+    if not decode_graphs:
+        return _experts_forward(x, experts, weights, gate_up_proj, down_proj, fused)
+    return graphs.call(_experts_forward, _num_experts(gate_up_proj), (x, experts, weights),
+                       (gate_up_proj, down_proj), fused)
+
+
+def _experts_forward(x, experts, weights, gate_up_proj, down_proj, fused):
     _check_tensor("x", x, 2)
     _check_expert_weights(x, gate_up_proj, down_proj, "x")
     with nvtx_range("permute"):
@@ -146,7 +163,7 @@ def _experts_in_slot_order(x: torch.Tensor, slots: SlotOrder, weights: torch.Ten
 
 def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, top_k: int, *, fused: bool = True,
-                return_router_logits: bool = False):
+                return_router_logits: bool = False, decode_graphs: bool = True):
     """Mixtral's sparse MoE block as a function.
 
     hidden: (..., H); router_weight (E, H), ``logits = hidden @ router_weight.T``
@@ -155,7 +172,23 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     ``return_router_logits`` also the logits (T, E) (T = tokens, flattened),
     as Mixtral returns them for its auxiliary loss.  ``fused``: see
     :func:`experts_forward`.
+
+    An eager call with few tokens replays a CUDA graph of itself
+    (:mod:`ts_moe.decode_graphs`): the same result, three launches, a few
+    microseconds of host time; its NVTX ranges then mark the capture only.
+    ``decode_graphs=False`` (or ``TS_MOE_DECODE_GRAPHS=0``) runs and marks
+    every stage of every call.
     """
+    if not decode_graphs:
+        return _moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
+                            return_router_logits)
+    return graphs.call(_moe_forward, _num_experts(gate_up_proj), (hidden,),
+                       (router_weight, gate_up_proj, down_proj), top_k, fused,
+                       return_router_logits)
+
+
+def _moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
+                 return_router_logits):
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
     if hidden.dim() < 1:
@@ -208,15 +241,16 @@ class MoE(nn.Module):
 
     Parameters: ``router`` (E, H) (logits = x @ router.T), ``gate_up_proj``
     (E, 2I, H) (gate rows first), ``down_proj`` (E, H, I).  ``forward(x)`` maps
-    (..., H) to (..., H); see :func:`moe_forward`.
+    (..., H) to (..., H); see :func:`moe_forward` (``fused``, ``decode_graphs``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 *, fused: bool = True, device=None, dtype=None):
+                 *, fused: bool = True, decode_graphs: bool = True, device=None, dtype=None):
         super().__init__()
         check_layer_config(hidden_size, intermediate_size, num_experts, top_k)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.fused = num_experts, top_k, fused
+        self.decode_graphs = decode_graphs
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         self.gate_up_proj = nn.Parameter(
@@ -232,7 +266,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, return_router_logits: bool = False):
         """(..., H) -> (..., H); with ``return_router_logits`` also the logits (T, E)."""
         return moe_forward(x, self.router, self.gate_up_proj, self.down_proj, self.top_k,
-                           fused=self.fused, return_router_logits=return_router_logits)
+                           fused=self.fused, return_router_logits=return_router_logits,
+                           decode_graphs=self.decode_graphs)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -148,6 +148,16 @@ def _cuda_path(device_index, dtype, out_dtype, num_experts, sm100_opt_in):
     return path, kernels
 
 
+def capturable(device_index: int, dtype: torch.dtype, num_experts: int) -> bool:
+    """Whether the layer's calls in ``dtype`` with ``num_experts`` experts on this
+    CUDA device never sync with the host, so that a CUDA graph can hold them:
+    the kernel paths and torch's grouped_mm in 16 bits (its float32 loop and
+    the reference read ``offs`` on the host)."""
+    path = cuda_path(device_index, dtype, None, num_experts)[0]
+    return path in (Path.KERNEL_SM90, Path.KERNEL_SM100) or (
+        path is Path.TORCH_GROUPED_MM and dtype != torch.float32)
+
+
 def kernel_arch(device_index: int) -> str | None:
     """'sm_90a' when bf16 calls on this CUDA device run the CuTeDSL kernels, else None."""
     return "sm_90a" if cuda_path(device_index, torch.bfloat16)[0] is Path.KERNEL_SM90 else None

@@ -23,10 +23,22 @@ from ..routing import nvtx_range, route
 EXPERTS_IMPLEMENTATION = "ts_moe"
 
 
-def _is_silu(act) -> bool:
+@functools.cache
+def _silu_types() -> tuple:
     from transformers import activations
 
-    return isinstance(act, (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU)))
+    return nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU)
+
+
+@functools.cache
+def _default_apply_gate():
+    from transformers.integrations import moe as hf_moe
+
+    return getattr(hf_moe, "_default_apply_gate", None)
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, _silu_types())
 
 
 class _V5Forward:
@@ -134,15 +146,8 @@ def replace_moe_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
-def ts_moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
-                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts-interface entry: ``(T, H), (T, k) ids, (T, k) weights -> (T, H)``.
-
-    ``self`` is the model's experts module (``gate_up_proj`` (E, 2I, H),
-    ``down_proj`` (E, H, I)).  Expert-parallel sentinel ids (>= E) are dropped.
-    """
-    from transformers.integrations import moe as hf_moe
-
+def _check_experts_module(self: nn.Module) -> None:
+    """NotImplementedError naming what the experts module ``self`` has that ts_moe lacks."""
     # the flags as transformers 5.x sets them (older 5.x releases lack some:
     # their defaults are the Mixtral layout)
     flag = functools.partial(getattr, self)
@@ -152,12 +157,22 @@ def ts_moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
         ("interleaved gate/up weights", not flag("is_concatenated", True)),
         ("a post-expert norm", flag("has_post_expert_norm", False)),
         ("a custom gating function", getattr(type(self), "_apply_gate", None)
-         is not getattr(hf_moe, "_default_apply_gate", None)),
+         is not _default_apply_gate()),
         ("an activation other than SiLU", not _is_silu(self.act_fn))) if bad]
     if unsupported:
         raise NotImplementedError(
             f"experts_implementation='{EXPERTS_IMPLEMENTATION}' does not support "
             f"{', '.join(unsupported)} ({type(self).__name__})")
+
+
+def ts_moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
+                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-interface entry: ``(T, H), (T, k) ids, (T, k) weights -> (T, H)``.
+
+    ``self`` is the model's experts module (``gate_up_proj`` (E, 2I, H),
+    ``down_proj`` (E, H, I)).  Expert-parallel sentinel ids (>= E) are dropped.
+    """
+    _check_experts_module(self)
     x = hidden_states.to(self.gate_up_proj.dtype)
     return experts_forward(x, top_k_index, top_k_weights, self.gate_up_proj,
                            self.down_proj).to(hidden_states.dtype)
