@@ -56,14 +56,14 @@ def test_environment_switch(monkeypatch, value, enabled):
     assert cache.enabled
 
 
-@pytest.mark.parametrize("path,dtype,capturable", [
+@pytest.mark.parametrize("path,dtype,graphed", [
     (Path.KERNEL_SM90, torch.bfloat16, True),
     (Path.KERNEL_SM100, torch.float16, True),
     (Path.TORCH_GROUPED_MM, torch.bfloat16, True),
     (Path.TORCH_GROUPED_MM, torch.float32, False),  # torch's per-expert loop reads offs
     (Path.REFERENCE, torch.bfloat16, False),
 ])
-def test_capturable_paths(monkeypatch, path, dtype, capturable):
+def test_graph_paths(monkeypatch, path, dtype, graphed):
     seen = []
 
     def fake_cuda_path(device_index, dt, out_dtype=None, num_experts=1):
@@ -71,5 +71,73 @@ def test_capturable_paths(monkeypatch, path, dtype, capturable):
         return path, None
 
     monkeypatch.setattr(ops, "cuda_path", fake_cuda_path)
-    assert ops.capturable(0, dtype, 300) is capturable
+    assert ops.graph_path(0, dtype, 300) is (path if graphed else None)
     assert seen == [(0, dtype, 300)]  # the expert count decides the kernel path
+
+
+# ------------------------------------------- admission and eviction, on the CPU
+class _Entry:
+    def __init__(self, fn, fixed, static):
+        self.fn, self.fixed, self.static, self.last_use = fn, fixed, static, 0
+
+    def replay(self, dynamic):
+        return ("graph", self.fn(*dynamic, *self.fixed, *self.static))
+
+
+class _Graphs(decode_graphs.DecodeGraphs):
+    """The cache's policy with every call graphable and a capture that records
+    itself: the signature is the static arguments."""
+
+    def __init__(self, fail=False, **kwargs):
+        super().__init__(**kwargs)
+        self.enabled, self.fail, self.captured = True, fail, []
+
+    def _signature(self, fn, num_experts, dynamic, fixed, static):
+        return static
+
+    def _capture(self, key, fn, dynamic, fixed, static):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured.append(key)
+        return _Entry(fn, fixed, static)
+
+
+def _plus(x, w, s):
+    return x + w + s
+
+
+def test_the_second_call_captures_and_later_ones_replay():
+    cache = _Graphs()
+    got = [cache.call(_plus, 1, (1,), (10,), 100) for _ in range(4)]
+    assert got == [111, ("graph", 111), ("graph", 111), ("graph", 111)]
+    assert cache.captured == [(100,)] and cache.captures == 1
+
+
+def test_a_full_cache_evicts_only_idle_graphs():
+    cache = _Graphs(max_graphs=2)
+    for s in (1, 2, 1, 2):
+        cache.call(_plus, 1, (0,), (0,), s)
+    assert cache.captured == [(1,), (2,)]
+    for _ in range(3):  # no room: graphs 1 and 2 were used a moment ago
+        assert cache.call(_plus, 1, (0,), (0,), 3) == 3
+    assert cache.captured == [(1,), (2,)]
+    for _ in range(cache.IDLE_FACTOR * cache.max_graphs):  # graph 1 goes idle
+        cache.call(_plus, 1, (0,), (0,), 2)
+    cache.call(_plus, 1, (0,), (0,), 3)
+    assert cache.call(_plus, 1, (0,), (0,), 3) == ("graph", 3)
+    assert cache.captured == [(1,), (2,), (3,)] and set(cache._graphs) == {(2,), (3,)}
+
+
+def test_a_working_set_larger_than_the_cache_does_not_thrash():
+    cache = _Graphs(max_graphs=2)
+    for _ in range(50):
+        for s in range(5):
+            assert cache.call(_plus, 1, (0,), (0,), s) in (s, ("graph", s))
+    assert len(cache.captured) == 2  # two captures, then eager calls: never one per call
+
+
+def test_a_refused_capture_warns_once_and_stays_eager():
+    cache = _Graphs(fail=True)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        got = [cache.call(_plus, 1, (1,), (2,), 3) for _ in range(4)]
+    assert got == [6] * 4 and cache._eager == {(3,)} and cache.captures == 0

@@ -10,23 +10,27 @@ with few tokens, replay a CUDA graph of themselves (:class:`DecodeGraphs`):
   the inputs' shapes and dtypes, the weights' addresses, shapes and strides,
   the static arguments, the device, the current stream and the inference
   mode.  The first call of a signature runs eagerly (it compiles or loads the
-  kernels); the second captures the call (no host sync: the capture runs on a
-  side stream, nothing executes) and replays it; later ones replay it;
+  kernels); the second runs once more on a side stream, on the graph's own
+  input buffers (so the capture launches nothing for the first time), is
+  captured there (no host sync) and replayed; later ones replay it;
 - a replay copies the per-call inputs into the graph's own input buffers,
   launches the graph on the current stream and returns fresh copies of its
   outputs: three launches, 42-51 us of host time per block call on the H200's
   host (bench/RESULTS.md, "Issue 21, second pass"), whatever the block does
-  inside.  The graph reads the weights in place, so weights
-  updated in place are seen; new weight tensors are a new signature;
-- graphs of one (device, stream) share one memory pool (their replays are
-  ordered on that stream) and are kept in least-recently-used order, at most
-  ``max_graphs`` of them; each holds its own input and output buffers (for a
-  block, two ``T x H`` tensors).  ``graphs.clear()`` frees them all.
+  inside.  The graph reads the weights in place, so weights updated in place
+  are seen; new weight tensors are a new signature;
+- graphs of one (device, stream) share one memory pool, one side stream to
+  capture on and one lock (a replay's copy, launch and clone run as a unit);
+  at most ``max_graphs`` graphs are held, admitted and evicted as
+  :class:`DecodeGraphs` says; each holds its own input and output buffers (for
+  a block, two ``T x H`` tensors).  ``graphs.clear()`` frees them all.
 
 Only calls that a graph can replay exactly are graphed: CUDA tensors (no
-subclass), at most ``max_tokens`` tokens, no gradient wanted, no autocast,
-outside ``torch.compile`` tracing and outside another capture, on a path of
-:mod:`ts_moe.ops` that never syncs with the host (:func:`ts_moe.ops.capturable`).
+subclass), at most ``max_tokens`` tokens, no gradient wanted (nor forward-mode
+AD), no autocast, outside ``torch.compile`` tracing and outside another
+capture, on a path of :mod:`ts_moe.ops` that never syncs with the host
+(:func:`ts_moe.ops.graph_path`, which is part of the signature, as are
+cuBLAS's reduced-precision switches).
 Everything else, and every call with ``TS_MOE_DECODE_GRAPHS=0`` or after
 :func:`DecodeGraphs.disable`, runs eagerly as before.  A replay gives the
 eager call's result bit for bit (``tests/test_decode_graphs_gpu.py``).
@@ -35,9 +39,11 @@ eager call's result bit for bit (``tests/test_decode_graphs_gpu.py``).
 import collections
 import os
 import threading
+import warnings
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad as _forward_ad
 
 from . import ops
 
@@ -48,16 +54,28 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 _STATIC = (int, bool, float, str, type(None))
 
 
-class _Graph:
-    """One captured call: its graph, its input buffers and its outputs.  A replay
-    holds the graph's lock from the input copy to the output clone: two threads
-    on one stream would otherwise interleave their copies before the replays."""
+class _Lane:
+    """What the graphs of one (device, stream) share: a memory pool, a side stream
+    to capture on (its own: the cuBLAS workspace that torch keeps per stream is
+    baked into the graphs), and a lock held from a replay's input copy to its
+    output clone (graphs of one pool may reuse each other's scratch memory)."""
 
-    __slots__ = ("graph", "inputs", "outputs", "single", "lock")
+    __slots__ = ("pool", "side", "lock")
 
-    def __init__(self, graph, inputs, outputs, single):
-        self.graph, self.inputs, self.outputs, self.single = graph, inputs, outputs, single
+    def __init__(self, device: int):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream(device)
         self.lock = threading.Lock()
+
+
+class _Graph:
+    """One captured call: its graph, its input buffers and its outputs."""
+
+    __slots__ = ("graph", "inputs", "outputs", "single", "lock", "last_use")
+
+    def __init__(self, graph, inputs, outputs, single, lock):
+        self.graph, self.inputs, self.outputs, self.single = graph, inputs, outputs, single
+        self.lock, self.last_use = lock, 0
 
     def replay(self, dynamic):
         with self.lock:
@@ -77,7 +95,16 @@ class DecodeGraphs:
     graph), ``fixed`` the weights (read in place by address), ``static``
     hashable arguments; ``fn`` returns a tensor or a tuple of tensors and
     runs ``num_experts`` experts (which decides its path in ops).
+
+    Admission: a signature is captured at its second call while it is among
+    the last ``IDLE_FACTOR * max_graphs`` signatures met once.  With ``max_graphs`` graphs
+    held, the least recently used one makes room only if it has been idle for
+    ``IDLE_FACTOR * max_graphs`` graphable calls; otherwise the new signature
+    runs eagerly.  So a working set larger than the cache costs eager calls,
+    never a capture per call.
     """
+
+    IDLE_FACTOR = 8
 
     def __init__(self, max_tokens: int = MAX_TOKENS, max_graphs: int = MAX_GRAPHS):
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
@@ -85,9 +112,9 @@ class DecodeGraphs:
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: collections.OrderedDict = collections.OrderedDict()  # met once, not captured
         self._eager: set = set()  # signatures whose capture failed: eager for good
-        self._pools: dict = {}
-        self._side: dict = {}
+        self._lanes: dict = {}
         self._lock = threading.Lock()
+        self._tick = 0  # graphable calls so far
         self.captures = 0  # graphs captured so far (tests, benchmarks)
 
     def enable(self) -> None:
@@ -103,7 +130,7 @@ class DecodeGraphs:
             self._graphs.clear()
             self._seen.clear()
             self._eager.clear()
-            self._pools.clear()
+            self._lanes.clear()
             self.captures = 0
 
     def __len__(self) -> int:
@@ -113,8 +140,10 @@ class DecodeGraphs:
         key = self._signature(fn, num_experts, dynamic, fixed, static) if self.enabled else None
         if key is None:
             return fn(*dynamic, *fixed, *static)
+        self._tick += 1
         entry = self._graphs.get(key)
         if entry is not None:
+            entry.last_use = self._tick
             try:
                 self._graphs.move_to_end(key)
             except KeyError:  # evicted by another thread meanwhile: this replay still holds it
@@ -125,10 +154,10 @@ class DecodeGraphs:
             if entry is not None:
                 return entry.replay(dynamic)
         out = fn(*dynamic, *fixed, *static)
-        if key not in self._eager:  # a call that succeeded eagerly: capture the next one
+        if key not in self._eager and key not in self._graphs:  # capture at the next call
             with self._lock:
                 self._seen[key] = None
-                if len(self._seen) > self.max_graphs:
+                if len(self._seen) > self.IDLE_FACTOR * self.max_graphs:
                     self._seen.popitem(last=False)
         return out
 
@@ -140,10 +169,12 @@ class DecodeGraphs:
             return None
         if x.dim() == 0 or x.shape[-1] == 0 or not 0 < x.numel() // x.shape[-1] <= self.max_tokens:
             return None
-        if any(type(s) not in _STATIC for s in static):
+        if any(type(s) not in _STATIC for s in static) or _forward_ad._current_level >= 0:
             return None
         grad = torch.is_grad_enabled()
-        parts = [fn, x.get_device(), torch.is_inference_mode_enabled(), static]
+        # the types too: True == 1, but top_k=True must fail as it does eagerly
+        parts = [fn, x.get_device(), torch.is_inference_mode_enabled(), static,
+                 tuple(map(type, static))]
         for t in dynamic:
             if type(t) not in _PLAIN or (grad and t.requires_grad):
                 return None
@@ -153,50 +184,80 @@ class DecodeGraphs:
                 return None
             parts.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()))
         device = parts[1]
-        if (torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing()
-                or not ops.capturable(device, x.dtype, num_experts)):
+        if torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
             return None
-        parts.append(torch._C._cuda_getCurrentRawStream(device))
+        path = ops.graph_path(device, x.dtype, num_experts)
+        if path is None:
+            return None
+        parts += (path, torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
+                  torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+                  torch._C._cuda_getCurrentRawStream(device))
         return tuple(parts)
 
     # ------------------------------------------------------------- capture
     def _capture_once(self, key, fn, dynamic, fixed, static):
         """The graph of a signature met once before, or None: captured already by
-        another thread, or ``fn`` raised while captured (the signature then
-        stays eager and the eager call raises the error itself)."""
+        another thread, no room (see the class docstring), or the capture
+        failed (the signature then stays eager; an error in ``fn`` is raised
+        again by the eager call)."""
         with self._lock:
             if self._seen.pop(key, True) is not None or key in self._graphs:
                 return self._graphs.get(key)
-            entry = self._capture(key, fn, dynamic, fixed, static)
+            if len(self._graphs) >= self.max_graphs:
+                oldest = next(iter(self._graphs.values()))
+                if self._tick - oldest.last_use < self.IDLE_FACTOR * self.max_graphs:
+                    return None
+                self._graphs.popitem(last=False)
+            try:
+                entry = self._capture(key, fn, dynamic, fixed, static)
+            except Exception as exc:  # CUDA refused the capture: warn, and stay eager
+                warnings.warn(f"ts_moe: a decode call could not be captured in a CUDA graph "
+                              f"and runs eagerly from now on: {exc}", RuntimeWarning)
+                entry = None
             if entry is None:
                 self._eager.add(key)
                 return None
+            entry.last_use = self._tick
             self._graphs[key] = entry
             self.captures += 1
-            if len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
             return entry
 
+    def _lane(self, device: int, stream: int) -> _Lane:
+        lane = self._lanes.get((device, stream))
+        if lane is None:
+            lane = self._lanes[(device, stream)] = _Lane(device)
+        return lane
+
     def _capture(self, key, fn, dynamic, fixed, static) -> _Graph | None:
-        device, stream = key[1], key[-1]
-        pool = self._pools.get((device, stream))
-        if pool is None:
-            pool = self._pools[(device, stream)] = torch.cuda.graph_pool_handle()
-        side = self._side.get(device)
-        if side is None:
-            side = self._side[device] = torch.cuda.Stream(device)
+        """Capture ``fn`` on the lane's side stream; None if ``fn`` raises (a Python
+        error: nothing half-captured).  A warm-up call on the side stream first,
+        on the graph's own input buffers, runs outside the capture whatever the
+        capture will launch for the first time (kernel loads, the side stream's
+        cuBLAS workspace) on exactly the paths the capture takes."""
+        lane = self._lane(key[1], key[-1])
+        current = torch.cuda.current_stream()
         inputs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in dynamic]
+        for buffer, t in zip(inputs, dynamic):
+            buffer.copy_(t)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            try:
-                out = fn(*inputs, *fixed, *static)
-            except Exception:  # a Python error (bad arguments): nothing is half-captured
+        lane.side.wait_stream(current)
+        try:
+            with torch.cuda.stream(lane.side):
+                try:
+                    fn(*inputs, *fixed, *static)
+                except Exception:
+                    return None
+                graph.capture_begin(pool=lane.pool, capture_error_mode="thread_local")
+                try:
+                    out = fn(*inputs, *fixed, *static)
+                except Exception:
+                    graph.capture_end()
+                    return None
                 graph.capture_end()
-                return None
-            graph.capture_end()  # a CUDA error here propagates: torch's capture state is lost
+        finally:
+            current.wait_stream(lane.side)
         single = isinstance(out, torch.Tensor)
-        return _Graph(graph, inputs, (out,) if single else tuple(out), single)
+        return _Graph(graph, inputs, (out,) if single else tuple(out), single, lane.lock)
 
 
 graphs = DecodeGraphs()

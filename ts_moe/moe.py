@@ -267,7 +267,7 @@ class MoE(nn.Module):
         """(..., H) -> (..., H); with ``return_router_logits`` also the logits (T, E)."""
         return moe_forward(x, self.router, self.gate_up_proj, self.down_proj, self.top_k,
                            fused=self.fused, return_router_logits=return_router_logits,
-                           decode_graphs=self.decode_graphs)
+                           decode_graphs=getattr(self, "decode_graphs", True))  # older pickles
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -148,14 +148,16 @@ def _cuda_path(device_index, dtype, out_dtype, num_experts, sm100_opt_in):
     return path, kernels
 
 
-def capturable(device_index: int, dtype: torch.dtype, num_experts: int) -> bool:
-    """Whether the layer's calls in ``dtype`` with ``num_experts`` experts on this
-    CUDA device never sync with the host, so that a CUDA graph can hold them:
-    the kernel paths and torch's grouped_mm in 16 bits (its float32 loop and
-    the reference read ``offs`` on the host)."""
+def graph_path(device_index: int, dtype: torch.dtype, num_experts: int) -> Path | None:
+    """The path of the layer's calls in ``dtype`` with ``num_experts`` experts on
+    this CUDA device where it never syncs with the host, so that a CUDA graph
+    can hold it (the kernel paths, torch's grouped_mm in 16 bits), else None
+    (its float32 loop and the reference read ``offs`` on the host)."""
     path = cuda_path(device_index, dtype, None, num_experts)[0]
-    return path in (Path.KERNEL_SM90, Path.KERNEL_SM100) or (
-        path is Path.TORCH_GROUPED_MM and dtype != torch.float32)
+    if path in (Path.KERNEL_SM90, Path.KERNEL_SM100) or (
+            path is Path.TORCH_GROUPED_MM and dtype != torch.float32):
+        return path
+    return None
 
 
 def kernel_arch(device_index: int) -> str | None:
