@@ -51,6 +51,11 @@ MAX_TOKENS = 128  # the decode regime of the targets (T <= 128)
 MAX_GRAPHS = 512  # a 48-layer model at ten batch sizes, with room
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+# cuBLAS's reduced-precision switches (the router GEMM's rounding), where torch has them
+_bf16_reduced = getattr(torch._C, "_get_cublas_allow_bf16_reduced_precision_reduction",
+                        lambda: None)
+_fp16_reduced = getattr(torch._C, "_get_cublas_allow_fp16_reduced_precision_reduction",
+                        lambda: None)
 _STATIC = (int, bool, float, str, type(None))
 
 
@@ -189,8 +194,7 @@ class DecodeGraphs:
         path = ops.graph_path(device, x.dtype, num_experts)
         if path is None:
             return None
-        parts += (path, torch._C._get_cublas_allow_bf16_reduced_precision_reduction(),
-                  torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+        parts += (path, _bf16_reduced(), _fp16_reduced(),
                   torch._C._cuda_getCurrentRawStream(device))
         return tuple(parts)
 
