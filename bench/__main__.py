@@ -12,6 +12,7 @@
     python -m bench overhead                         # host time of one op call
     python -m bench targets bench/results/nvidia-h200-grouped_gemm.json  # issue 4 targets
     python -m bench targets bench/results/nvidia-h200-training.json      # training targets
+    python -m bench targets bench/results/nvidia-h200-moe_block.json     # decode block targets
 
 The moe_block suite times the whole MoE block (router GEMM, top-k, experts;
 routing is the router's own) twice in one run: eagerly, an event pair around
@@ -62,8 +63,8 @@ def _csv(kind):
 
 SUBCOMMANDS = {
     "report": "python -m bench report RESULT.json: rebuild a run's RESULTS.md section and plot",
-    "targets": "python -m bench targets RESULT.json: a grouped_gemm or training run's "
-               "targets, met or not",
+    "targets": "python -m bench targets RESULT.json: a grouped_gemm, training or moe_block "
+               "run's targets, met or not",
     "overhead": "python -m bench overhead: host time of one op call (needs CUDA)",
 }
 CPU_TARGET_MS = 10.0  # timed work per backend and case in the CPU smoke suite

@@ -21,6 +21,15 @@ The training targets, per case of a training run (one verdict per case and peer)
   measured dense bf16 roof, >= 95 % of it instead;
 - the layer's ``fwd+bwd`` at T >= 4096: >= 1.25x ``hf_grouped_mm`` and >= 1.10x
   ``torch_layer``, and a peak memory no higher than that peer's.
+
+The decode-block targets (issue 21), per case of a moe_block run, for ``ts_moe``:
+
+- CUDA graph: Mixtral-8x7B and DeepSeek-V3 at T = 1 in <= 0.18 ms, Qwen3-30B-A3B
+  in <= 30 us; T = 16 and 64 within 1.15x of the case's weight-streaming floor;
+- eager: Mixtral-8x7B T = 1 in <= 0.22 ms, Qwen3-30B-A3B T = 1 in <= 80 us, and
+  faster than every transformers experts implementation timed (the fastest
+  is the verdict's peer).  The host-time target (<= 60 us per call) is
+  ``scripts/host_profile.py``'s.
 """
 
 import argparse
@@ -38,12 +47,18 @@ FORWARD = {
     "mid": ((("torch_grouped_mm", 1.20), ("cublas_grouped", 1.20), ("cublas_loop", 1.20)), 0.90),
     "large": ((("torch_grouped_mm", 1.10), ("cublas_loop", 1.00)), 0.95),
 }
-SUITES = ("grouped_gemm", "training")
+SUITES = ("grouped_gemm", "training", "moe_block")
 # training: (peer, ratio) per step; dW's ratios are capped at FLOP_CAP x the bf16 roof
 DW_PEERS = (("torch_grouped_mm", 1.10), ("cublas_loop", 1.00))
 FLOP_CAP = 0.95
 LAYER_PEERS = (("hf_grouped_mm", 1.25), ("torch_layer", 1.10))
 LAYER_MIN_T = 4096
+# the decode block: ms bounds by (model, T), graph and eager; the floor ratio at T
+BLOCK_GRAPH_MS = {("mixtral-8x7b", 1): 0.18, ("deepseek-v3", 1): 0.18,
+                  ("qwen3-30b-a3b", 1): 0.030}
+BLOCK_EAGER_MS = {("mixtral-8x7b", 1): 0.22, ("qwen3-30b-a3b", 1): 0.080}
+BLOCK_FLOOR_RATIO, BLOCK_FLOOR_T = 1.15, (16, 64)
+HF_BACKENDS = ("hf_eager", "hf_grouped_mm", "hf_batched_mm")
 
 
 @dataclass
@@ -144,10 +159,47 @@ def judge_training(group: list[dict], roofs: dict, backend: str = "ts_moe") -> l
     return []
 
 
+def judge_block(group: list[dict], backend: str = "ts_moe") -> list[Verdict]:
+    """The verdicts of one moe_block case: ``backend``'s graph time against its
+    bound (``peer`` "bound" or "floor"), its eager time against its bound and
+    against the fastest transformers implementation timed."""
+    timed = {r["backend"]: r for r in group if r["status"] == "ok"}
+    r = timed.get(backend)
+    if r is None:
+        return []
+    key = (r["model"], r["gemm"], r["T"], r["routing"])
+    model_t = (r["model"], r["T"])
+    out = []
+
+    def bound(step, ms, peer, peer_ms, target):
+        out.append(Verdict(key, ms, peer, peer_ms, target, r["tbps"], ms <= peer_ms,
+                           step=step, tflops=r["tflops"]))
+
+    graph = r.get("graph_ms")
+    if graph is not None and model_t in BLOCK_GRAPH_MS:
+        bound("graph", graph, "bound", BLOCK_GRAPH_MS[model_t],
+              f"<= {BLOCK_GRAPH_MS[model_t]:.3f} ms")
+    elif graph is not None and r["T"] in BLOCK_FLOOR_T and r.get("floor_ms"):
+        bound("graph", graph, "floor", BLOCK_FLOOR_RATIO * r["floor_ms"],
+              f"<= {BLOCK_FLOOR_RATIO:.2f}x the floor ({r['floor_ms']:.3f} ms)")
+    if model_t in BLOCK_EAGER_MS:
+        bound("eager", r["ms"], "bound", BLOCK_EAGER_MS[model_t],
+              f"<= {BLOCK_EAGER_MS[model_t]:.3f} ms")
+    hf = [timed[b] for b in HF_BACKENDS if b in timed]
+    if hf:
+        peer = min(hf, key=lambda p: p["ms"])
+        out.append(Verdict(key, r["ms"], peer["backend"], peer["ms"], "> 1.00x (the fastest)",
+                           r["tbps"], r["ms"] < peer["ms"], step="eager", tflops=r["tflops"]))
+    return out
+
+
 def verdicts(result: dict, backend: str = "ts_moe") -> list[Verdict]:
     if result["suite"] not in SUITES:
-        raise ValueError(f"targets are for grouped_gemm and training runs, not "
+        raise ValueError(f"targets are for grouped_gemm, training and moe_block runs, not "
                          f"{result['suite']!r}")
+    if result["suite"] == "moe_block":  # bounds in ms and the run's own floors
+        groups = report.case_groups(result["cases"]).values()
+        return [v for g in groups for v in judge_block(g, backend)]
     if not result.get("roofs"):
         raise ValueError("the run has no measured roofs (a CPU run, or one with --no-roofs): "
                          "the targets need its HBM bandwidth and bf16 roof")
@@ -184,6 +236,16 @@ def render_training_markdown(vs: list[Verdict]) -> str:
                        "ratio", "target", "ts_moe TFLOP/s", "peak GiB (ts_moe / peer)"], row)
 
 
+def render_block_markdown(vs: list[Verdict]) -> str:
+    def row(v):
+        model, _, T, _ = v.case
+        return [model, str(T), str(v.step), f"{v.ms:.4f}", f"{v.peer} {v.peer_ms:.4f}",
+                f"{v.ratio:.2f}x", v.target]
+
+    return _table(vs, ["model", "T", "mode", "ts_moe ms", "against (ms)", "ratio", "target"],
+                  row)
+
+
 def render_markdown(vs: list[Verdict]) -> str:
     def row(v):
         model, gemm, T, routing = v.case
@@ -198,11 +260,12 @@ def render_markdown(vs: list[Verdict]) -> str:
 def main(argv) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench targets",
-        description="The performance targets of a grouped_gemm or training run, met or not "
-                    "(a markdown table on stdout).")
+        description="The performance targets of a grouped_gemm, training or moe_block run, "
+                    "met or not (a markdown table on stdout).")
     parser.add_argument("json", type=Path, help="a run's JSON, e.g. "
-                        "bench/results/nvidia-h200-grouped_gemm.json or "
-                        "bench/results/nvidia-h200-training.json")
+                        "bench/results/nvidia-h200-grouped_gemm.json, "
+                        "bench/results/nvidia-h200-training.json or "
+                        "bench/results/nvidia-h200-moe_block.json")
     args = parser.parse_args(argv)
     if not args.json.is_file():
         parser.error(f"no such file: {args.json}")
@@ -212,14 +275,17 @@ def main(argv) -> int:
         parser.error(f"{args.json} is not a run's JSON: {exc}")
     try:
         vs = verdicts(result)
-    except ValueError as exc:  # not a grouped_gemm or training run, or no roofs
+    except ValueError as exc:  # a suite without targets, or no roofs
         parser.error(f"{args.json}: {exc}")
     except (KeyError, TypeError, AttributeError) as exc:
         parser.error(f"{args.json} is not a run's JSON ({type(exc).__name__}: {exc})")
-    training = result["suite"] == "training"
+    suite = result["suite"]
     if not vs:
-        peers = ("torch_grouped_mm, cublas_loop, hf_grouped_mm, torch_layer" if training
-                 else "torch_grouped_mm, cublas_grouped, cublas_loop")
+        peers = {"training": "torch_grouped_mm, cublas_loop, hf_grouped_mm, torch_layer",
+                 "moe_block": ", ".join(HF_BACKENDS) + ", or a bound at its T"}.get(
+                     suite, "torch_grouped_mm, cublas_grouped, cublas_loop")
         parser.error(f"{args.json}: no case has ts_moe and a peer ({peers}) both timed")
-    print((render_training_markdown if training else render_markdown)(vs), end="")
+    render = {"training": render_training_markdown,
+              "moe_block": render_block_markdown}.get(suite, render_markdown)
+    print(render(vs), end="")
     return 0

@@ -259,3 +259,53 @@ def test_block_suite_on_gpu_eager_and_graphed():
     for r in records:
         if r["backend"] in ("ts_moe", "ts_moe_stages", "ts_moe_hf"):
             assert r["graph_status"] == "ok" and 0 < r["graph_ms"], r
+
+
+# ------------------------------------------------------------ issue 21 targets
+def _block_rec(model, T, backend, ms, graph_ms=None, floor_ms=0.1, status="ok"):
+    return {"model": model, "gemm": "block", "T": T, "routing": "router", "backend": backend,
+            "status": status, "ms": ms, "graph_ms": graph_ms, "floor_ms": floor_ms,
+            "tbps": 1.0, "tflops": 1.0}
+
+
+def test_block_targets_rules(tmp_path, capsys):
+    from bench import targets
+
+    records = [
+        # Mixtral T=1: graph 0.17 <= 0.18 met; eager 0.25 > 0.22 missed; beats HF
+        _block_rec("mixtral-8x7b", 1, "ts_moe", 0.25, 0.17),
+        _block_rec("mixtral-8x7b", 1, "hf_batched_mm", 0.5),
+        _block_rec("mixtral-8x7b", 1, "hf_grouped_mm", 0.6),
+        # Qwen3 T=16: graph within 1.15x of the floor (0.2 -> 0.23) missed at 0.24;
+        # eager slower than the fastest HF implementation
+        _block_rec("qwen3-30b-a3b", 16, "ts_moe", 0.3, 0.24, floor_ms=0.2),
+        _block_rec("qwen3-30b-a3b", 16, "hf_grouped_mm", 0.29),
+        _block_rec("qwen3-30b-a3b", 16, "hf_eager", None, status="error"),
+        # DeepSeek T=128: no bound, only the transformers comparison; a variant of
+        # ts_moe is no peer
+        _block_rec("deepseek-v3", 128, "ts_moe", 1.0, 0.9),
+        _block_rec("deepseek-v3", 128, "ts_moe_stages", 0.5),
+        _block_rec("deepseek-v3", 128, "hf_grouped_mm", 2.0),
+        # no ts_moe: no verdict
+        _block_rec("deepseek-v3", 1, "hf_grouped_mm", 2.0),
+    ]
+    result = {"suite": "moe_block", "device": "NVIDIA H200", "roofs": None, "cases": records}
+    got = {(v.case[0], v.case[2], v.step, v.peer): v for v in targets.verdicts(result)}
+    assert set(got) == {
+        ("mixtral-8x7b", 1, "graph", "bound"), ("mixtral-8x7b", 1, "eager", "bound"),
+        ("mixtral-8x7b", 1, "eager", "hf_batched_mm"), ("qwen3-30b-a3b", 16, "graph", "floor"),
+        ("qwen3-30b-a3b", 16, "eager", "hf_grouped_mm"),
+        ("deepseek-v3", 128, "eager", "hf_grouped_mm")}
+    assert got["mixtral-8x7b", 1, "graph", "bound"].met
+    assert not got["mixtral-8x7b", 1, "eager", "bound"].met
+    assert got["mixtral-8x7b", 1, "eager", "hf_batched_mm"].ratio == pytest.approx(2.0)
+    floor = got["qwen3-30b-a3b", 16, "graph", "floor"]
+    assert not floor.met and floor.peer_ms == pytest.approx(0.23)
+    assert not got["qwen3-30b-a3b", 16, "eager", "hf_grouped_mm"].met
+    assert got["deepseek-v3", 128, "eager", "hf_grouped_mm"].met
+    path = tmp_path / "block.json"
+    path.write_text(json.dumps(result))
+    assert cli.main(["targets", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("**3 of 6 met, 3 missed.**")
+    assert "| mixtral-8x7b | 1 | graph | 0.1700 | bound 0.1800 | 1.06x | <= 0.180 ms | yes |" in out
