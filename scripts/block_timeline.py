@@ -53,8 +53,9 @@ def main(hidden: int, inter: int, experts: int, top_k: int, tokens: int = 1) -> 
         prev_end = end
     touched = min(experts, tokens * top_k)
     hbm = 4.47e6  # bytes per us at the H200's measured read roof (bench/RESULTS.md)
-    print(f"floor at 4.47 TB/s, {touched} experts: gate_up {touched * 2 * inter * hidden * 2 / hbm:.1f} us,"
-          f" down {touched * hidden * inter * 2 / hbm:.1f} us")
+    weights = touched * inter * hidden * 2  # the touched experts' down_proj bytes (gate_up: 2x)
+    print(f"floor at 4.47 TB/s, {touched} experts: gate_up {2 * weights / hbm:.1f} us, "
+          f"down {weights / hbm:.1f} us")
 
 
 if __name__ == "__main__":

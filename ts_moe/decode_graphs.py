@@ -102,11 +102,11 @@ class DecodeGraphs:
     runs ``num_experts`` experts (which decides its path in ops).
 
     Admission: a signature is captured at its second call while it is among
-    the last ``IDLE_FACTOR * max_graphs`` signatures met once.  With ``max_graphs`` graphs
-    held, the least recently used one makes room only if it has been idle for
-    ``IDLE_FACTOR * max_graphs`` graphable calls; otherwise the new signature
-    runs eagerly.  So a working set larger than the cache costs eager calls,
-    never a capture per call.
+    the last ``IDLE_FACTOR * max_graphs`` signatures met once.  With
+    ``max_graphs`` graphs held, the least recently used one makes room only if
+    it has been idle for ``IDLE_FACTOR * max_graphs`` graphable calls;
+    otherwise the new signature runs eagerly.  So a working set larger than
+    the cache costs eager calls, never a capture per call.
     """
 
     IDLE_FACTOR = 8

@@ -111,7 +111,9 @@ def _check_expert_weights(x, gate_up_proj, down_proj, x_name):
 
 def _num_experts(gate_up_proj) -> int:
     """E of a (E, 2I, H) weight, or 0 for anything else (the call then validates)."""
-    return gate_up_proj.shape[0] if isinstance(gate_up_proj, torch.Tensor) and gate_up_proj.dim() else 0
+    if isinstance(gate_up_proj, torch.Tensor) and gate_up_proj.dim():
+        return gate_up_proj.shape[0]
+    return 0
 
 
 def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
