@@ -164,6 +164,15 @@ def make_block_inputs(case: Case, device: torch.device) -> BlockInputs:
     return BlockInputs(x, router, gate_up, down, m.top_k, counts)
 
 
+def shaped_inputs(hidden: int, inter: int, experts: int, top_k: int, T: int,
+                  device: torch.device) -> tuple[Case, BlockInputs]:
+    """The block case of these shapes at ``T`` tokens and its inputs, as the suite
+    makes them (for the profiling scripts)."""
+    case = block_case(Model("custom", experts=experts, hidden=hidden, inter=inter,
+                            top_k=top_k), T)
+    return case, make_block_inputs(case, device)
+
+
 def reference_block(inp: BlockInputs, out_dtype=torch.float32) -> torch.Tensor:
     """:func:`router_routing` on the inputs, then moe_layer's per-expert fp32 loop."""
     weights, ids = router_routing(inp.x, inp.router, inp.top_k)

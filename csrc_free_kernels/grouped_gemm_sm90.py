@@ -156,9 +156,9 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
 
     - ``r < 6``: the op streams weights; a 16-row token box spares L2 the 48
       rows a 64-row tile would discard (Mixtral gate_up T=16: 0.470 ms
-      against 0.511); 64-column tiles where 128-column ones fill the SMs
-      poorly (a few touched experts: T = 1).  A box smaller than an expert's rows would stream its
-      weights twice, hence only for a few rows per expert.
+      against 0.511).  A box smaller than an expert's rows would stream its
+      weights twice, hence only for a few rows per expert.  64-column tiles
+      where 128-column ones fill the SMs poorly (a few touched experts: T = 1).
     - ``r < 48``: the 64x128 tile, one token tile per expert; 64x256 with
       CTA pairs (``decode_p2``) where an expert's weights are large (>= 24
       MB, half of L2) and its n-tiles make four waves: skewed routing gives
@@ -179,6 +179,12 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
       slower), Mixtral gate_up T=1024 and 4096 in 3 of 4 (one level); Qwen3
       (6 MB per expert) up to 15 % slower (2026-12-02).
     """
+    def tiles(cfg, experts=num_experts, m_tiles=1):
+        return -(-n // cfg.tile_n) * experts * m_tiles
+
+    def waves(cfg, m_tiles=1):
+        return tiles(cfg, m_tiles=m_tiles) / num_sms
+
     rows = m / max(num_experts, 1)
     if rows < 6:
         # the touched experts' weights stream through the SMs, each at most
@@ -187,13 +193,9 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
         # slots markedly better (Mixtral T=1: gate_up 3.4 waves of 128-column
         # tiles, down half a wave; bench/RESULTS.md, "Issue 21")
         touched = min(num_experts, m)
-        fill = [_slot_fill(touched * -(-n // cfg.tile_n), num_sms)
-                for cfg in (DECODE16, DECODE16_N64)]
+        fill = [_slot_fill(tiles(cfg, touched), num_sms) for cfg in (DECODE16, DECODE16_N64)]
         return DECODE16_N64 if fill[1] > fill[0] + 0.05 else DECODE16
     large_experts = n * k * 2 >= 24 << 20
-
-    def waves(cfg, m_tiles=1):
-        return -(-n // cfg.tile_n) * num_experts * m_tiles / num_sms
 
     if rows < 48:
         return DECODE_P2 if large_experts and waves(DECODE_P2) >= 4 else DECODE

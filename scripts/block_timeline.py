@@ -5,27 +5,30 @@ Mixtral-8x7B) on a CUDA machine: ``ts_moe.moe_forward`` (every stage, as
 ``decode_graphs=False`` runs it) captured in a CUDA graph, replayed, and the
 last of five profiled replays printed kernel by kernel (torch.profiler's CUDA
 activity): start, duration and the gap before each kernel, in microseconds,
-and the weight-streaming floor of the GEMMs beside their durations.
+and the weight-streaming floor of the GEMMs beside their durations.  The
+inputs are the moe_block suite's (``bench.moe_block.shaped_inputs``).
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
-from ts_moe.moe import moe_forward
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from bench.cases import traffic  # noqa: E402
+from bench.moe_block import shaped_inputs  # noqa: E402
+from ts_moe.moe import moe_forward  # noqa: E402
+
+HBM_BYTES_PER_US = 4.47e6  # the H200's measured HBM read roof (bench/RESULTS.md)
 
 
 def main(hidden: int, inter: int, experts: int, top_k: int, tokens: int = 1) -> None:
-    def rand(*shape, fan_in):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * fan_in ** -0.5
-
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    router = rand(experts, hidden, fan_in=hidden)
-    gate_up = rand(experts, 2 * inter, hidden, fan_in=hidden)
-    down = rand(experts, hidden, inter, fan_in=inter)
+    case, inp = shaped_inputs(hidden, inter, experts, top_k, tokens, torch.device("cuda"))
 
     def block():
-        return moe_forward(x, router, gate_up, down, top_k, decode_graphs=False)
+        return moe_forward(inp.x, inp.router, inp.gate_up, inp.down, top_k,
+                           decode_graphs=False)
 
     with torch.no_grad():
         block()
@@ -51,11 +54,10 @@ def main(hidden: int, inter: int, experts: int, top_k: int, tokens: int = 1) -> 
         start, end = e.time_range.start, e.time_range.end
         print(f"{start - t0:8.1f} {start - prev_end:6.1f} {end - start:7.1f}  {e.name[:90]}")
         prev_end = end
-    touched = min(experts, tokens * top_k)
-    hbm = 4.47e6  # bytes per us at the H200's measured read roof (bench/RESULTS.md)
-    weights = touched * inter * hidden * 2  # the touched experts' down_proj bytes (gate_up: 2x)
-    print(f"floor at 4.47 TB/s, {touched} experts: gate_up {2 * weights / hbm:.1f} us, "
-          f"down {weights / hbm:.1f} us")
+    weights = traffic(case)["weights"]  # the touched experts' gate_up and down: 2:1
+    print(f"floor at 4.47 TB/s, {case.touched_experts} experts: "
+          f"gate_up {2 * weights / 3 / HBM_BYTES_PER_US:.1f} us, "
+          f"down {weights / 3 / HBM_BYTES_PER_US:.1f} us")
 
 
 if __name__ == "__main__":

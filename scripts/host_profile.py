@@ -3,27 +3,27 @@
 ``python scripts/host_profile.py H I E TOP_K`` (e.g. ``4096 14336 8 2`` for
 Mixtral-8x7B) on a CUDA machine: the GPU is kept busy with ``torch.cuda._sleep``
 so that only the host's work is timed (100 calls: within the launch queue),
-then the same calls under cProfile, by own time.
+then the same calls under cProfile, by own time.  The inputs are the
+moe_block suite's at T = 1 (``bench.moe_block.shaped_inputs``).
 """
 
 import cProfile
 import pstats
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from ts_moe.moe import moe_forward
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from bench.moe_block import shaped_inputs  # noqa: E402
+from ts_moe.moe import moe_forward  # noqa: E402
 
 
 def main(hidden: int, inter: int, experts: int, top_k: int, calls: int = 100) -> None:
-    def rand(*shape, fan_in):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * fan_in ** -0.5
-
-    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-    router = rand(experts, hidden, fan_in=hidden)
-    gate_up = rand(experts, 2 * inter, hidden, fan_in=hidden)
-    down = rand(experts, hidden, inter, fan_in=inter)
+    _, inp = shaped_inputs(hidden, inter, experts, top_k, 1, torch.device("cuda"))
+    x, router, gate_up, down = inp.x, inp.router, inp.gate_up, inp.down
     with torch.no_grad():
         for _ in range(20):
             moe_forward(x, router, gate_up, down, top_k)

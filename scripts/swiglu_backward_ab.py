@@ -10,17 +10,21 @@ memory above the inputs.  Needs a CUDA GPU.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-import ts_moe
-from ts_moe import ops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-MODELS = {"mixtral-8x7b": (8, 4096, 14336, 2), "qwen3-30b-a3b": (128, 2048, 768, 8),
-          "deepseek-v3": (256, 7168, 2048, 8)}
+import ts_moe  # noqa: E402
+from bench.cases import MODELS  # noqa: E402
+from bench.timing import measure  # noqa: E402
+from ts_moe import ops  # noqa: E402
 
 
-def measure(x, gate_up, offs, index, grad, reps):
+def time_and_peak(x, gate_up, offs, index, grad, reps):
+    """Median ms of one forward + backward (the harness's timer) and its peak GiB."""
     def step():
         out = ts_moe.grouped_gemm_swiglu(x, gate_up, offs, a_index=index)
         out.backward(grad)
@@ -33,15 +37,8 @@ def measure(x, gate_up, offs, index, grad, reps):
     torch.cuda.reset_peak_memory_stats()
     step()
     peak = torch.cuda.max_memory_allocated() - base
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], peak / 2**30
+    timing = measure([step], torch.device("cuda"), min_iters=reps, max_iters=reps)
+    return timing.ms, peak / 2**30
 
 
 def main():
@@ -50,7 +47,8 @@ def main():
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
     print(f"{'model':<15} {'T':>6} {'keep h ms':>10} {'GiB':>6} {'recompute ms':>13} {'GiB':>6}")
-    for name, (experts, hidden, inter, top_k) in MODELS.items():
+    for name, model in MODELS.items():
+        experts, hidden, inter, top_k = model.experts, model.hidden, model.inter, model.top_k
         for tokens in args.T:
             g = torch.Generator(device="cuda").manual_seed(0)
             m = tokens * top_k
@@ -64,7 +62,7 @@ def main():
             row = []
             for keep in (True, False):
                 ops.SWIGLU_KEEPS_H = keep
-                row += measure(x, gate_up, offs, index, grad, args.reps)
+                row += time_and_peak(x, gate_up, offs, index, grad, args.reps)
             print(f"{name:<15} {tokens:>6} {row[0]:>10.3f} {row[1]:>6.2f} {row[2]:>13.3f} "
                   f"{row[3]:>6.2f}")
             del x, gate_up, index, grad

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 PTXAS = shutil.which("ptxas") or ("/usr/local/bin/ptxas" if os.path.exists("/usr/local/bin/ptxas")
                                   else None)
 NO_SPILLS = "0 bytes spill stores, 0 bytes spill loads"
@@ -63,3 +65,14 @@ def assert_pdl_entry(ptx_text: str) -> None:
     assert 0 <= wait < launch, "griddepcontrol.wait, then launch_dependents"
     assert first is not None and first.start() > wait, body[first.start():first.start() + 120]
     assert body.count("griddepcontrol.wait;") == 1
+
+
+def ptx_fixture(arch: str, builds: list, name: str = "ptx"):
+    """A module-scoped fixture ``name``: {build: PTX} of ``builds`` (names of
+    ``csrc_free_kernels.ptx_dump.BUILDS``) compiled for ``arch``."""
+    def compiled(tmp_path_factory):
+        from csrc_free_kernels import ptx_dump
+
+        return ptx_dump.dump(arch, builds, str(tmp_path_factory.mktemp(name)))
+
+    return pytest.fixture(scope="module", name=name)(compiled)

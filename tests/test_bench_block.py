@@ -309,3 +309,14 @@ def test_block_targets_rules(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("**3 of 6 met, 3 missed.**")
     assert "| mixtral-8x7b | 1 | graph | 0.1700 | bound 0.1800 | 1.06x | <= 0.180 ms | yes |" in out
+
+
+def test_shaped_inputs_are_the_suites_block_case():
+    """The profiling scripts' inputs: the block case of the given shapes, routed by
+    its own router, with the suite's tensors."""
+    case, inp = moe_block.shaped_inputs(64, 32, 4, 2, 3, torch.device("cpu"))
+    assert (case.gemm, case.T, case.model.hidden, case.model.inter) == ("block", 3, 64, 32)
+    assert (case.model.experts, case.model.top_k, inp.top_k) == (4, 2, 2)
+    assert inp.x.shape == (3, 64) and inp.router.shape == (4, 64)
+    assert inp.gate_up.shape == (4, 64, 64) and inp.down.shape == (4, 64, 32)
+    assert sum(case.counts) == 6 and inp.counts == case.counts

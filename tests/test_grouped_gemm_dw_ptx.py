@@ -9,7 +9,7 @@ import torch
 
 from csrc_free_kernels import ptx_dump
 
-from .ptxas import NO_SPILLS, PTXAS, assemble
+from .ptxas import NO_SPILLS, PTXAS, assemble, ptx_fixture
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("dw_")]
 
@@ -19,9 +19,7 @@ def dw():
     return grouped_gemm_dw_sm90
 
 
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
-    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("dw")))
+ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def _build(name):

@@ -7,15 +7,11 @@ import pytest
 
 from csrc_free_kernels import ptx_dump
 
-from .ptxas import assert_pdl_entry
+from .ptxas import assert_pdl_entry, ptx_fixture
 
 BUILDS = [n for n in ptx_dump.BUILDS
           if n.startswith(("gemm", "swiglu")) and not n.startswith("swiglu_ew_")]  # GEMMs
-
-
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
-    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("gemm")))
+ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def _config(name):

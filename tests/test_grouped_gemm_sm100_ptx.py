@@ -8,15 +8,11 @@ import pytest
 
 from csrc_free_kernels import ptx_dump
 
-from .ptxas import NO_SPILLS, PTXAS, assemble, registers, run_for_arch
+from .ptxas import NO_SPILLS, PTXAS, assemble, ptx_fixture, registers, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("sm100_")]
 PEER_BIT = 1 << 24
-
-
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
-    return ptx_dump.dump("sm_100a", BUILDS, str(tmp_path_factory.mktemp("sm100")))
+ptx = ptx_fixture("sm_100a", BUILDS)
 
 
 def test_every_configuration_is_built(ptx):

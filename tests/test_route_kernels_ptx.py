@@ -11,15 +11,11 @@ import ts_moe
 from csrc_free_kernels import ptx_dump
 from ts_moe import ops, routing
 
-from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, run_for_arch
+from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("route_slots", "sort_slots", "combine_rows",
                                                       "gather_rows"))]
-
-
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
-    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("route")))
+ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def test_builds(ptx):

@@ -7,6 +7,8 @@ kernels at M=32768, I=14336."""
 import pytest
 import torch
 
+from bench.timing import measure
+
 from .conftest import rel_err, swiglu_grad_ref, swiglu_ref
 
 pytestmark = pytest.mark.gpu
@@ -196,17 +198,7 @@ def bench(m=32768, inter=14336, reps=20, dtype=torch.bfloat16):
             ("forward", lambda: s.swiglu_forward(h, out), 3 * m * inter * e),
             ("backward", lambda: s.swiglu_backward(dy, h, dh), 5 * m * inter * e),
             ("torch copy (h -> dh)", lambda: dh.copy_(h), 4 * m * inter * e)]:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = sorted(times)[len(times) // 2]
+        ms = measure([fn], torch.device("cuda"), min_iters=reps, max_iters=reps).ms
         results[name] = (ms, nbytes / ms / 1e6)
         print(f"{name:22s} M={m} I={inter}: {ms:.3f} ms, {nbytes / ms / 1e6:7.0f} GB/s")
     return results

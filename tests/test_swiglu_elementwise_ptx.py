@@ -11,7 +11,7 @@ import torch
 from csrc_free_kernels import ptx_dump
 
 from .conftest import swiglu_grad_ref, swiglu_ref
-from .ptxas import NO_SPILLS, PTXAS, assemble, registers, run_for_arch
+from .ptxas import NO_SPILLS, PTXAS, assemble, ptx_fixture, registers, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]
 
@@ -21,9 +21,7 @@ def sw():
     return swiglu_sm90
 
 
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
-    return ptx_dump.dump("sm_90a", BUILDS, str(tmp_path_factory.mktemp("swiglu_ew")))
+ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def test_every_variant_is_built(ptx):

@@ -8,19 +8,14 @@ import pytest
 
 from csrc_free_kernels import ptx_dump
 
+from .ptxas import ptx_fixture
+
 SM90 = [f"probe90_P{p}" for p in (1, 2, 3, 4)] + [
     f"probe90_P{p}_reference" for p in (1, 2, 3, 4)] + ["probe90_P3_no_leader"]
 SM100 = [n for n in ptx_dump.BUILDS if n.startswith("probe100")]
 
-
-@pytest.fixture(scope="module")
-def ptx90(tmp_path_factory):
-    return ptx_dump.dump("sm_90a", SM90, str(tmp_path_factory.mktemp("sm90")))
-
-
-@pytest.fixture(scope="module")
-def ptx100(tmp_path_factory):
-    return ptx_dump.dump("sm_100a", SM100, str(tmp_path_factory.mktemp("sm100")))
+ptx90 = ptx_fixture("sm_90a", SM90, "ptx90")
+ptx100 = ptx_fixture("sm_100a", SM100, "ptx100")
 
 
 def _mov_value(ptx: str, reg: str) -> int:
