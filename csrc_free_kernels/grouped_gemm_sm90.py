@@ -255,10 +255,23 @@ class GroupedGemmSm90:
     Schedule: :class:`csrc_free_kernels.tile_schedule.RaggedTileSchedule`
     (built by warp 3 from ``offs`` in shared memory; a ``WorkTile`` per step
     for every role), with the configuration's rows, cluster, pairs and bands.
+
+    PDL (:mod:`csrc_free_kernels.pdl`): every thread waits for the kernel
+    ahead before its first global access.  With ``prefetch_weights`` the
+    weight warps do not: the schedule is built from ``offs`` (read from L2)
+    and the weight parts of the first ``stages`` stages are loaded while the
+    kernel ahead still runs; then they wait, and the token loads (warp 0,
+    which arms the stages) and the stores follow the wait as always.  For
+    callers whose ``offs`` and ``b`` are complete when the kernel ahead lets
+    its dependents launch (``ts_moe.ops``: after its own row gather, or when
+    told so).  Honoured with one CTA per cluster and multi-warp loads
+    (:meth:`prefetch_supported`); otherwise off.
     """
 
-    def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32):
+    def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32,
+                 prefetch_weights: bool = False):
         self.cfg = config
+        self.prefetch_weights = prefetch_weights and self.prefetch_supported(config)
         self.acc_dtype = acc_dtype
         self.tile_shape_mnk = (config.tile_m, config.tile_n, config.tile_k)
         self.b_part_n = config.tile_n // config.b_warps
@@ -290,6 +303,12 @@ class GroupedGemmSm90:
         self.schedule = RaggedTileSchedule(
             cta_rows=config.rows, cluster_m=config.cluster_m, pair_tiles=config.pair_tiles,
             band_m=config.band_m, max_experts=MAX_EXPERTS)
+
+    @staticmethod
+    def prefetch_supported(config: TileConfig) -> bool:
+        """Whether ``prefetch_weights`` takes effect: PDL on, and the weight warps
+        own their CTA's weight loads alone (no multicast, not warp 0's)."""
+        return pdl.ENABLED and config.cluster_m == 1 and config.multi_warp
 
     # ---------------------------------------------------------------- host
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -397,7 +416,9 @@ class GroupedGemmSm90:
                a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
                epi_smem_layout: cute.ComposedLayout):
         cfg = self.cfg
-        pdl.enter()  # before the first global access (offs, tokens, weights, out)
+        early = self.prefetch_weights
+        if cutlass.const_expr(not early):
+            pdl.enter()  # before the first global access (offs, tokens, weights, out)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -415,7 +436,7 @@ class GroupedGemmSm90:
         sched = sched.bind(storage, mOffs.shape[0], n_cols, self.out_tile_n)
         k_tiles = (mA.shape[1] + cfg.tile_k - 1) // cfg.tile_k
         if warp_idx == Warp.SCHEDULE:
-            sched.build(mOffs, m_rows)
+            sched.build(mOffs, m_rows, coherent=early)
         cute.arch.sync_threads()  # the schedule, for every role
 
         ring = self.make_ring(storage.ring_barriers.data_ptr(), warp_idx)  # syncs the cluster
@@ -427,11 +448,16 @@ class GroupedGemmSm90:
 
         if warp_idx < Warp.MMA:
             cute.arch.setmaxregister_decrease(self.producer_regs)
+            if cutlass.const_expr(early):
+                if warp_idx == Warp.LOAD_A or warp_idx > cfg.b_warps:
+                    pdl.enter()  # the weight warps wait in produce()
             if warp_idx <= (cfg.b_warps if cutlass.const_expr(cfg.multi_warp) else 0):
                 self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring,
                              warp_idx, sched, k_tiles, n_cols)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
+            if cutlass.const_expr(early):
+                pdl.enter()
             if cutlass.const_expr(cfg.pingpong):
                 group = (warp_idx - Warp.MMA) // 4
                 for g in cutlass.range_constexpr(self.epi_groups):
@@ -483,6 +509,7 @@ class GroupedGemmSm90:
                 cute.group_modes(cute.local_tile(mB1, (self.b_part_n, cfg.tile_k),
                                                  (None, None, None)), 0, 2))
         state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.stages)
+        issued = cutlass.Int32(0)  # with prefetch_weights: stages loaded before the wait
         t = sched.first
         while t - lead < total_tiles:
             expert, row0, _, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
@@ -520,6 +547,11 @@ class GroupedGemmSm90:
                             self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
                                         shared, warp_idx - 1, n_tile, n_cols, k, expert,
                                         state.index, bar)
+                            if cutlass.const_expr(self.prefetch_weights):
+                                # the ring is full: wait for the kernel ahead
+                                issued += 1
+                                if issued == self.stages:
+                                    pdl.enter()
                     else:
                         for part in cutlass.range_constexpr(cfg.b_warps):
                             self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
@@ -527,6 +559,9 @@ class GroupedGemmSm90:
                                         state.index, bar)
                     state.advance()
             t += sched.step
+        if cutlass.const_expr(self.prefetch_weights):
+            if warp_idx > 0 and issued < self.stages:
+                pdl.enter()  # fewer k-tiles than stages in the whole walk
         ring.producer_tail(state)
 
     @cute.jit
@@ -689,10 +724,11 @@ class GroupedGemmSwigluSm90(GroupedGemmSm90):
     Everything else (schedule, ring, ragged stores) is the base kernel's.
     """
 
-    def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32):
+    def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32,
+                 prefetch_weights: bool = False):
         if config.b_warps != 2 or not config.multi_warp:
             config = dataclasses.replace(config, b_warps=2, multi_warp=True)
-        super().__init__(config, acc_dtype)
+        super().__init__(config, acc_dtype, prefetch_weights)
         self.out_tile_n = config.tile_n // 2
 
     def b_part_coord(self, n_tile, part, n_cols):
@@ -739,36 +775,44 @@ def _k_major(a: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
-                    kernel_cls=GroupedGemmSm90):
+                    kernel_cls=GroupedGemmSm90, prefetch_weights: bool = False):
     """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
-    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a")
+    kernel = kernel_cls(config, prefetch_weights=prefetch_weights)
+    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a",
+           *(("prefetch_weights",) if kernel.prefetch_weights else ()))
 
     def build():
         ca, cc = _TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype]
-        return kernel_cls(config), (*_fake_args(ca, cc, b_n_major, kernel_cls),
-                                    cutlass.Int32(1), kcompile.fake_stream())
+        return kernel, (*_fake_args(ca, cc, b_n_major, kernel_cls),
+                        cutlass.Int32(1), kcompile.fake_stream())
 
     return kcompile.get_compiled(key, build)
 
 
 @functools.cache
 def _launcher(config: TileConfig, a_dtype, c_dtype, b_n_major: bool, kernel_cls,
-              device_index: int):
+              device_index: int, prefetch_weights: bool = False):
     """The compiled kernel and its grid (one CTA per SM, whole clusters): one
     cache lookup per call."""
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return (compiled_kernel(config, a_dtype, c_dtype, b_n_major, kernel_cls),
+    return (compiled_kernel(config, a_dtype, c_dtype, b_n_major, kernel_cls, prefetch_weights),
             sms // config.cluster_m * config.cluster_m)
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
-                 config: TileConfig | None = None, kernel_cls=GroupedGemmSm90) -> torch.Tensor:
+                 config: TileConfig | None = None, kernel_cls=GroupedGemmSm90,
+                 prefetch_weights: bool = False) -> torch.Tensor:
     """Launch the kernel on the current stream; arguments already validated.
 
     ``out``: (M, N) ((M, N / 2) for the SwiGLU kernel) with a 16-byte aligned
     row stride; allocated here when omitted (then N must give aligned rows).
     ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
+    ``prefetch_weights``: the caller vouches that the kernel launched last on
+    the stream did not write ``offs`` or ``b`` and lets its dependents launch
+    only once everything before it has completed (``ts_moe.ops.grouped_gemm``
+    says when), so the weights may start streaming before it ends
+    (:class:`GroupedGemmSm90`).
     """
     m, k = a.shape
     num_experts, _, n = b.shape
@@ -782,7 +826,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
     cfg = config or choose_config(num_experts, n, k, m)
-    fn, ctas = _launcher(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device())
+    fn, ctas = _launcher(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device(),
+                         prefetch_weights)
     fn(a, b, out, offs, ctas)
     return out
 
@@ -796,12 +841,13 @@ def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfi
 
 
 def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
-                        out: torch.Tensor | None = None,
-                        config: TileConfig | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, config: TileConfig | None = None,
+                        prefetch_weights: bool = False) -> torch.Tensor:
     """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args.
 
     ``config`` defaults to :func:`swiglu_config`; a ValueError where I is not
-    a multiple of its ``tile_n / 2``."""
+    a multiple of its ``tile_n / 2``.  ``prefetch_weights``: as for
+    :func:`grouped_gemm`."""
     m, k = a.shape
     num_experts, two_i, _ = gate_up.shape
     cfg = config or choose_config(num_experts, two_i, k, m)
@@ -811,4 +857,4 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
     if out is None:
         out = torch.empty(m, two_i // 2, dtype=a.dtype, device=a.device)
     return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
-                        kernel_cls=GroupedGemmSwigluSm90)
+                        kernel_cls=GroupedGemmSwigluSm90, prefetch_weights=prefetch_weights)

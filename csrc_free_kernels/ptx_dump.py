@@ -47,7 +47,8 @@ def _probe100(kind, cluster_v=2):
     return build
 
 
-def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False, **kw):
+def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
+          prefetch=False, **kw):
     def build():
         import dataclasses
 
@@ -60,9 +61,12 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False, **
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
         cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
-        return cls(cfg), (*g._fake_args(ab, c, b_n_major, cls),
-                                         cutlass.Int32(1), cute.runtime.make_fake_stream())
+        return cls(cfg, prefetch_weights=prefetch), (
+            *g._fake_args(ab, c, b_n_major, cls), cutlass.Int32(1),
+            cute.runtime.make_fake_stream())
     build.config = (config, kw)  # for the PTX tests: the configuration built
+    build.prefetch_weights = prefetch  # requested (GroupedGemmSm90 says if it took)
+    build.swiglu = swiglu
     return build
 
 
@@ -108,7 +112,7 @@ def _swiglu_ew(backward, dtype="bfloat16"):
     return build
 
 
-def _route(from_logits, dtype="bfloat16"):
+def _route(from_logits, dtype="bfloat16", per_lane=8):
     def build():
         import cutlass
 
@@ -116,8 +120,8 @@ def _route(from_logits, dtype="bfloat16"):
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32",
                               "int64": "Int64", "int32": "Int32"}[dtype])
-        return r.RouteSlots(from_logits), r.route_fake_args(c, from_logits)
-    build.config = {"from_logits": from_logits, "dtype": dtype}
+        return r.RouteSlots(from_logits, per_lane), r.route_fake_args(c, from_logits)
+    build.config = {"from_logits": from_logits, "dtype": dtype, "per_lane": per_lane}
     return build
 
 
@@ -150,6 +154,10 @@ BUILDS = {
     "gemm_decode16_bk": _gemm("decode16", b_n_major=False),
     "gemm_decode16_n64": _gemm("decode16_n64"),
     "gemm_decode16_n64_bk": _gemm("decode16_n64", b_n_major=False),
+    # weights streaming before the kernel ahead ends (the MoE block's GEMMs)
+    "gemm_decode16_bk_prefetch": _gemm("decode16", b_n_major=False, prefetch=True),
+    "gemm_decode16_n64_bk_prefetch": _gemm("decode16_n64", b_n_major=False, prefetch=True),
+    "gemm_prefill_bk_prefetch": _gemm("prefill", b_n_major=False, prefetch=True),
     "gemm_decode_p2": _gemm("decode_p2"),
     "gemm_decode_p2_bk": _gemm("decode_p2", b_n_major=False),
     "gemm_prefill_c2": _gemm("prefill_c2"),
@@ -170,6 +178,10 @@ BUILDS = {
     "swiglu_prefill": _gemm("prefill", b_n_major=False, swiglu=True),
     "swiglu_decode16": _gemm("decode16", b_n_major=False, swiglu=True),
     "swiglu_decode16_n64": _gemm("decode16_n64", b_n_major=False, swiglu=True),
+    "swiglu_decode16_prefetch": _gemm("decode16", b_n_major=False, swiglu=True,
+                                      prefetch=True),
+    "swiglu_decode16_n64_prefetch": _gemm("decode16_n64", b_n_major=False, swiglu=True,
+                                          prefetch=True),
     "swiglu_decode_p2": _gemm("decode_p2", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
     "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
@@ -191,6 +203,7 @@ BUILDS = {
     # routing, slot order, combine and row gather of the decode block, sm_90a
     "route_slots": _route(True),
     "route_slots_f32": _route(True, "float32"),
+    "route_slots_e32": _route(True, per_lane=1),     # up to 32 experts (Mixtral)
     "sort_slots_i64": _route(False, "int64"),
     "sort_slots_i32": _route(False, "int32"),
     "combine_rows": _rowsum(True),

@@ -30,6 +30,7 @@ LOG2E = 1.4426950408889634
 # MAX_EXPERTS / 32 logits of a token
 MAX_EXPERTS = 256
 MAX_SLOTS = 1024
+LANE_WIDTHS = (1, 2, 4, 8)  # builds of RouteSlots: up to 32, 64, 128, 256 experts
 
 
 class RouteSlots:
@@ -39,27 +40,50 @@ class RouteSlots:
     <= MAX_SLOTS`` slots (slot ``s`` is token ``s // k``'s ``s % k``-th choice).
 
     1. ``from_logits``: warp ``w`` routes tokens ``w, w + warps, ...``: each
-       lane holds ``E / 32`` of the token's logits in fp32; the max and the
-       softmax sum by butterfly shuffles; then ``k`` rounds of a warp argmax
-       over the logits not yet taken (ties: the lower expert, as
-       ``ts_moe.route``); weight = softmax probability / the sum of the
-       chosen ones.  Selecting on the logits, not on the rounded
-       probabilities, is exact.  Otherwise the ids are read from ``experts``.
-       The ids go to shared memory.
-    2. ``offs[e]`` = the number of slots with id ``<= e`` (one thread per expert).
-    3. slot ``s`` with id ``e`` goes to position ``#{ids < e} + #{earlier slots
-       with id e}``: a stable sort of the ids (ids ``>= E`` land after
-       ``offs[-1]``); ``token_index[pos] = s // k``, ``inverse[s] = pos``.
+       lane holds ``E / 32`` of the token's logits as order-preserving int32
+       keys; the softmax max and sum by warp reductions; then ``k`` rounds of
+       a warp argmax over the keys not yet taken, two ``redux.sync`` each (the
+       largest key, then the lowest expert holding it: ties go to the lower
+       expert, as in ``ts_moe.route``).  Round ``r``'s expert stays in the
+       registers of lane ``r % 32``, which writes weight = probability / the
+       sum of the chosen ones once all rounds are done (no global round trip).
+       Selecting on the logits, not on the rounded probabilities, is exact.
+       Otherwise the ids are read from ``experts``.  The ids go to shared
+       memory.
+    2. Each warp takes chunks of 32 slots: a slot's rank among the earlier
+       slots of its chunk with the same id (``match.any.sync``, ``popc``), and
+       the chunk's count of each id (written by the id's last slot in the
+       chunk).
+    3. Thread ``e`` turns its column of chunk counts into an exclusive prefix
+       over the chunks and the expert's total; a block scan of the totals
+       gives ``offs[e]`` = the number of slots with id ``<= e``.
+    4. Slot ``s`` with id ``e < E`` goes to position ``offs[e - 1] + (slots of
+       id e in earlier chunks) + (its rank in its chunk)``: a stable sort of
+       the ids.  Ids ``>= E`` (expert-parallel sentinels) sort after
+       ``offs[-1]`` by value, stably, by a scan of all the ids (rare); ids
+       ``< 0`` (invalid) likewise before expert 0, as torch's sort puts them.
+       ``token_index[pos] = s // k``, ``inverse[s] = pos``.
 
-    Phases 2 and 3 scan the ids in shared memory (every thread reads the same
-    entry: a broadcast): ``O(T k (E + T k) / threads)`` steps, a few
-    microseconds at the largest batch.
+    Deterministic (no atomics); every phase is a few shuffles or a short scan
+    of shared memory per thread.  Outside the contract (as in the version
+    before): int64 ids beyond the int32 range are clamped to it (such ids tie
+    and keep slot order), and NaN logits choose other experts than torch's
+    ``topk`` would (every weight is NaN either way).  Measured: bench/RESULTS.md, "Issue 21,
+    third pass".
     """
 
-    def __init__(self, from_logits: bool, threads: int = 512):
+    def __init__(self, from_logits: bool, per_lane: int = MAX_EXPERTS // 32,
+                 threads: int = 1024):
         self.from_logits = from_logits
         self.threads = threads
-        self.per_lane = MAX_EXPERTS // 32
+        # logits per lane: E <= 32 * per_lane (each round scans them all)
+        self.per_lane = per_lane
+        if per_lane not in LANE_WIDTHS:
+            raise ValueError(f"per_lane must be one of {LANE_WIDTHS}, got {per_lane}")
+        self.chunks = MAX_SLOTS // 32
+        if threads < MAX_EXPERTS or threads % 32:
+            raise ValueError(f"RouteSlots needs whole warps and a thread per expert "
+                             f"(>= {MAX_EXPERTS}), got {threads} threads")
 
     @cute.jit
     def __call__(self, mLogits, mWeights, mExperts: cute.Tensor, mTokenIndex: cute.Tensor,
@@ -77,17 +101,28 @@ class RouteSlots:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
+        warps = self.threads // 32
         tokens, top_k = mExperts.shape
         num_experts = mOffs.shape[0]
         slots = mInverse.shape[0]
         smem = cutlass.utils.SmemAllocator()
         ids = smem.allocate_tensor(cutlass.Int32, cute.make_layout(MAX_SLOTS), 16)
+        rank = smem.allocate_tensor(cutlass.Int32, cute.make_layout(MAX_SLOTS), 16)
+        # (expert, chunk): the chunk's slots of the expert, then the expert's
+        # slots in the chunks before
+        hist = smem.allocate_tensor(cutlass.Int32,
+                                    cute.make_layout((MAX_EXPERTS, self.chunks)), 16)
+        excl = smem.allocate_tensor(cutlass.Int32, cute.make_layout(MAX_EXPERTS), 16)
+        warp_total = smem.allocate_tensor(cutlass.Int32, cute.make_layout(32), 16)
+        negative = smem.allocate_tensor(cutlass.Int32, cute.make_layout(self.chunks), 16)
 
         if cutlass.const_expr(self.from_logits):
             vals = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
-            for t in cutlass.range(warp, tokens, self.threads // 32, unroll=1):
-                self.route_token(mLogits, mWeights, mExperts, ids, vals, t, lane, top_k,
-                                 num_experts)
+            keys = cute.make_rmem_tensor((self.per_lane,), cutlass.Int32)
+            chosen = cute.make_rmem_tensor((self.per_lane,), cutlass.Int32)
+            for t in cutlass.range(warp, tokens, warps, unroll=1):
+                self.route_token(mLogits, mWeights, mExperts, ids, vals, keys, chosen, t,
+                                 lane, top_k, num_experts)
         else:
             for s in cutlass.range(tidx, slots, self.threads, unroll=1):
                 e = mExperts[s // top_k, s % top_k]
@@ -95,79 +130,152 @@ class RouteSlots:
                 # sentinels >= E in every caller)
                 e = cutlass.max(cutlass.min(e, 2**31 - 1), -(2**31))
                 ids[s] = cutlass.Int32(e)
+        chunks = (slots + 31) // 32
+        for i in cutlass.range(tidx, num_experts * chunks, self.threads, unroll=1):
+            hist[i % num_experts, i // num_experts] = 0
         cute.arch.sync_threads()
 
-        for e in cutlass.range(tidx, num_experts, self.threads, unroll=1):
-            count = cutlass.Int32(0)
-            for s in cutlass.range(slots, unroll=1):
-                if ids[s] <= e:
-                    count += 1
-            mOffs[e] = count
+        # 2. ranks within each chunk of 32 slots, and the chunks' counts
+        for c in cutlass.range(warp, chunks, warps, unroll=1):
+            s = c * 32 + lane
+            e = cutlass.Int32(-1)
+            if s < slots:
+                e = ids[s]
+            same = cute.arch.match_sync(0xFFFFFFFF, e, "any")  # lanes holding e
+            before = cutlass.Int32(cute.arch.popc(same & cute.arch.lanemask_lt()))
+            after = cutlass.Int32(cute.arch.popc(same & cute.arch.lanemask_gt()))
+            below = cutlass.Int32(0)  # ids < 0 (invalid, but sorted as torch sorts them)
+            if s < slots:
+                rank[s] = before
+                if e < 0:
+                    below = cutlass.Int32(1)
+                if e >= 0 and e < num_experts and after == 0:
+                    hist[e, c] = before + 1
+            for d in cutlass.range_constexpr(5):
+                below += cute.arch.shuffle_sync_bfly(below, 1 << d)
+            if lane == 0:
+                negative[c] = below
+        cute.arch.sync_threads()
 
+        # 3. per expert: counts of the chunks before, the total; offs by a block scan
+        count = cutlass.Int32(0)
+        low = cutlass.Int32(0)
+        for c in cutlass.range(chunks, unroll=1):
+            low += negative[c]
+        if tidx < num_experts:
+            for c in cutlass.range(chunks, unroll=1):
+                n = hist[tidx, c]
+                hist[tidx, c] = count
+                count += n
+        incl = count
+        for d in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(incl, 1 << d)
+            if lane >= (1 << d):
+                incl += other
+        if lane == 31:
+            warp_total[warp] = incl
+        cute.arch.sync_threads()
+        if tidx < num_experts:
+            for w in cutlass.range(warp, unroll=1):
+                incl += warp_total[w]
+            mOffs[tidx] = low + incl
+            excl[tidx] = low + incl - count
+        cute.arch.sync_threads()
+
+        # 4. positions
         for s in cutlass.range(tidx, slots, self.threads, unroll=1):
             e = ids[s]
             pos = cutlass.Int32(0)
-            for s2 in cutlass.range(slots, unroll=1):
-                other = ids[s2]
-                if other < e:
-                    pos += 1
-                if other == e:
-                    if s2 < s:
+            if e >= 0 and e < num_experts:
+                pos = excl[e] + hist[e, s // 32] + rank[s]
+            else:
+                for s2 in cutlass.range(slots, unroll=1):
+                    other = ids[s2]
+                    if other < e:
                         pos += 1
+                    if other == e:
+                        if s2 < s:
+                            pos += 1
             mTokenIndex[pos] = s // top_k
             mInverse[s] = cutlass.Int64(pos)
 
     @cute.jit
-    def route_token(self, mLogits, mWeights, mExperts, ids, vals, t, lane, top_k, num_experts):
-        """One warp: token ``t``'s top-k experts and weights (lane 0 writes them)."""
-        neg_inf = -math.inf
-        best = cutlass.Float32(neg_inf)
+    def route_token(self, mLogits, mWeights, mExperts, ids, vals, keys, chosen, t, lane,
+                    top_k, num_experts):
+        """One warp: token ``t``'s top-k experts and weights.
+
+        Each logit becomes an order-preserving int32 key (-0.0 as +0.0: the two
+        tie), so a round's argmax is two warp reductions (``redux.sync``): the
+        largest key, then the lowest expert holding it.  Round ``r``'s expert
+        and key stay with lane ``r % 32`` (register ``r // 32``); the weights
+        are computed from them once all rounds are done."""
+        low = -(2**31)  # below every key: an expert past E, or one taken
+        lane_max = cutlass.Int32(low)
         for j in cutlass.range_constexpr(self.per_lane):
-            v = cutlass.Float32(neg_inf)
+            key = cutlass.Int32(low)
             if lane + 32 * j < num_experts:
                 v = mLogits[t, lane + 32 * j].to(cutlass.Float32)
-            vals[j] = v
-            best = cutlass.max(best, v)
-        for d in cutlass.range_constexpr(5):
-            best = cutlass.max(best, cute.arch.shuffle_sync_bfly(best, 1 << d))
+                key = _ordered_key(v.bitcast(cutlass.Int32))
+            keys[j] = key
+            lane_max = cutlass.max(lane_max, key)
+        best = _ordered_key(cute.arch.warp_redux_sync(lane_max, "max")).bitcast(cutlass.Float32)
         denom = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(self.per_lane):
+            vals[j] = cutlass.Float32(0.0)
             if lane + 32 * j < num_experts:
-                denom += cute.math.exp2((vals[j] - best) * LOG2E)
+                v = _ordered_key(keys[j]).bitcast(cutlass.Float32)
+                denom += cute.math.exp2((v - best) * LOG2E)
         for d in cutlass.range_constexpr(5):
             denom += cute.arch.shuffle_sync_bfly(denom, 1 << d)
 
-        taken = cutlass.Int32(0)
-        total = cutlass.Float32(0.0)
         for r in cutlass.range(top_k, unroll=1):
-            # this lane's best logit not yet taken (the lower expert on ties) ...
-            bv = cutlass.Float32(neg_inf)
-            be = num_experts
+            # this lane's largest key (the lower expert on ties) ...
+            lane_key = cutlass.Int32(low)
+            lane_expert = cutlass.Int32(2**31 - 1)
             for j in cutlass.range_constexpr(self.per_lane):
-                if lane + 32 * j < num_experts:
-                    if (taken >> j) & 1 == 0:
-                        if be == num_experts or vals[j] > bv:
-                            bv = vals[j]
-                            be = lane + 32 * j
-            # ... then the warp's
-            for d in cutlass.range_constexpr(5):
-                ov = cute.arch.shuffle_sync_bfly(bv, 1 << d)
-                oe = cute.arch.shuffle_sync_bfly(be, 1 << d)
-                if oe < num_experts:
-                    if be == num_experts or ov > bv or (ov == bv and oe < be):
-                        bv = ov
-                        be = oe
-            if lane == be % 32:
-                taken = taken | (1 << (be // 32))
-            prob = cute.math.exp2((bv - best) * LOG2E) / denom
-            total += prob
-            if lane == 0:
-                mWeights[t, r] = prob
-                mExperts[t, r] = cutlass.Int64(be)
-                ids[t * top_k + r] = be
-        if lane == 0:
-            for r in cutlass.range(top_k, unroll=1):
-                mWeights[t, r] = mWeights[t, r] / total
+                if keys[j] > lane_key:
+                    lane_key = keys[j]
+                    lane_expert = lane + 32 * j
+            # ... then the warp's, and the lowest expert that holds it
+            key = cute.arch.warp_redux_sync(lane_key, "max")
+            if lane_key != key:
+                lane_expert = cutlass.Int32(2**31 - 1)
+            expert = cute.arch.warp_redux_sync(lane_expert, "min")
+            if lane == expert % 32:
+                for j in cutlass.range_constexpr(self.per_lane):
+                    if expert // 32 == j:
+                        keys[j] = cutlass.Int32(low)
+            if lane == r % 32:
+                for j in cutlass.range_constexpr(self.per_lane):
+                    if r // 32 == j:
+                        chosen[j] = expert
+                        vals[j] = _ordered_key(key).bitcast(cutlass.Float32)
+
+        total = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(self.per_lane):
+            if lane + 32 * j < top_k:
+                vals[j] = cute.math.exp2((vals[j] - best) * LOG2E) / denom
+                total += vals[j]
+        for d in cutlass.range_constexpr(5):
+            total += cute.arch.shuffle_sync_bfly(total, 1 << d)
+        for j in cutlass.range_constexpr(self.per_lane):
+            r = lane + 32 * j
+            if r < top_k:
+                mWeights[t, r] = vals[j] / total
+                mExperts[t, r] = cutlass.Int64(chosen[j])
+                ids[t * top_k + r] = chosen[j]
+
+
+@cute.jit
+def _ordered_key(bits: cutlass.Int32) -> cutlass.Int32:
+    """An fp32's bits as an int32 that orders as the floats do (and back: the map
+    is its own inverse); -0.0 maps to +0.0's 0."""
+    key = bits
+    if bits < 0:
+        key = bits ^ (2**31 - 1)
+        if bits == -(2**31):  # -0.0
+            key = cutlass.Int32(0)
+    return key
 
 
 class WeightedRowSum:
@@ -264,12 +372,18 @@ def rowsum_fake_args(dtype, index_dtype, weighted: bool) -> tuple:
     return rows(m), _compact(index_dtype, r), weights, rows(t), kcompile.fake_stream()
 
 
+def lane_width(num_experts: int) -> int:
+    """The :class:`RouteSlots` build for ``num_experts``: logits per lane."""
+    return next(w for w in LANE_WIDTHS if 32 * w >= num_experts)
+
+
 @functools.cache
-def _route_kernel(from_logits: bool, dtype: torch.dtype):
-    key = ("RouteSlots", from_logits, str(dtype), "sm_90a")
+def _route_kernel(from_logits: bool, dtype: torch.dtype, per_lane: int = 1):
+    key = ("RouteSlots", from_logits, str(dtype), per_lane, "sm_90a")
 
     def build():
-        return RouteSlots(from_logits), route_fake_args(_TORCH_TO_CUTE[dtype], from_logits)
+        return (RouteSlots(from_logits, per_lane),
+                route_fake_args(_TORCH_TO_CUTE[dtype], from_logits))
 
     return kcompile.get_compiled(key, build)
 
@@ -301,7 +415,8 @@ def route_slots(logits: torch.Tensor, top_k: int):
     token_index = torch.empty(tokens * top_k, dtype=torch.int32, device=dev)
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
     inverse = torch.empty(tokens * top_k, dtype=torch.int64, device=dev)
-    _route_kernel(True, logits.dtype)(logits, weights, experts, token_index, offs, inverse)
+    _route_kernel(True, logits.dtype, lane_width(num_experts))(
+        logits, weights, experts, token_index, offs, inverse)
     return weights, experts, token_index, offs, inverse
 
 

@@ -78,13 +78,20 @@ class RaggedTileSchedule:
 
 
 @cute.jit
-def warp_segment_ends(mOffs: cute.Tensor, num_experts, m_rows, base, lane, carry):
+def warp_segment_ends(mOffs: cute.Tensor, num_experts, m_rows, base, lane, carry,
+                      coherent: cutlass.Constexpr = False):
     """One warp, experts ``base .. base + 31``: lane ``i``'s expert's row end
     ``cummax(clamp(offs, 0, M))``, ``carry`` the previous step's last end (>= 0,
-    so it clamps from below too); a running max over the lanes."""
+    so it clamps from below too); a running max over the lanes.  ``coherent``:
+    read ``offs`` from L2 (``ld.global.cg``), never from an SM's L1, for a read
+    before ``griddepcontrol.wait`` (the wait is what orders L1 otherwise)."""
     end = cutlass.Int32(0)
     if base + lane < num_experts:
-        end = mOffs[base + lane]
+        if cutlass.const_expr(coherent):
+            end = cute.arch.load(mOffs.iterator + cute.crd2idx(base + lane, mOffs.layout),
+                                 cutlass.Int32, cop="cg")
+        else:
+            end = mOffs[base + lane]
     end = cutlass.max(cutlass.min(end, m_rows), carry)
     for d in cutlass.range_constexpr(5):
         other = cute.arch.shuffle_sync_up(end, 1 << d)
@@ -142,10 +149,12 @@ class TileScheduler:
         return dataclasses.replace(self, total_tiles=self.tile_end[self.num_experts])
 
     @cute.jit
-    def build(self, mOffs: cute.Tensor, m_rows: cutlass.Int32):
+    def build(self, mOffs: cute.Tensor, m_rows: cutlass.Int32,
+              coherent: cutlass.Constexpr = False):
         """One warp: ``seg_end = cummax(clamp(offs, 0, M))`` and the inclusive
         prefix sum of each expert's tile count, 32 experts per step; entry
-        ``num_experts`` is the zero-filled tail ``[seg_end[-1], M)``."""
+        ``num_experts`` is the zero-filled tail ``[seg_end[-1], M)``.
+        ``coherent``: ``offs`` read from L2 (see :func:`warp_segment_ends`)."""
         tile_m = self.schedule.tile_rows
         num_experts, n_tiles = self.num_experts, self.n_tiles
         sSegEnd, sTileEnd = self.seg_end, self.tile_end
@@ -154,7 +163,8 @@ class TileScheduler:
         carry_tiles = cutlass.Int32(0)
         for base in cutlass.range(0, num_experts, 32, unroll=1):
             e = base + lane
-            end = warp_segment_ends(mOffs, num_experts, m_rows, base, lane, carry_end)
+            end = warp_segment_ends(mOffs, num_experts, m_rows, base, lane, carry_end,
+                                    coherent)
             start = cute.arch.shuffle_sync_up(end, 1)
             if lane == 0:
                 start = carry_end

@@ -6,6 +6,7 @@ transformers' experts implementations.
     python scripts/generate_latency.py                       # both models, eager
     python scripts/generate_latency.py --compile             # also torch.compile, static cache
     python scripts/generate_latency.py --models mixtral --layers 4 --new-tokens 64
+    python scripts/generate_latency.py --impls ts_moe,grouped_mm --compile
 
 Models (bf16, ``--layers`` decoder layers, layer shapes of the real ones):
 MixtralForCausalLM with Mixtral-8x7B's (H 4096, I 14336, 8 experts, top-2) and
@@ -94,6 +95,8 @@ def ms_per_token(model, prompt, new_tokens: int, repeats: int, device) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="mixtral,qwen3")
+    p.add_argument("--impls", help="comma-separated subset of eager, grouped_mm, batched_mm, "
+                   "ts_moe, ts_moe_replace (default: all)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32)
@@ -115,13 +118,23 @@ def main(argv=None) -> int:
                                generator=torch.Generator().manual_seed(1)).to(device)
         impls = (*HF_IMPLEMENTATIONS, "ts_moe") + (("ts_moe_replace",) if name == "mixtral"
                                                    else ())
+        if args.impls:
+            wanted = args.impls.split(",")
+            unknown = sorted(set(wanted) - {*HF_IMPLEMENTATIONS, "ts_moe", "ts_moe_replace"})
+            if unknown:
+                p.error(f"unknown implementations {unknown}")
+            impls = [i for i in impls if i in wanted]
         for impl in impls:
             model = build(name, args.layers, args.tiny, device, impl)
             modes = [("eager", model)]
             if args.compile:
-                model.generation_config.cache_implementation = "static"
+                # the eager row keeps the default (dynamic) cache: with a static
+                # one, transformers' generate may compile the forward by itself
+                # (its rows of 2026-12-04 19:58 UTC were not eager).  Here only
+                # our compile runs (disable_compile: transformers' own is off)
                 compiled = build(name, args.layers, args.tiny, device, impl)
                 compiled.generation_config.cache_implementation = "static"
+                compiled.generation_config.disable_compile = True
                 compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead",
                                                  fullgraph=True)
                 modes.append(("compiled", compiled))

@@ -67,6 +67,32 @@ def assert_pdl_entry(ptx_text: str) -> None:
     assert body.count("griddepcontrol.wait;") == 1
 
 
+def assert_pdl_prefetch_entry(ptx_text: str) -> None:
+    """A GEMM built with ``prefetch_weights``: before its first
+    ``griddepcontrol.wait`` it reads ``offs`` from L2 only (``ld.global.cg``),
+    never writes; every role waits once more before touching the tokens or
+    the output, and each wait is followed by ``launch_dependents``."""
+    from csrc_free_kernels import pdl
+
+    body = ptx_text[ptx_text.index(".entry"):]
+    waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait;", body)]
+    if not pdl.ENABLED:
+        assert not waits and "griddepcontrol.launch_dependents;" not in body
+        return
+    assert len(waits) >= 3, "warp 0 and the idle warps, the weight warps, the MMA warps"
+    for w in waits:  # the next griddepcontrol after each wait lets the dependents launch
+        following = re.search(r"griddepcontrol\.(\w+);", body[w + 1:])
+        assert following and following.group(1) == "launch_dependents"
+    assert body.count("griddepcontrol.launch_dependents;") == len(waits)
+    early = [body[m.start():body.index("\n", m.start())]
+             for m in _GLOBAL_ACCESS.finditer(body[:waits[0]])]
+    assert early and all(re.search(r"\bld\.global\.cg\.", e) for e in early), early
+    assert not re.search(r"\bld\.global(?!\.cg\.)", body), "every offs read from L2"
+    first_token_load = re.search(r"cp\.async\.bulk\.tensor\.2d", body).start()
+    first_store = re.search(r"\bst\.global", body).start()
+    assert waits[0] < first_token_load and waits[0] < first_store
+
+
 def ptx_fixture(arch: str, builds: list, name: str = "ptx"):
     """A module-scoped fixture ``name``: {build: PTX} of ``builds`` (names of
     ``csrc_free_kernels.ptx_dump.BUILDS``) compiled for ``arch``."""

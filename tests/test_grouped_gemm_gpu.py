@@ -257,3 +257,49 @@ def test_long_walks(config):
     cfg = gg().CONFIGS[config]
     check(*make(4096, 2048, 4096, 8), config=cfg)
     check(*make(4096, 2048, 4096, 8, counts=[1000, 0, 37, 2000, 0, 900, 159, 0]), config=cfg)
+
+
+@pytest.mark.parametrize("config", ["decode16", "decode16_n64", "decode", "mid", "prefill",
+                                    "swiglu:decode16", "swiglu:decode16_n64"])
+def test_prefetch_weights_behind_a_pdl_kernel(config):
+    """``prefetch_weights``: the weights stream while the kernel ahead (here a long
+    GEMM writing this one's tokens, itself launched with PDL) still runs; the
+    tokens must still be read after it: they are NaN until it writes them, at
+    every step, with fresh data each time."""
+    swiglu = config.startswith("swiglu:")
+    cfg = gg().CONFIGS[config.split(":")[-1]]
+    e, m, k1, k = 8, 256, 4096, 512
+    n = 2 * 384 if swiglu else 384
+    offs = counts_to_offs([0, 40, 1, 100, 0, 64, 3, 48])
+    x = torch.empty(m, k1, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(e, k1, k, device="cuda", dtype=torch.bfloat16) * k1**-0.5
+    w2 = torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    gate_up = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5  # HF layout
+    h = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    for step in range(4):
+        x.normal_()
+        h.fill_(float("nan"))
+        gg().grouped_gemm(x, w1, offs, out=h)  # ~30 MB of weights ahead of ours
+        if swiglu:
+            out = gg().grouped_gemm_swiglu(h, gate_up, offs, config=cfg,
+                                           prefetch_weights=True)
+        else:
+            out = gg().grouped_gemm(h, w2, offs, config=cfg, prefetch_weights=True)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"step {step}: tokens read before they were written"
+        if swiglu:
+            from ts_moe.reference import grouped_gemm_swiglu_reference
+            ref = grouped_gemm_swiglu_reference(h.float(), gate_up.float(), offs)
+        else:
+            ref = reference(h, w2, offs)
+        assert rel_err(out, ref) < 1e-2
+        diff, ref64 = (out.double() - ref.double()), ref.double()  # every row is routed
+        assert (diff.norm(dim=1) / ref64.norm(dim=1)).max() < 1e-2
+
+
+def test_prefetch_weights_op_argument():
+    a, b, offs = make(64, 256, 384, 4)
+    plain = ts_moe.grouped_gemm(a, b, offs)
+    assert torch.equal(ts_moe.grouped_gemm(a, b, offs, prefetch_weights=True), plain)
+    with pytest.raises(TypeError, match="prefetch_weights must be a bool"):
+        ts_moe.grouped_gemm(a, b, offs, prefetch_weights=1)

@@ -1,13 +1,14 @@
 """CPU: every grouped GEMM configuration compiles for sm_90a; its PTX has the
 instructions the design relies on."""
 
+import dataclasses
 import re
 
 import pytest
 
 from csrc_free_kernels import ptx_dump
 
-from .ptxas import assert_pdl_entry, ptx_fixture
+from .ptxas import assert_pdl_entry, assert_pdl_prefetch_entry, ptx_fixture
 
 BUILDS = [n for n in ptx_dump.BUILDS
           if n.startswith(("gemm", "swiglu")) and not n.startswith("swiglu_ew_")]  # GEMMs
@@ -35,8 +36,44 @@ def test_every_configuration_is_built(ptx):
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_waits_for_the_stream_before_global_memory(ptx, name):
-    """Launched with PDL: no offs read, TMA load or store before griddepcontrol.wait."""
-    assert_pdl_entry(ptx[name])
+    """Launched with PDL: no offs read, TMA load or store before griddepcontrol.wait;
+    with ``prefetch_weights``, only the L2 reads of offs (the weight warps' loads
+    follow)."""
+    if _prefetches(name):
+        assert_pdl_prefetch_entry(ptx[name])
+    else:
+        assert_pdl_entry(ptx[name])
+        assert "ld.global.cg" not in ptx[name]
+
+
+def _prefetches(name):
+    """Whether build ``name`` streams weights before its wait (requested and taken)."""
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    build = ptx_dump.BUILDS[name]
+    cls = g.GroupedGemmSwigluSm90 if build.swiglu else g.GroupedGemmSm90
+    return cls(_config(name), prefetch_weights=build.prefetch_weights).prefetch_weights
+
+
+def test_prefetch_builds_exist():
+    from csrc_free_kernels import pdl
+
+    requested = [n for n in BUILDS if ptx_dump.BUILDS[n].prefetch_weights]
+    assert len(requested) >= 4
+    assert all(_prefetches(n) == pdl.ENABLED for n in requested)
+
+
+def test_prefetch_needs_multi_warp_loads_and_no_cluster():
+    """The weight warps stream before the wait only where they own the weight
+    loads of their CTA alone; elsewhere the flag is off (a hint)."""
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    assert g.GroupedGemmSm90(g.DECODE16, prefetch_weights=True).prefetch_weights
+    assert g.GroupedGemmSwigluSm90(g.DECODE16_N64, prefetch_weights=True).prefetch_weights
+    assert not g.GroupedGemmSm90(g.PREFILL_C2, prefetch_weights=True).prefetch_weights
+    single = dataclasses.replace(g.DECODE16, multi_warp=False)
+    assert not g.GroupedGemmSm90(single, prefetch_weights=True).prefetch_weights
+    assert not g.GroupedGemmSm90(g.DECODE16).prefetch_weights
 
 
 @pytest.mark.parametrize("name", BUILDS)

@@ -155,3 +155,19 @@ def test_torch_compile_fullgraph():
     fn = torch.compile(lambda a, b, o: ts_moe.grouped_gemm(a, b, o).float().sum(0),
                        fullgraph=True, dynamic=True)
     assert rel_err(fn(a, b, offs), _loop(a, b, offs).sum(0)) < 1e-2
+
+
+def test_prefetch_weights_is_a_hint_everywhere():
+    """``prefetch_weights`` changes no result: CPU, the op's schema (opcheck: fake,
+    autograd) and torch.compile accept it; anything but a bool is refused."""
+    a, b, offs = _problem()
+    plain = ts_moe.grouped_gemm(a, b, offs)
+    assert torch.equal(ts_moe.grouped_gemm(a, b, offs, prefetch_weights=True), plain)
+    torch.library.opcheck(torch.ops.ts_moe.grouped_gemm.default, (a, b, offs),
+                          {"prefetch_weights": True})
+    fn = torch.compile(lambda a, b, o: ts_moe.grouped_gemm(a, b, o, prefetch_weights=True),
+                       fullgraph=True)
+    assert torch.equal(fn(a, b, offs), plain)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="prefetch_weights must be a bool"):
+            ts_moe.grouped_gemm(a, b, offs, prefetch_weights=bad)

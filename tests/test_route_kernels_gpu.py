@@ -53,10 +53,28 @@ def test_route_slots_ties_and_infinities():
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (40, 16, 4), (256, 256, 4)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (40, 16, 4), (256, 256, 4),
+                                                   (333, 8, 3), (1024, 1, 1)])
 def test_sort_slots_matches_torch(dtype, tokens, experts, top_k):
     ids = torch.randint(0, experts + 3, (tokens, top_k), device="cuda", dtype=dtype)
     ids[0, 0] = experts + 7  # sentinels (expert parallel): after offs[-1]
+    got = rk().sort_slots(ids, experts)
+    ref = routing.sort_slots(ids, experts)
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+
+
+@pytest.mark.parametrize("fill", ["one_expert", "negative", "descending"])
+def test_sort_slots_extremes(fill):
+    """Every slot on one expert (32 chunks of one id), invalid negative ids (sorted
+    before expert 0, as torch sorts them), and ids in descending order."""
+    tokens, experts, top_k = 512, 64, 2
+    if fill == "one_expert":
+        ids = torch.full((tokens, top_k), 63, device="cuda", dtype=torch.int64)
+    elif fill == "negative":
+        ids = torch.randint(-3, experts, (tokens, top_k), device="cuda")
+    else:
+        ids = torch.arange(tokens * top_k, 0, -1, device="cuda").reshape(tokens, top_k) % 70
     got = rk().sort_slots(ids, experts)
     ref = routing.sort_slots(ids, experts)
     for g, r in zip(got, ref):

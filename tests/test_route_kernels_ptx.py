@@ -19,7 +19,7 @@ ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def test_builds(ptx):
-    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 6
+    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 7
     for name in BUILDS:
         assert len(re.findall(r"\.entry\s", ptx[name])) == 1
         assert ".local" not in ptx[name]
@@ -37,6 +37,16 @@ def test_row_kernels_move_16_byte_vectors(ptx):
         assert re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", text), name
         assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", text)) == 1, name
         assert not re.search(r"st\.global(?:\.\w+)*\.(?:b16|v2)", text), name
+
+
+def test_lane_widths():
+    """One build per logits-per-lane width: a round's scan is no wider than E needs."""
+    from csrc_free_kernels import route_sm90 as r
+
+    assert [r.lane_width(e) for e in (1, 8, 32, 33, 60, 64, 65, 128, 129, 256)] == \
+        [1, 1, 1, 2, 2, 2, 4, 4, 8, 8]
+    with pytest.raises(ValueError, match="per_lane must be one of"):
+        r.RouteSlots(True, per_lane=3)
 
 
 def test_routing_is_one_cta_with_warp_shuffles(ptx):

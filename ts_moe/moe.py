@@ -158,7 +158,10 @@ def _experts_in_slot_order(x: torch.Tensor, slots: SlotOrder, weights: torch.Ten
             h = swiglu(grouped_gemm(x, gate_up_proj.transpose(-2, -1), slots.offs,
                                     torch.float32, a_index=slots.token_index), x.dtype)
     with nvtx_range("down"):
-        y = grouped_gemm(h, down_proj.transpose(-2, -1), slots.offs)
+        # the kernel ahead (gate_up's) wrote h only: the down weights may start
+        # streaming under its tail (eager; a compiled graph orders kernels itself)
+        y = grouped_gemm(h, down_proj.transpose(-2, -1), slots.offs,
+                         prefetch_weights=not torch.compiler.is_compiling())
     with nvtx_range("combine"):
         return ops.combine(y, weights, slots.inverse)
 

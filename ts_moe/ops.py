@@ -53,7 +53,7 @@ from .reference import (acc_dtype, gather_rows, grouped_gemm_k_reference, groupe
 
 _lib = torch.library.Library("ts_moe", "DEF")
 _lib.define("grouped_gemm(Tensor a, Tensor b, Tensor offs, ScalarType? out_dtype=None, *, "
-            "Tensor? a_index=None) -> Tensor")
+            "Tensor? a_index=None, bool prefetch_weights=False) -> Tensor")
 _lib.define("grouped_gemm_swiglu(Tensor a, Tensor gate_up, Tensor offs, *, "
             "Tensor? a_index=None) -> Tensor")
 
@@ -311,14 +311,14 @@ def _grouped_gemm_run(path: Path, kernels, a, b, offs, out_dtype=None, a_index=N
     return _empty_output(a, m, n, out_dtype).copy_(grouped_gemm_reference(a, b, offs, out_dtype))
 
 
-def _grouped_gemm_cpu(a, b, offs, out_dtype=None, *, a_index=None):
+def _grouped_gemm_cpu(a, b, offs, out_dtype=None, *, a_index=None, prefetch_weights=False):
     check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
     if a_index is not None:
         a = gather_rows(a, a_index)
     return _grouped_gemm_run(Path.REFERENCE, None, a, b, offs, out_dtype)
 
 
-def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
+def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None, prefetch_weights=False):
     index = a.get_device()
     path, kernels = cuda_path(index, a.dtype, out_dtype, offs.numel())
     if a_index is not None:
@@ -326,6 +326,7 @@ def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
         if path is Path.KERNEL_SM100:  # the kernel gathers itself
             return _grouped_gemm_run(path, kernels, a, b, offs, out_dtype, a_index)
         a = _gather_rows(path, a, a_index)  # the Hopper kernels take gathered rows
+        prefetch_weights = True  # the gather is the kernel ahead: offs, b are older
     if path is Path.KERNEL_SM90 and plausible_kernel_args(a, b, offs, out_dtype, index):
         m, n = a.shape[0], b.shape[2]
         if n % 8:
@@ -335,7 +336,8 @@ def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
         else:
             out = torch.empty(m, n, dtype=out_dtype, device=a.device)
         try:  # the hot path: the compiled kernel checks the rest
-            return kernels.grouped_gemm(a, b, offs, out_dtype, out=out)
+            return kernels.grouped_gemm(a, b, offs, out_dtype, out=out,
+                                        prefetch_weights=prefetch_weights)
         except ValueError:  # name the bad argument, or re-stride what the kernel can't take
             pass
     check_grouped_gemm_args(a, b, offs, out_dtype)
@@ -343,7 +345,7 @@ def _grouped_gemm_cuda(a, b, offs, out_dtype=None, *, a_index=None):
 
 
 @torch.library.register_fake("ts_moe::grouped_gemm", lib=_lib)
-def _grouped_gemm_fake(a, b, offs, out_dtype=None, *, a_index=None):
+def _grouped_gemm_fake(a, b, offs, out_dtype=None, *, a_index=None, prefetch_weights=False):
     check_grouped_gemm_args(a, b, offs, out_dtype, fake=True, a_index=a_index)
     dtype = out_dtype or a.dtype
     if b.dim() == 2:  # k-grouped: (E, K, N)
@@ -362,7 +364,8 @@ _grouped_gemm_op = torch.ops.ts_moe.grouped_gemm.default
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  out_dtype: torch.dtype | None = None, *,
-                 a_index: torch.Tensor | None = None) -> torch.Tensor:
+                 a_index: torch.Tensor | None = None,
+                 prefetch_weights: bool = False) -> torch.Tensor:
     """``torch.ops.ts_moe.grouped_gemm``: ``out[r] = a[r] @ b[e]`` for the rows of expert ``e``.
 
     a: (M, K) bf16/fp16/fp32 (float64: reference path, for gradcheck); b:
@@ -380,10 +383,28 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     a separate permuted copy).  Indices are read on the device only: one
     outside ``[0, M)`` reads as a zero row (its output row is zero), never
     out of bounds.  ``a``'s own strides are then free.
+
+    ``prefetch_weights``: a promise about the kernel launched last on this
+    stream before the op: it did not write ``offs`` or ``b``, and it lets its
+    dependents launch only once everything before it has completed (every
+    ts_moe kernel does; so does any kernel launched without programmatic
+    dependent launch).  The sm_90 kernel may then start streaming the weights
+    while that kernel still runs; tokens and output wait for it as always.
+    The MoE block sets it for its down projection, whose ``offs`` the routing
+    kernel wrote three launches earlier.  With ``a_index`` it holds anyway
+    (the op's own row gather runs in between).  Not under ``torch.compile``
+    (the compiler orders the launches); elsewhere a hint, ignored.
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and isinstance(offs, torch.Tensor)):
         check_tensor_types(a=a, b=b, offs=offs)
+    if prefetch_weights is not False:
+        if not isinstance(prefetch_weights, bool):
+            raise TypeError(f"prefetch_weights must be a bool, got "
+                            f"{type(prefetch_weights).__name__}")
+        if a_index is not None:
+            check_tensor_types(a_index=a_index)
+        return _grouped_gemm_op(a, b, offs, out_dtype, a_index=a_index, prefetch_weights=True)
     if a_index is None:
         return _grouped_gemm_op(a, b, offs, out_dtype)
     check_tensor_types(a_index=a_index)
@@ -452,7 +473,7 @@ def _grouped_gemm_swiglu_cuda(a, gate_up, offs, *, a_index=None):
             try:  # the hot path: the compiled kernel checks the rest
                 return kernels.grouped_gemm_swiglu(
                     a, gate_up, offs, out=_empty_output(a, m, two_i // 2, a.dtype),
-                    config=config)
+                    config=config, prefetch_weights=a_index is not None)  # after the gather
             except ValueError:  # name the bad argument, or re-stride what the kernel can't take
                 pass
     check_swiglu_args(a, gate_up, offs)
@@ -800,7 +821,9 @@ class _SwigluActivationFunction(torch.autograd.Function):
         return None, torch.ops.ts_moe.swiglu_backward(dy.to(h.dtype), h)
 
 
-def _grouped_gemm_autograd(keyset, a, b, offs, out_dtype=None, *, a_index=None):
+def _grouped_gemm_autograd(keyset, a, b, offs, out_dtype=None, *, a_index=None,
+                           prefetch_weights=False):
+    # prefetch_weights is a hint about the launch order, not part of the math
     return _GroupedGemmFunction.apply(keyset, a, b, offs, out_dtype, a_index)
 
 

@@ -23,22 +23,24 @@ from ..routing import nvtx_range, route
 EXPERTS_IMPLEMENTATION = "ts_moe"
 
 
-@functools.cache
-def _silu_types() -> tuple:
-    from transformers import activations
+# what the checks compare against, from transformers: resolved once, eagerly (by
+# register() or the first check), never inside a torch.compile trace, which
+# cannot follow transformers' lazy-module imports ("Bad import result")
+_HF: dict = {}
 
-    return nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU)
 
+def _hf() -> dict:
+    if not _HF:
+        from transformers import activations
+        from transformers.integrations import moe as hf_moe
 
-@functools.cache
-def _default_apply_gate():
-    from transformers.integrations import moe as hf_moe
-
-    return getattr(hf_moe, "_default_apply_gate", None)
+        _HF["silu_types"] = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
+        _HF["default_apply_gate"] = getattr(hf_moe, "_default_apply_gate", None)
+    return _HF
 
 
 def _is_silu(act) -> bool:
-    return isinstance(act, _silu_types())
+    return isinstance(act, _hf()["silu_types"])
 
 
 class _V5Forward:
@@ -157,7 +159,7 @@ def _check_experts_module(self: nn.Module) -> None:
         ("interleaved gate/up weights", not flag("is_concatenated", True)),
         ("a post-expert norm", flag("has_post_expert_norm", False)),
         ("a custom gating function", getattr(type(self), "_apply_gate", None)
-         is not _default_apply_gate()),
+         is not _hf()["default_apply_gate"]),
         ("an activation other than SiLU", not _is_silu(self.act_fn))) if bad]
     if unsupported:
         raise NotImplementedError(
@@ -191,3 +193,4 @@ def register() -> None:
             "ts_moe.integrations.transformers.register needs transformers >= 5 "
             "(transformers.integrations.moe.ExpertsInterface)") from e
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, ts_moe_experts_forward)
+    _hf()  # before any compiled forward reaches the checks
