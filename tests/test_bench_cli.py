@@ -198,7 +198,7 @@ def test_overhead_without_cuda_says_so(cpu_machine, capsys):
 
 
 @pytest.mark.parametrize("script", ["k_sweep.py", "profile_case.py", "make_tiny_mixtral.py",
-                                    "profile_nsys.sh"])
+                                    "profile_nsys.sh", "prefetch_ab.py"])
 def test_scripts_run_as_the_readme_writes_them(script):
     import os
     import subprocess
@@ -387,6 +387,7 @@ def _script(name: str, *args, env_extra=None):
                     "--k", "512,1024,2048,4096"]),
     ("profile_case.py", ["deepseek", "gate_up", "16384", "skewed", "ts_moe",
                          "torch_grouped_mm"]),
+    ("prefetch_ab.py", ["--T", "1"]),
 ])
 def test_scripts_without_cuda_say_so_in_one_line(script, args):
     proc = _script(script, *args)

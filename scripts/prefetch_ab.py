@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""The decode block with and without ``prefetch_weights``, and ``route_slots`` alone.
+
+    python scripts/prefetch_ab.py [--T 1,16,64]
+
+For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 shapes; the
+suite's inputs, ``bench.moe_block.shaped_inputs``) and token count: the block's
+time under a CUDA graph (``ts_moe.moe_forward`` with ``decode_graphs=False``,
+ten calls per graph, ``bench.timing.measure``) with the sm_90 GEMMs' weight
+prefetch as the layer sets it, then with the hint dropped (the kernel module's
+entry wrapped for the measurement), then as set again (the spread between the
+two "on" columns is the noise); and ``ts_moe.ops.route_slots`` alone, twenty
+calls per graph.  µs per call.  Needs an sm_90 GPU.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from bench.moe_block import shaped_inputs  # noqa: E402
+from bench.timing import measure  # noqa: E402
+from ts_moe import ops  # noqa: E402
+from ts_moe.moe import moe_forward  # noqa: E402
+
+MODELS = {"mixtral": (4096, 14336, 8, 2), "qwen3": (2048, 768, 128, 8),
+          "deepseek": (7168, 2048, 256, 8)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", default="1,16,64", help="token counts")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("scripts/prefetch_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
+        return 2
+    from csrc_free_kernels import grouped_gemm_sm90 as kernels
+
+    dev = torch.device("cuda")
+    as_set = kernels.grouped_gemm
+
+    def dropped(*a, prefetch_weights=False, **kw):
+        return as_set(*a, **kw)
+
+    print("| model | T | prefetch on | off | on again | route_slots |\n|---|---|---|---|---|---|")
+    for name, (hidden, inter, experts, top_k) in MODELS.items():
+        for tokens in map(int, args.T.split(",")):
+            _, inp = shaped_inputs(hidden, inter, experts, top_k, tokens, dev)
+
+            def block():
+                return moe_forward(inp.x, inp.router, inp.gate_up, inp.down, top_k,
+                                   decode_graphs=False)
+
+            row = []
+            for entry in (as_set, dropped, as_set):
+                kernels.grouped_gemm = entry
+                try:
+                    with torch.no_grad():
+                        row.append(measure([block] * 10, dev, graph=True, target_ms=50).ms)
+                finally:
+                    kernels.grouped_gemm = as_set
+            logits = torch.nn.functional.linear(inp.x, inp.router)
+            row.append(measure([lambda: ops.route_slots(logits, top_k)] * 20, dev, graph=True,
+                               target_ms=20).ms)
+            print(f"| {name} | {tokens} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in row) + " |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
