@@ -24,7 +24,8 @@ import ts_pipeline
 
 from . import compile as kcompile
 from .grouped_gemm_sm90 import _TORCH_TO_CUTE, MAX_EXPERTS, SMEM_CAPACITY
-from .sm90_epilogue import accumulator_chunk, mma_operands, stage_to_shared, store_copy
+from .sm90_epilogue import (accumulator_chunk, mma_operands, mma_stage, release_stage,
+                            stage_to_shared, store_copy)
 from .tile_schedule import RaggedTileSchedule, warp_segment_ends
 
 __all__ = ["DwConfig", "GroupedGemmDwSm90", "CONFIGS", "MAX_EXPERTS", "choose_config",
@@ -521,7 +522,6 @@ class GroupedGemmDwSm90:
         cfg = self.cfg
         tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
                                        self.acc_dtype)
-        num_k_blocks = cute.size(tCrA, mode=[2])
 
         # epilogue: registers -> shared (stmatrix) -> global (TMA store, or 16-byte
         # predicated thread stores: the forward kernel's copies)
@@ -554,18 +554,14 @@ class GroupedGemmDwSm90:
                         self.zero_tail(sA[None, None, read.index], sB[None, None, read.index],
                                        last_rows, ctid)
                     warpgroup.fence()  # the accumulators, once per chunk
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
-                                  tCrB[None, None, kb, read.index], acc)
+                    mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                     warpgroup.commit_group()
                     # keep one chunk of WGMMA in flight; free the one before it
                     if j > 0:
-                        warpgroup.wait_group(1)
-                        ring.consumer_release(release)
+                        release_stage(ring, release, 1)
                         release.advance()
                     read.advance()
-                warpgroup.wait_group(0)
-                ring.consumer_release(release)
+                release_stage(ring, release, 0)
                 release.advance()
 
             if cutlass.const_expr(cfg.tma_store):

@@ -23,7 +23,8 @@ import ts_pipeline
 
 from . import compile as kcompile
 from . import pdl
-from .sm90_epilogue import accumulator_chunk, mma_operands, stage_to_shared, store_copy
+from .sm90_epilogue import (accumulator_chunk, mma_operands, mma_stage, release_stage,
+                            stage_to_shared, store_copy)
 from .tile_schedule import RaggedTileSchedule, TileScheduler
 
 MAX_EXPERTS = 512
@@ -598,7 +599,6 @@ class GroupedGemmSm90:
         cfg = self.cfg
         tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
                                        self.acc_dtype)
-        num_k_blocks = cute.size(tCrA, mode=[2])
 
         # epilogue: registers -> shared (stmatrix) -> global (16-byte predicated)
         r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = stage_to_shared(
@@ -651,18 +651,14 @@ class GroupedGemmSm90:
                     for k in cutlass.range(k_tiles, unroll=1):
                         ring.consumer_wait(read)
                         if mma_rows > 0:
-                            for kb in cutlass.range_constexpr(num_k_blocks):
-                                cute.gemm(tiled_mma, acc, tCrA[None, None, kb, read.index],
-                                          tCrB[None, None, kb, read.index], acc)
+                            mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
                         warpgroup.commit_group()
                         # keep one k-tile of WGMMA in flight; free the one before it
                         if k > 0:
-                            warpgroup.wait_group(1)
-                            ring.consumer_release(release)
+                            release_stage(ring, release, 1)
                             release.advance()
                         read.advance()
-                    warpgroup.wait_group(0)
-                    ring.consumer_release(release)
+                    release_stage(ring, release, 0)
                     release.advance()
                 if cutlass.const_expr(cfg.pingpong):
                     if t + sched.step - lead < total_tiles:  # the other's turn follows

@@ -1,5 +1,6 @@
 """Pieces the Hopper (sm_90a) WGMMA kernels share: a thread's MMA operands and
-accumulators, and the epilogue's copies (accumulators -> shared memory by
+accumulators, the mainloop's steps (one ring stage's WGMMAs, the release of a
+finished stage), and the epilogue's copies (accumulators -> shared memory by
 ``stmatrix``, shared -> global by 16-byte thread stores).
 
 Plain functions, traced inline inside the kernels' ``@cute.jit`` methods.
@@ -9,6 +10,7 @@ from typing import NamedTuple
 
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
 
 
 class MmaOperands(NamedTuple):
@@ -28,6 +30,24 @@ def mma_operands(tiled_mma, sA, sB, ctid, tile_mn: tuple, acc_dtype) -> MmaOpera
     acc = cute.make_rmem_tensor(thr_mma.partition_C(cute.make_identity_tensor(tile_mn)).shape,
                                 acc_dtype)
     return MmaOperands(frag_a, frag_b, acc)
+
+
+def mma_stage(tiled_mma, acc, frag_a, frag_b, stage) -> None:
+    """``acc += A @ B`` over ring stage ``stage``: its k-blocks' WGMMAs, issued
+    (the caller commits them as one group)."""
+    for kb in range(cute.size(frag_a, mode=[2])):  # plain Python: unrolled at trace time
+        cute.gemm(tiled_mma, acc, frag_a[None, None, kb, stage], frag_b[None, None, kb, stage],
+                  acc)
+
+
+def release_stage(ring, release, in_flight: int) -> None:
+    """Wait until at most ``in_flight`` committed WGMMA groups are pending, then
+    give the oldest stage still held (``release``) back to the producers; the
+    caller advances ``release`` (a state the tracer must see rebound in its own
+    loop).  The mainloops keep one stage's WGMMAs in flight (``in_flight`` 1) and
+    drain with 0."""
+    warpgroup.wait_group(in_flight)
+    ring.consumer_release(release)
 
 
 class StageToShared(NamedTuple):

@@ -402,9 +402,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
         if not isinstance(prefetch_weights, bool):
             raise TypeError(f"prefetch_weights must be a bool, got "
                             f"{type(prefetch_weights).__name__}")
-        if a_index is not None:
-            check_tensor_types(a_index=a_index)
-        return _grouped_gemm_op(a, b, offs, out_dtype, a_index=a_index, prefetch_weights=True)
+        if a_index is None:  # with a_index the op prefetches anyway
+            return _grouped_gemm_op(a, b, offs, out_dtype, prefetch_weights=True)
     if a_index is None:
         return _grouped_gemm_op(a, b, offs, out_dtype)
     check_tensor_types(a_index=a_index)
