@@ -77,7 +77,6 @@ class TileConfig:
     band_m: int = 0
     pair_tiles: bool = False
     pingpong: bool = False
-    direct_store: bool = False
 
     def __hash__(self) -> int:
         # on every call's path (the launcher cache): the name's cached str hash,
@@ -616,13 +615,10 @@ class GroupedGemmSm90:
         assert cute.size(tRS_rAcc, mode=[1]) == m_subs and cute.size(tRS_rAcc, mode=[2]) == 1, \
             (tRS_rAcc.layout, self.epi_tile)
         epi_barrier = self.epi_barriers[group]
-        # the tile's coordinates of each accumulator (for the direct stores)
-        tCcC = tiled_mma.get_slice(ctid).partition_C(
-            cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         # the first tile row of this thread's warpgroup: with both warpgroups
         # on one tile (64 rows each), one whose rows are all past the
         # expert's end skips its MMAs, and the tensor cores run the other's
-        # alone: a part-empty last m-tile costs what its rows need
+        # alone: a part-empty last m-tile costs about what its rows need
         wg_row0 = 0
         if cutlass.const_expr(cfg.stage_consumers > 1):
             wg_row0 = cute.arch.make_warp_uniform(ctid // 128) * 64
@@ -680,10 +676,7 @@ class GroupedGemmSm90:
                                      (cfg.tile_m, self.out_tile_n), (0, n_tile))
                 cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
                                      (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                if cutlass.const_expr(cfg.direct_store):
-                    self.store_direct(acc, tCcC, tiled_mma.get_slice(ctid), gC,
-                                      rows_valid, mC.shape[1] - n_tile * self.out_tile_n)
-                for epi in cutlass.range_constexpr(0 if cfg.direct_store else m_subs * n_subs):
+                for epi in cutlass.range_constexpr(m_subs * n_subs):
                     mi, ni = divmod(epi, n_subs)
                     buf = group * self.epi_stages + epi_count % self.epi_stages
                     self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
@@ -706,36 +699,6 @@ class GroupedGemmSm90:
                         release.advance()
             turn += 1
             t += sched.step
-
-    @cute.jit
-    def store_direct(self, acc, tCcC, thr_mma, gC, rows_valid, cols_valid):
-        """The tile's outputs straight from the accumulators: each thread's
-        column pairs as one 4-byte store (2 bf16), rows ``< rows_valid`` and
-        columns ``< cols_valid`` of ``gC`` (the tile's ``(tile_m, out_tile_n)``
-        of C).  The accumulator fragment is ``((2, 2, tile_n / 8), m-blocks,
-        1)``: a column pair, rows r and r + 8, 8-column groups."""
-        groups = self.out_tile_n // 8
-        # gC seen through the MMA's (tile_m, tile_n) coordinates; the SwiGLU
-        # kernel's up columns alias its gate columns (never stored)
-        tile_n = self.cfg.tile_n
-        view = cute.make_tensor(gC.iterator, cute.make_layout(
-            (self.cfg.tile_m, (self.out_tile_n, tile_n // self.out_tile_n)),
-            stride=(gC.layout.stride[0], (gC.layout.stride[1], 0))))
-        tCgC = thr_mma.partition_C(view)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), self.c_dtype)
-        for mb in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-            for half in cutlass.range_constexpr(2):
-                row = tCcC[(0, half, 0), mb, 0][0]
-                if row < rows_valid:
-                    for j in cutlass.range_constexpr(groups):
-                        if tCcC[(0, half, j), mb, 0][1] < cols_valid:
-                            pair.store(self.direct_values(acc, half, j, mb).to(self.c_dtype))
-                            cute.autovec_copy(pair, tCgC[(None, half, j), mb, 0])
-
-    @cute.jit
-    def direct_values(self, acc, half, group, mb):
-        """The two fp32 outputs of accumulator pair (``half``, ``group``, ``mb``)."""
-        return acc[(None, half, group), mb, 0].load()
 
     accumulator_chunk = staticmethod(accumulator_chunk)
 
@@ -782,19 +745,10 @@ class GroupedGemmSwigluSm90(GroupedGemmSm90):
         up = cute.make_rmem_tensor(tRS_rD.shape, self.acc_dtype)
         self.accumulator_chunk(tRS_rAcc, chunk, tRS_rD)
         self.accumulator_chunk(tRS_rAcc, chunk + self.out_tile_n // self.epi_tile[1], up)
-        tRS_rOut.store((self.silu(tRS_rD.load()) * up.load()).to(self.c_dtype))
-
-    @cute.jit
-    def direct_values(self, acc, half, group, mb):
-        # the up accumulators of the same output columns, out_tile_n further on
-        g = acc[(None, half, group), mb, 0].load()
-        up = acc[(None, half, group + self.out_tile_n // 8), mb, 0].load()
-        return self.silu(g) * up
-
-    @staticmethod
-    def silu(g):
-        """``g / (1 + e^-g)`` in fp32."""
-        return g * cute.math.rcp(1.0 + cute.math.exp2(g * (-1.4426950408889634)))
+        g = tRS_rD.load()
+        # silu(g) = g / (1 + e^-g), in fp32
+        silu = g * cute.math.rcp(1.0 + cute.math.exp2(g * (-1.4426950408889634)))
+        tRS_rOut.store((silu * up.load()).to(self.c_dtype))
 
 
 # ------------------------------------------------------------------ torch side

@@ -174,13 +174,6 @@ BUILDS = {
     "gemm_prefill_single_warp": _gemm("prefill", multi_warp=False),
     "gemm_prefill_f32_out": _gemm("prefill", out="float32"),
     "gemm_prefill_whole_experts": _gemm("prefill", band_m=0),
-    # the epilogue's stores straight from the accumulators
-    "gemm_prefill_ds": _gemm("prefill", direct_store=True),
-    "gemm_prefill_ds_bk": _gemm("prefill", b_n_major=False, direct_store=True),
-    "gemm_prefill_ds_f32_out": _gemm("prefill", out="float32", direct_store=True),
-    "gemm_mid_ds": _gemm("mid", direct_store=True),
-    "gemm_prefill_pp_ds": _gemm("prefill_pp", direct_store=True),
-    "swiglu_prefill_ds": _gemm("prefill", b_n_major=False, swiglu=True, direct_store=True),
     "swiglu_decode": _gemm("decode", b_n_major=False, swiglu=True),
     "swiglu_prefill": _gemm("prefill", b_n_major=False, swiglu=True),
     "swiglu_decode16": _gemm("decode16", b_n_major=False, swiglu=True),

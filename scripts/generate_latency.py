@@ -4,7 +4,7 @@ Hugging Face MoE model with random weights, its experts on ts_moe or on each of
 transformers' experts implementations.
 
     python scripts/generate_latency.py                       # both models, eager
-    python scripts/generate_latency.py --compile             # also torch.compile, static cache
+    python scripts/generate_latency.py --compile             # also generate's compiled decode
     python scripts/generate_latency.py --models mixtral --layers 4 --new-tokens 64
     python scripts/generate_latency.py --impls ts_moe,grouped_mm --compile
 
@@ -23,6 +23,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compile", action="store_true",
-                   help="also torch.compile(mode='reduce-overhead') with a static cache")
+                   help="also transformers' compiled decode step (a static cache; "
+                   "torch.compile(fullgraph=True, mode='reduce-overhead'))")
     p.add_argument("--tiny", action="store_true", help="small shapes (a CPU smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -129,20 +131,27 @@ def main(argv=None) -> int:
             modes = [("eager", model)]
             if args.compile:
                 # the eager row keeps the default (dynamic) cache: with a static
-                # one, transformers' generate may compile the forward by itself
-                # (its rows of 2026-12-04 19:58 UTC were not eager).  Here only
-                # our compile runs (disable_compile: transformers' own is off)
+                # one, transformers' generate compiles the forward by itself
+                # (its rows of 2026-12-04 19:58 UTC were not eager).  The
+                # compiled row is that path, as a user takes it: a static
+                # cache, and generate compiles its decode step with
+                # torch.compile(fullgraph=True, mode="reduce-overhead") (the
+                # prefill stays eager).  A forward compiled by hand instead
+                # fails in generate: it reads a CUDA-graph output after the
+                # next replay (2026-12-04 21:20 UTC, every implementation)
+                from transformers import CompileConfig
+
                 compiled = build(name, args.layers, args.tiny, device, impl)
                 compiled.generation_config.cache_implementation = "static"
-                compiled.generation_config.disable_compile = True
-                compiled.forward = torch.compile(compiled.forward, mode="reduce-overhead",
-                                                 fullgraph=True)
+                compiled.generation_config.compile_config = CompileConfig(
+                    fullgraph=True, mode="reduce-overhead")
                 modes.append(("compiled", compiled))
             for mode, m in modes:
                 try:
                     ms = f"{ms_per_token(m, prompt, args.new_tokens, args.repeats, device):.3f}"
                 except Exception as exc:  # an implementation this machine can't run
-                    ms = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+                    ms = f"failed: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+                    traceback.print_exc()  # to stderr, for the failure's origin
                 print(f"| {name} | {impl} | {mode} | {ms} |", flush=True)
             del model, modes
             if device.type == "cuda":
