@@ -205,10 +205,15 @@ class RouteSlots:
         """One warp: token ``t``'s top-k experts and weights.
 
         Each logit becomes an order-preserving int32 key (-0.0 as +0.0: the two
-        tie), so a round's argmax is two warp reductions (``redux.sync``): the
-        largest key, then the lowest expert holding it.  Round ``r``'s expert
-        and key stay with lane ``r % 32`` (register ``r // 32``); the weights
-        are computed from them once all rounds are done."""
+        tie), so a round's argmax is a warp reduction (``redux.sync``).  bf16
+        logits: a key's low 16 bits carry nothing (an fp32 made from a bf16
+        has zeros there, or ones once ordered), so the key's top half and
+        ``0xFFFF - expert`` pack into one int32 whose maximum is the largest
+        logit and, on ties, the lowest expert: one reduction per round.  Other
+        dtypes: two (the largest key, then the lowest expert holding it).
+        Round ``r``'s choice stays with lane ``r % 32`` (register ``r // 32``);
+        the weights are computed from them once all rounds are done."""
+        packed = cutlass.const_expr(mLogits.element_type == cutlass.BFloat16)
         low = -(2**31)  # below every key: an expert past E, or one taken
         lane_max = cutlass.Int32(low)
         for j in cutlass.range_constexpr(self.per_lane):
@@ -216,45 +221,68 @@ class RouteSlots:
             if lane + 32 * j < num_experts:
                 v = mLogits[t, lane + 32 * j].to(cutlass.Float32)
                 key = _ordered_key(v.bitcast(cutlass.Int32))
+                if cutlass.const_expr(packed):
+                    key = (key & _KEY_TOP) | (0xFFFF - (lane + 32 * j))
             keys[j] = key
             lane_max = cutlass.max(lane_max, key)
-        best = _ordered_key(cute.arch.warp_redux_sync(lane_max, "max")).bitcast(cutlass.Float32)
+        top = cute.arch.warp_redux_sync(lane_max, "max")  # the largest logit's key
+        best = _key_value(top, packed)
         denom = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(self.per_lane):
-            vals[j] = cutlass.Float32(0.0)
             if lane + 32 * j < num_experts:
-                v = _ordered_key(keys[j]).bitcast(cutlass.Float32)
-                denom += cute.math.exp2((v - best) * LOG2E)
+                denom += cute.math.exp2((_key_value(keys[j], packed) - best) * LOG2E)
         for d in cutlass.range_constexpr(5):
             denom += cute.arch.shuffle_sync_bfly(denom, 1 << d)
 
         for r in cutlass.range(top_k, unroll=1):
-            # this lane's largest key (the lower expert on ties) ...
-            lane_key = cutlass.Int32(low)
-            lane_expert = cutlass.Int32(2**31 - 1)
-            for j in cutlass.range_constexpr(self.per_lane):
-                if keys[j] > lane_key:
-                    lane_key = keys[j]
-                    lane_expert = lane + 32 * j
-            # ... then the warp's, and the lowest expert that holds it
-            key = cute.arch.warp_redux_sync(lane_key, "max")
-            if lane_key != key:
-                lane_expert = cutlass.Int32(2**31 - 1)
-            expert = cute.arch.warp_redux_sync(lane_expert, "min")
-            if lane == expert % 32:
-                for j in cutlass.range_constexpr(self.per_lane):
-                    if expert // 32 == j:
+            choice = cutlass.Int32(0)  # packed: the key; else the expert
+            value = cutlass.Float32(0.0)  # not packed: the chosen logit
+            if cutlass.const_expr(packed):
+                if r > 0:
+                    lane_max = cutlass.Int32(low)
+                    for j in cutlass.range_constexpr(self.per_lane):
+                        lane_max = cutlass.max(lane_max, keys[j])
+                    top = cute.arch.warp_redux_sync(lane_max, "max")
+                choice = top
+                for j in cutlass.range_constexpr(self.per_lane):  # unique: it holds e
+                    if keys[j] == top:
                         keys[j] = cutlass.Int32(low)
-            if lane == r % 32:
+            else:
+                # this lane's largest key (the lower expert on ties) ...
+                lane_key = cutlass.Int32(low)
+                lane_expert = cutlass.Int32(2**31 - 1)
                 for j in cutlass.range_constexpr(self.per_lane):
+                    if keys[j] > lane_key:
+                        lane_key = keys[j]
+                        lane_expert = lane + 32 * j
+                # ... then the warp's, and the lowest expert that holds it
+                key = cute.arch.warp_redux_sync(lane_key, "max")
+                if lane_key != key:
+                    lane_expert = cutlass.Int32(2**31 - 1)
+                choice = cute.arch.warp_redux_sync(lane_expert, "min")
+                if lane == choice % 32:
+                    for j in cutlass.range_constexpr(self.per_lane):
+                        if choice // 32 == j:
+                            keys[j] = cutlass.Int32(low)
+                value = _key_value(key, packed)
+            if r < 32:  # warp-uniform; k <= 32 in every model
+                if lane == r:
+                    chosen[0] = choice
+                    vals[0] = value
+            elif lane == r % 32:
+                for j in cutlass.range_constexpr(1, self.per_lane):
                     if r // 32 == j:
-                        chosen[j] = expert
-                        vals[j] = _ordered_key(key).bitcast(cutlass.Float32)
+                        chosen[j] = choice
+                        vals[j] = value
 
         total = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(self.per_lane):
             if lane + 32 * j < top_k:
-                vals[j] = cute.math.exp2((vals[j] - best) * LOG2E) / denom
+                v = vals[j]
+                if cutlass.const_expr(packed):
+                    v = _key_value(chosen[j], True)
+                    chosen[j] = 0xFFFF - (chosen[j] & 0xFFFF)
+                vals[j] = cute.math.exp2((v - best) * LOG2E) / denom
                 total += vals[j]
         for d in cutlass.range_constexpr(5):
             total += cute.arch.shuffle_sync_bfly(total, 1 << d)
@@ -264,6 +292,20 @@ class RouteSlots:
                 mWeights[t, r] = vals[j] / total
                 mExperts[t, r] = cutlass.Int64(chosen[j])
                 ids[t * top_k + r] = chosen[j]
+
+
+_KEY_TOP = -(1 << 16)  # 0xFFFF0000: a key's top half
+
+
+@cute.jit
+def _key_value(key: cutlass.Int32, packed: cutlass.Constexpr) -> cutlass.Float32:
+    """The logit of an ordered key (``packed``: of a packed key's top half; the low
+    half of an ordered bf16 key is all zeros, or all ones below zero)."""
+    if cutlass.const_expr(packed):
+        key = key & _KEY_TOP
+        if key < 0:
+            key = key | 0xFFFF
+    return _ordered_key(key).bitcast(cutlass.Float32)
 
 
 @cute.jit

@@ -52,6 +52,23 @@ def test_route_slots_ties_and_infinities():
     assert torch.allclose(w, w_ref)
 
 
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (256, 8), (64, 40)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_route_slots_many_ties(experts, top_k, dtype):
+    """Small integer logits, -0.0 among them: most rounds break ties (bf16 takes one
+    reduction per round on packed keys, fp16 two)."""
+    torch.manual_seed(experts + top_k)
+    logits = torch.randint(-2, 3, (64, experts), device="cuda").to(dtype)
+    logits[logits == 0] = torch.where(torch.rand_like(logits[logits == 0].float()) < 0.5,
+                                      -0.0, 0.0).to(dtype)
+    w, ex, tok, offs, inv = rk().route_slots(logits, top_k)
+    w_ref, ex_ref = routing.route(logits, top_k)
+    assert torch.equal(ex, ex_ref)
+    assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
+    s_ref = routing.sort_slots(ex_ref, experts)
+    assert torch.equal(offs, s_ref.offs) and torch.equal(inv, s_ref.inverse)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (40, 16, 4), (256, 256, 4),
                                                    (333, 8, 3), (1024, 1, 1)])

@@ -53,6 +53,11 @@ def test_routing_is_one_cta_with_warp_shuffles(ptx):
     text = ptx["route_slots"]
     assert "shfl.sync.bfly" in text
     assert ".shared" in text and "atom." not in text  # no atomics: deterministic
+    # top-k rounds: bf16 logits pack key and expert (one reduction a round, and
+    # the first outside the loop); fp32 the largest key, then the lowest expert
+    assert text.count("redux.sync.max") == 2 and "redux.sync.min" not in text
+    f32 = ptx["route_slots_f32"]
+    assert f32.count("redux.sync.max") == 2 and f32.count("redux.sync.min") == 1
 
 
 @pytest.mark.skipif(PTXAS is None, reason="needs ptxas")
