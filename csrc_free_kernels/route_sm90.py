@@ -446,11 +446,21 @@ def fits(slots: int, num_experts: int) -> bool:
     return 0 < slots <= MAX_SLOTS and 0 < num_experts <= MAX_EXPERTS
 
 
+def _check_fits(slots: int, num_experts: int) -> None:
+    """The one CTA holds every slot and expert in shared memory: a batch past
+    that would run off its tables (the ops check :func:`fits` and take the torch
+    path instead; this guards the module's own entries)."""
+    if not fits(slots, num_experts):
+        raise ValueError(f"the routing kernel takes 1 to {MAX_SLOTS} slots and 1 to "
+                         f"{MAX_EXPERTS} experts, got {slots} slots and {num_experts} experts")
+
+
 def route_slots(logits: torch.Tensor, top_k: int):
     """(weights, experts, token_index, offs, inverse) of a batch that :func:`fits`;
     ``logits`` (T, E) contiguous, on the current stream.  ``ts_moe.route`` and
     ``ts_moe.sort_slots`` in one launch."""
     tokens, num_experts = logits.shape
+    _check_fits(tokens * top_k, num_experts)
     dev = logits.device
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
     experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
@@ -466,6 +476,7 @@ def sort_slots(experts: torch.Tensor, num_experts: int):
     """(token_index, offs, inverse) of ``experts`` (T, k) int32/int64 contiguous,
     a batch that :func:`fits`: ``ts_moe.sort_slots`` in one launch."""
     slots = experts.numel()
+    _check_fits(slots, num_experts)
     dev = experts.device
     token_index = torch.empty(slots, dtype=torch.int32, device=dev)
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)

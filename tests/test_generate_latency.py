@@ -42,7 +42,7 @@ def test_smoke_run_prints_a_row_per_implementation(capsys):
 
 
 def test_impls_selects_rows_and_refuses_unknown_names(capsys):
-    assert _script().main(["--tiny", "--models", "mixtral", "--layers", "1", "--new-tokens", "2",
+    assert _script().main(["--tiny", "--models", "mixtral", "--layers", "1", "--new-tokens", "3",
                            "--repeats", "1", "--device", "cpu",
                            "--impls", "ts_moe_replace,grouped_mm"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| mixtral")]
@@ -50,6 +50,9 @@ def test_impls_selects_rows_and_refuses_unknown_names(capsys):
     with pytest.raises(SystemExit):
         _script().main(["--tiny", "--impls", "ts_moe,vllm", "--device", "cpu"])
     assert "unknown implementations ['vllm']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # per token needs two lengths with decode steps
+        _script().main(["--tiny", "--new-tokens", "2", "--device", "cpu"])
+    assert "--new-tokens must be at least 3" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3"])

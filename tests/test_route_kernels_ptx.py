@@ -153,3 +153,16 @@ def test_kernel_modules_only_where_the_sm90_kernels_run(monkeypatch):
     assert ops._sm90_module(torch.ones(1), "route_sm90") is None
     monkeypatch.setattr(ops, "cuda_path", lambda index, dtype: (ops.Path.TORCH_GROUPED_MM, None))
     assert ops._sm90_module(CudaTensor(), "route_sm90") is None
+
+
+def test_kernel_entries_refuse_batches_past_their_tables():
+    """The module's own entries check the capacity before anything launches
+    (a batch of 2,560 slots once ran past the tables: an illegal address)."""
+    from csrc_free_kernels import route_sm90 as r
+
+    with pytest.raises(ValueError, match="1 to 1024 slots"):
+        r.route_slots(torch.zeros(64, 64, dtype=torch.bfloat16), 40)
+    with pytest.raises(ValueError, match="257 experts"):
+        r.sort_slots(torch.zeros(4, 2, dtype=torch.int64), 257)
+    with pytest.raises(ValueError, match="got 0 slots"):
+        r.sort_slots(torch.zeros(0, 2, dtype=torch.int64), 8)
