@@ -68,7 +68,11 @@ class RouteSlots:
     of shared memory per thread.  Outside the contract (as in the version
     before): int64 ids beyond the int32 range are clamped to it (such ids tie
     and keep slot order), and NaN logits choose other experts than torch's
-    ``topk`` would (every weight is NaN either way).  Measured: bench/RESULTS.md, "Issue 21,
+    ``topk`` would (every weight is NaN either way).  And where fp32
+    probabilities underflow to 0 (logits about 100 or more below the largest),
+    ``ts_moe.route`` sees ties and takes the lower experts first, where the
+    kernel still ranks those experts by logit: the weights (0) and so the
+    block's output agree, the ids and the slot order can differ.  Measured: bench/RESULTS.md, "Issue 21,
     third pass".
     """
 
@@ -461,6 +465,8 @@ def route_slots(logits: torch.Tensor, top_k: int):
     ``ts_moe.sort_slots`` in one launch."""
     tokens, num_experts = logits.shape
     _check_fits(tokens * top_k, num_experts)
+    if not 1 <= top_k <= num_experts:  # each round takes a new expert
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
     dev = logits.device
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
     experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)

@@ -88,7 +88,8 @@ def ms_per_token(model, prompt, new_tokens: int, repeats: int, device) -> float:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    run(new_tokens)  # warm up: kernels compiled, caches made
+    run(new_tokens)  # warm up both lengths: kernels compiled, caches made
+    run(2)
     # two lengths that both run decode steps: a cost paid once per generate
     # call, in its prefill or its first (compiled) decode step, cancels
     few = statistics.median(timed(2) for _ in range(repeats))

@@ -166,3 +166,5 @@ def test_kernel_entries_refuse_batches_past_their_tables():
         r.sort_slots(torch.zeros(4, 2, dtype=torch.int64), 257)
     with pytest.raises(ValueError, match="got 0 slots"):
         r.sort_slots(torch.zeros(0, 2, dtype=torch.int64), 8)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 8\]"):
+        r.route_slots(torch.zeros(1, 8, dtype=torch.bfloat16), 9)
