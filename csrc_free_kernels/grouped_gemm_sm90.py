@@ -241,8 +241,9 @@ class GroupedGemmSm90:
       ``tile_n / b_warps`` rows of ``B[e]`` (``multi_warp=False``: warp 0
       issues these loads too).
     - warp 3: builds the tile schedule in shared memory at start, then idles.
-    - warpgroups 1..: WGMMA consumers (64 rows each of every tile, or with
-      ``pingpong`` whole tiles, alternately), then the epilogue: registers ->
+    - warpgroups 1..: WGMMA consumers (64 rows each of every tile, skipping
+      the MMAs of rows all past the expert's end, or with ``pingpong`` whole
+      tiles, alternately), then the epilogue: registers ->
       stmatrix -> shared memory -> 16-byte predicated stores, so a tile never
       writes a row of a neighbouring expert.  Ping-pong warpgroups take turns
       through two named barriers: a warpgroup starts a tile's mainloop once
