@@ -47,7 +47,8 @@ class RouteSlots:
        expert, as in ``ts_moe.route``).  Round ``r``'s expert stays in the
        registers of lane ``r % 32``, which writes weight = probability / the
        sum of the chosen ones once all rounds are done (no global round trip).
-       Selecting on the logits, not on the rounded probabilities, is exact.
+       Selecting on the logits, as ``ts_moe.route`` does, is exact (fp32
+       probabilities can tie where the logits do not).
        Otherwise the ids are read from ``experts``.  The ids go to shared
        memory.
     2. Each warp takes chunks of 32 slots: a slot's rank among the earlier
@@ -68,11 +69,7 @@ class RouteSlots:
     of shared memory per thread.  Outside the contract (as in the version
     before): int64 ids beyond the int32 range are clamped to it (such ids tie
     and keep slot order), and NaN logits choose other experts than torch's
-    ``topk`` would (every weight is NaN either way).  And where fp32
-    probabilities underflow to 0 (logits about 100 or more below the largest),
-    ``ts_moe.route`` sees ties and takes the lower experts first, where the
-    kernel still ranks those experts by logit: the weights (0) and so the
-    block's output agree, the ids and the slot order can differ.  Measured: bench/RESULTS.md, "Issue 21,
+    ``topk`` would (every weight is NaN either way).  Measured: bench/RESULTS.md, "Issue 21,
     third pass".
     """
 

@@ -56,6 +56,22 @@ def test_route_ties_lower_expert_index_wins():
     assert torch.equal(ids, route_reference(logits, 3)[1])
 
 
+def test_route_ranks_by_logit_where_probabilities_underflow():
+    # fp32 softmax underflows to 0 for logits ~100 below the largest: ranked by
+    # probability, experts 1 (-inf) and 2 (-200) would tie and 1 would win
+    logits = torch.tensor([[0.0, float("-inf"), -200.0, -300.0, -300.0, -150.0]])
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        weights, ids = route(logits.to(dtype), 4)
+        assert ids.tolist() == [[0, 5, 2, 3]]
+        assert weights.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+        assert torch.equal(ids, route_reference(logits.to(dtype), 4)[1])
+    # -0.0 and +0.0 tie: the lower expert first
+    _, ids = route(torch.tensor([[-1.0, 0.0, -0.0, 0.0]]), 3)
+    assert ids.tolist() == [[1, 2, 3]]
+    _, ids = route(torch.tensor([[-1.0, -0.0, 0.0]]), 2)
+    assert ids.tolist() == [[1, 2]]
+
+
 def test_route_rejects_bad_arguments():
     with pytest.raises(ValueError, match="top_k"):
         route(torch.zeros(3, 4), 5)

@@ -74,18 +74,22 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
     logits: (T, E), any float dtype.  Returns ``(weights, experts)``, both
     (T, top_k): ``weights`` float32 summing to 1 per token, ``experts`` int64,
-    in decreasing order of probability.
+    in decreasing order of logit, so of probability.
 
-    Tie rule: among equal probabilities the lower expert index comes first (and
-    is the one kept at the top-k boundary).  ``torch.topk`` has no such rule
-    (on CPU it returns the *higher* indices of equal values first), so the
-    selection is a stable descending sort of the E probabilities instead.
+    The experts are ranked by their logits, not by the rounded probabilities:
+    softmax keeps the order, and the logits keep it where fp32 probabilities
+    collapse (those ~100 below the largest all underflow to 0 and would tie).
+    Tie rule: among equal logits the lower expert index comes first (and is the
+    one kept at the top-k boundary).  ``torch.topk`` has no such rule (on CPU
+    it returns the *higher* indices of equal values first), so the selection is
+    a stable descending sort of the logits.  The routing kernel
+    (``csrc_free_kernels.route_sm90``) ranks the same way.
     """
     check_logits(logits)
     check_top_k(top_k, logits.shape[1])
     probs = torch.softmax(logits.float(), dim=-1)
-    top, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
-    top, experts = top[:, :top_k], experts[:, :top_k]
+    experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    top = probs.gather(-1, experts)
     return top / top.sum(dim=-1, keepdim=True), experts
 
 
@@ -98,7 +102,7 @@ def route_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, tor
     for t, row in enumerate(logits.double().cpu()):
         p = torch.exp(row - row.max())
         p = (p / p.sum()).tolist()
-        chosen = sorted(range(len(p)), key=lambda e: (-p[e], e))[:top_k]
+        chosen = sorted(range(len(p)), key=lambda e: (-row[e].item(), e))[:top_k]
         total = sum(p[e] for e in chosen)
         weights[t] = torch.tensor([p[e] / total for e in chosen])
         experts[t] = torch.tensor(chosen)
