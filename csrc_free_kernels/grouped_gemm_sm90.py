@@ -17,6 +17,7 @@ import cutlass.pipeline as cp
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental.primitives import cp_async_bulk_global_shared_cta
 from cutlass.tensor_utils import LayoutEnum
 
 import ts_pipeline
@@ -63,6 +64,13 @@ class TileConfig:
     walk, each a whole ``tile_m x tile_n`` tile, so that one's epilogue and
     tile lookup run under the other's MMAs (each stage is consumed by one
     warpgroup); otherwise both share every tile, 64 rows each.
+
+    ``store_warp`` (16-bit output, not with ``pingpong``): the MMA threads
+    write the whole output tile to shared memory (``stmatrix``, rows padded by
+    16 bytes) and go back to their mainloop; warp 3 stores it, a bulk copy
+    (``cp.async.bulk``) per row of the expert, and frees the buffer once the
+    copies have read it.  The tile's buffer costs the 128x256 tile one of its
+    four ring stages.
     """
 
     name: str
@@ -77,6 +85,7 @@ class TileConfig:
     band_m: int = 0
     pair_tiles: bool = False
     pingpong: bool = False
+    store_warp: bool = False
 
     def __hash__(self) -> int:
         # on every call's path (the launcher cache): the name's cached str hash,
@@ -214,7 +223,8 @@ class Warp(enum.IntEnum):
 
     LOAD_A = 0     # TMA of the token tile; the task warp leader (arms each full barrier)
     LOAD_B = 1     # warps 1 .. b_warps: TMA of one weight part each
-    SCHEDULE = 3   # builds the tile schedule in shared memory, then idles
+    SCHEDULE = 3   # builds the tile schedule in shared memory; then idles, or stores
+                   # the output tiles (store_warp)
     MMA = 4        # warps 4..: the WGMMA warpgroups, then the epilogue
 
 
@@ -227,6 +237,10 @@ class Barrier(enum.IntEnum):
     # one has passed all the ring waits of the tile before
     TURN_WG0 = 3
     TURN_WG1 = 4
+    # store_warp: the tile is in shared memory (MMA threads -> warp 3), and its
+    # buffer is free again (warp 3 -> MMA threads)
+    TILE_STAGED = 5
+    TILE_STORED = 6
 
 
 class GroupedGemmSm90:
@@ -240,7 +254,10 @@ class GroupedGemmSm90:
     - warps 1..b_warps: TMA producers of the expert-weight tile, each
       ``tile_n / b_warps`` rows of ``B[e]`` (``multi_warp=False``: warp 0
       issues these loads too).
-    - warp 3: builds the tile schedule in shared memory at start, then idles.
+    - warp 3: builds the tile schedule in shared memory at start, then idles,
+      or with ``store_warp`` stores each output tile the MMA warpgroups staged
+      (bulk copies, a row each; named barriers ``TILE_STAGED`` and
+      ``TILE_STORED`` between the two roles).
     - warpgroups 1..: WGMMA consumers (64 rows each of every tile, skipping
       the MMAs of rows all past the expert's end, or with ``pingpong`` whole
       tiles, alternately), then the epilogue: registers ->
@@ -298,6 +315,11 @@ class GroupedGemmSm90:
                                               num_threads=2 * 128)
                               for g in range(self.epi_groups if config.pingpong else 0)]
         self.epi_stages = 2
+        if config.store_warp and config.pingpong:
+            raise ValueError(f"store_warp stores the tiles of both warpgroups together, "
+                             f"not ping-pong tiles: {config}")
+        self.tile_barriers = [cp.NamedBarrier(barrier_id=b, num_threads=self.epi_threads + 32)
+                              for b in (Barrier.TILE_STAGED, Barrier.TILE_STORED)]
         if config.pingpong and config.tile_m != 128:
             raise ValueError(f"a ping-pong warpgroup owns a 128-row tile: {config}")
         if config.b_warps not in (1, 2) or config.tile_n % config.b_warps:
@@ -305,6 +327,17 @@ class GroupedGemmSm90:
         self.schedule = RaggedTileSchedule(
             cta_rows=config.rows, cluster_m=config.cluster_m, pair_tiles=config.pair_tiles,
             band_m=config.band_m, max_experts=MAX_EXPERTS)
+
+    def staged_tile_layout(self, c_dtype, c_layout):
+        """``store_warp``: the whole output tile in shared memory, row-major with
+        rows padded by 16 bytes (``stmatrix`` without bank conflicts, and each
+        row one contiguous bulk copy), as ``(epi_m, epi_n, sub-tiles)`` for the
+        epilogue's sub-tile loop (sub-tile ``mi * n_subs + ni``)."""
+        epi_m, epi_n = self.epi_tile[0], self.epi_tile[1]
+        self.staged_row = self.out_tile_n + 128 // c_dtype.width
+        m_subs, n_subs = self.cfg.tile_m // epi_m, self.out_tile_n // epi_n
+        return cute.make_layout((epi_m, epi_n, (n_subs, m_subs)),
+                                stride=(self.staged_row, 1, (epi_n, epi_m * self.staged_row)))
 
     @staticmethod
     def prefetch_supported(config: TileConfig) -> bool:
@@ -329,6 +362,9 @@ class GroupedGemmSm90:
                 raise ValueError(f"{cfg}: each CTA's share of an N-major weight part, "
                                  f"{share_n} columns, must be a multiple of 64")
         assert a_layout.is_k_major_a(), "tokens are read K-major"
+        if cfg.store_warp and (c_dtype.width != 16 or not c_layout.is_n_major_c()):
+            raise ValueError(f"{cfg}: store_warp stages 16-bit row-major output tiles, "
+                             f"got {c_dtype} ({c_layout})")
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
@@ -341,6 +377,8 @@ class GroupedGemmSm90:
             is_cooperative=cfg.tile_m == 128 and not cfg.pingpong)
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             c_dtype, c_layout, self.epi_tile, self.epi_stages * self.epi_groups)
+        if cfg.store_warp:
+            self.epi_smem_layout = self.staged_tile_layout(c_dtype, c_layout)
         self.a_bytes = cfg.rows * cfg.tile_k * a_dtype.width // 8
         self.b_part_bytes = self.b_part_n * cfg.tile_k * a_dtype.width // 8
         self.stage_bytes = self.a_bytes + cfg.b_warps * self.b_part_bytes
@@ -416,7 +454,7 @@ class GroupedGemmSm90:
                mB: cute.Tensor, tma_atom_b1: cute.CopyAtom, mB1: cute.Tensor, mC: cute.Tensor,
                mOffs: cute.Tensor, tiled_mma: cute.TiledMma,
                a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
-               epi_smem_layout: cute.ComposedLayout):
+               epi_smem_layout):
         cfg = self.cfg
         early = self.prefetch_weights
         if cutlass.const_expr(not early):
@@ -446,7 +484,10 @@ class GroupedGemmSm90:
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
-        sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+        if cutlass.const_expr(cfg.store_warp):
+            sC = storage.sC.get_tensor(epi_smem_layout)
+        else:
+            sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
 
         if warp_idx < Warp.MMA:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -456,6 +497,9 @@ class GroupedGemmSm90:
             if warp_idx <= (cfg.b_warps if cutlass.const_expr(cfg.multi_warp) else 0):
                 self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring,
                              warp_idx, sched, k_tiles, n_cols)
+            if cutlass.const_expr(cfg.store_warp):
+                if warp_idx == Warp.SCHEDULE:
+                    self.store_tiles(mC, sC, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             if cutlass.const_expr(early):
@@ -636,15 +680,12 @@ class GroupedGemmSm90:
             # cluster tile, which still takes its share of the multicast but
             # skips the MMAs: idle tensor cores leave power to clock the others
             # higher)
-            rows_valid = cutlass.min(seg_end - row0, cfg.rows)
+            rows_valid = self.stored_rows(row0, seg_end, t, total_tiles)
             mma_rows = rows_valid
             run = expert < sched.num_experts
             if cutlass.const_expr(cfg.pair_tiles):
                 # every stage the pair's producers fill: the tile missing from
-                # a pair stores nothing, the zero tail computes nothing
-                if t >= total_tiles:
-                    rows_valid = cutlass.Int32(0)
-                    mma_rows = cutlass.Int32(0)
+                # a pair stores nothing (stored_rows), the zero tail computes nothing
                 if expert >= sched.num_experts:
                     run = t - lead < total_tiles  # true in the loop: run the stages
                     mma_rows = cutlass.Int32(0)
@@ -672,26 +713,38 @@ class GroupedGemmSm90:
                     if t + sched.step - lead < total_tiles:  # the other's turn follows
                         self.turn_barriers[1 - group].arrive()
 
-                # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
-                gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
-                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
-                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                for epi in cutlass.range_constexpr(m_subs * n_subs):
-                    mi, ni = divmod(epi, n_subs)
-                    buf = group * self.epi_stages + epi_count % self.epi_stages
-                    self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
-                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-                    epi_barrier.arrive_and_wait()
-                    # (epi_m, epi_n) sub-tile of C and of its coordinates
-                    tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
-                    tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (mi, ni)))
-                    for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                        for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                            crd = tScC[0, i, j]
-                            if crd[0] < rows_valid and crd[1] < mC.shape[1]:
-                                cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
-                    epi_count += 1
+                if cutlass.const_expr(cfg.store_warp):
+                    # the whole tile to shared memory, for warp 3 to store
+                    if turn > 0:
+                        self.tile_barriers[1].arrive_and_wait()  # the last one is stored
+                    for epi in cutlass.range_constexpr(m_subs * n_subs):
+                        mi, ni = divmod(epi, n_subs)
+                        self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
+                        cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, epi])
+                    # stmatrix writes (generic proxy) before the bulk copies' reads
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.tile_barriers[0].arrive()
+                else:
+                    # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
+                    gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
+                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
+                    cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
+                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
+                    for epi in cutlass.range_constexpr(m_subs * n_subs):
+                        mi, ni = divmod(epi, n_subs)
+                        buf = group * self.epi_stages + epi_count % self.epi_stages
+                        self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
+                        cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                        epi_barrier.arrive_and_wait()
+                        # (epi_m, epi_n) sub-tile of C and of its coordinates
+                        tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
+                        tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (mi, ni)))
+                        for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+                            for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
+                                crd = tScC[0, i, j]
+                                if crd[0] < rows_valid and crd[1] < mC.shape[1]:
+                                    cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
+                        epi_count += 1
             else:
                 if run:
                     # the other warpgroup's tile: its stages are not ours
@@ -700,6 +753,51 @@ class GroupedGemmSm90:
                         release.advance()
             turn += 1
             t += sched.step
+
+    @cute.jit
+    def stored_rows(self, row0, seg_end, t, total_tiles):
+        """Rows of tile ``t`` that its epilogue stores: the expert's rows in this
+        CTA's tile (<= 0: the spare half of a cluster tile); none for the tile
+        missing from a pair (``t`` past the walk's end)."""
+        rows = cutlass.min(seg_end - row0, self.cfg.rows)
+        if cutlass.const_expr(self.cfg.pair_tiles):
+            if t >= total_tiles:
+                rows = cutlass.Int32(0)
+        return rows
+
+    @cute.jit
+    def store_tiles(self, mC: cute.Tensor, sC: cute.Tensor, sched: TileScheduler):
+        """``store_warp``, warp 3: each tile of the CTA's walk, once the MMA threads
+        have staged it, stored a row per bulk copy (``cp.async.bulk``, lane ``i``
+        rows ``i, i + 32, ...``): the expert's rows only, up to N (16-byte
+        granules: the output's rows are padded to 16 bytes).  The buffer is
+        given back once the copies have read it; the writes complete before the
+        warp exits."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        n_cols = mC.shape[1]
+        granule = 128 // self.c_dtype.width  # elements per 16 bytes
+        lead, total_tiles = sched.lead, sched.total_tiles
+        t = sched.first
+        while t - lead < total_tiles:
+            _, row0, seg_end, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
+            rows = self.stored_rows(row0, seg_end, t, total_tiles)
+            n0 = n_tile * self.out_tile_n
+            cols = cutlass.min(n_cols - n0, self.out_tile_n)
+            nbytes = (cols + granule - 1) // granule * 16
+            self.tile_barriers[0].arrive_and_wait()  # the tile is in shared memory
+            for i in cutlass.range_constexpr(cfg.tile_m // 32):
+                r = lane + 32 * i
+                if r < rows:
+                    cp_async_bulk_global_shared_cta(
+                        mC.iterator + cute.crd2idx((row0 + r, n0), mC.layout),
+                        sC.iterator + r * self.staged_row, nbytes)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if t + sched.step - lead < total_tiles:
+                self.tile_barriers[1].arrive()  # the buffer is free
+            t += sched.step
+        cute.arch.cp_async_bulk_wait_group(0)
 
     accumulator_chunk = staticmethod(accumulator_chunk)
 

@@ -89,7 +89,8 @@ def assert_pdl_prefetch_entry(ptx_text: str) -> None:
     assert early and all(re.search(r"\bld\.global\.cg\.", e) for e in early), early
     assert not re.search(r"\bld\.global(?!\.cg\.)", body), "every offs read from L2"
     first_token_load = re.search(r"cp\.async\.bulk\.tensor\.2d", body).start()
-    first_store = re.search(r"\bst\.global", body).start()
+    # thread stores, or (store_warp) bulk copies of staged rows to global memory
+    first_store = re.search(r"\bst\.global|\bcp\.async\.bulk\.global\.", body).start()
     assert waits[0] < first_token_load and waits[0] < first_store
 
 

@@ -81,7 +81,10 @@ CONFIG_NAMES = ["decode16", "decode16_n64", "decode", "decode_p2", "mid", "prefi
 # raster bands of two m-tiles, so that the small cases below span several bands
 VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
             "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2),
-            "prefill_pp:band": dict(band_m=2), "prefill_pp_c2:band": dict(band_m=2)}
+            "prefill_pp:band": dict(band_m=2), "prefill_pp_c2:band": dict(band_m=2),
+            # the output tile staged whole and stored by warp 3 (opt-in)
+            **{f"{c}:sw": dict(store_warp=True)
+               for c in ("mid", "prefill", "prefill_c2", "prefill_p2")}}
 
 
 def config_named(name):
@@ -230,12 +233,12 @@ def test_compute_sanitizer(tool):
     assert proc.stdout.count("rel err") == len(gg().CONFIGS)
 
 
-@pytest.mark.parametrize("config", CONFIG_NAMES)
+@pytest.mark.parametrize("config", CONFIG_NAMES + ["mid:sw", "prefill:sw", "prefill_p2:sw"])
 def test_swiglu_configs(config):
     """The fused gate/up + SwiGLU kernel in every configuration, ragged, poisoned output."""
     from ts_moe.reference import grouped_gemm_swiglu_reference
 
-    cfg = gg().CONFIGS[config]
+    cfg = config_named(config)
     e, h, inter = 6, 256, 384  # I a multiple of every config's tile_n / 2
     a = torch.randn(1000, h, device="cuda", dtype=torch.bfloat16)
     gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h**-0.5
@@ -249,12 +252,13 @@ def test_swiglu_configs(config):
     assert (out[952:] == 0).all()
 
 
-@pytest.mark.parametrize("config", ["prefill", "prefill_pp", "prefill_pp_c2"])
+@pytest.mark.parametrize("config", ["prefill", "prefill_pp", "prefill_pp_c2", "prefill:sw"])
 def test_long_walks(config):
     """Many tiles per CTA, each with many more k-tiles than the ring has stages:
     a ping-pong warpgroup skips the other's stages, far ahead of the ring (it
-    must wait its turn: a parity wait on a stage phases ahead would pass)."""
-    cfg = gg().CONFIGS[config]
+    must wait its turn: a parity wait on a stage phases ahead would pass); with
+    store_warp, each staged tile waits for the one before to be stored."""
+    cfg = config_named(config)
     check(*make(4096, 2048, 4096, 8), config=cfg)
     check(*make(4096, 2048, 4096, 8, counts=[1000, 0, 37, 2000, 0, 900, 159, 0]), config=cfg)
 

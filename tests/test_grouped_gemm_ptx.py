@@ -110,8 +110,22 @@ def test_kernel_ptx(ptx, name):
         assert ".multicast::cluster" not in text
     if name.startswith("swiglu"):
         assert "ex2.approx" in text  # silu in the epilogue
-    assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
-    assert "stmatrix" in text or "f32_out" in name
+    if cfg.store_warp:
+        # the tile staged whole; warp 3 stores it a row per bulk copy (lane i:
+        # rows i, i + 32, ...), waiting on the staged barrier and giving the
+        # buffer back on the other (288 threads: the tile's 256 and warp 3)
+        assert "st.global" not in text
+        assert "stmatrix" in text and "fence.proxy.async.shared::cta" in text
+        copies = re.findall(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group", text)
+        assert len(copies) == cfg.tile_m // 32
+        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", text)  # the buffer
+        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", text)  # the writes, at exit
+        for op in ("sync", "arrive"):
+            for barrier in (5, 6):
+                assert re.search(rf"bar\.{op}\s+{barrier}, 288;", text), (op, barrier)
+    else:
+        assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
+        assert "stmatrix" in text or "f32_out" in name
 
 
 @pytest.mark.parametrize("shape, name", [
@@ -160,3 +174,19 @@ def test_unsplittable_weight_tile_is_refused():
     with pytest.raises(ValueError, match="32 columns, must be a multiple of 64"):
         kernel._setup(cutlass.BFloat16, cutlass.BFloat16, LayoutEnum.ROW_MAJOR,
                       LayoutEnum.COL_MAJOR, LayoutEnum.ROW_MAJOR)
+
+
+def test_store_warp_configurations_are_checked():
+    import dataclasses
+
+    import cutlass
+    from cutlass.tensor_utils import LayoutEnum
+
+    from csrc_free_kernels import grouped_gemm_sm90 as g
+
+    with pytest.raises(ValueError, match="not ping-pong tiles"):
+        g.GroupedGemmSm90(dataclasses.replace(g.PREFILL_PP, store_warp=True))
+    kernel = g.GroupedGemmSm90(dataclasses.replace(g.PREFILL, store_warp=True))
+    with pytest.raises(ValueError, match="16-bit row-major output"):  # fp32: 128 KB a tile
+        kernel._setup(cutlass.BFloat16, cutlass.Float32, LayoutEnum.ROW_MAJOR,
+                      LayoutEnum.ROW_MAJOR, LayoutEnum.ROW_MAJOR)
