@@ -65,12 +65,12 @@ class TileConfig:
     tile lookup run under the other's MMAs (each stage is consumed by one
     warpgroup); otherwise both share every tile, 64 rows each.
 
-    ``store_warp`` (16-bit output, not with ``pingpong``): the MMA threads
-    write the whole output tile to shared memory (``stmatrix``, rows padded by
-    16 bytes) and go back to their mainloop; warp 3 stores it, a bulk copy
-    (``cp.async.bulk``) per row of the expert, and frees the buffer once the
-    copies have read it.  The tile's buffer costs the 128x256 tile one of its
-    four ring stages.
+    ``store_warp`` (128-row tiles, not ``pingpong``; 16-bit output): the MMA
+    threads write the whole output tile to shared memory (``stmatrix``, rows
+    padded by 16 bytes) and go back to their mainloop; warp 3 stores it, a bulk
+    copy (``cp.async.bulk``) per row of the expert, and frees the buffer once
+    the copies have read it.  The tile's buffer costs the 128x256 tile one of
+    its four ring stages.
     """
 
     name: str
@@ -229,7 +229,8 @@ class Warp(enum.IntEnum):
 
 
 class Barrier(enum.IntEnum):
-    """Named barriers among the MMA threads (id 0 is the CTA-wide one)."""
+    """Named barriers among the MMA threads, and (``store_warp``) between them and
+    warp 3 (id 0 is the CTA-wide one)."""
 
     EPILOGUE = 1      # an epilogue sub-tile is in shared memory (a tile's MMA threads)
     EPILOGUE_WG1 = 2  # the same for the second warpgroup of a ping-pong pair
@@ -315,9 +316,9 @@ class GroupedGemmSm90:
                                               num_threads=2 * 128)
                               for g in range(self.epi_groups if config.pingpong else 0)]
         self.epi_stages = 2
-        if config.store_warp and config.pingpong:
-            raise ValueError(f"store_warp stores the tiles of both warpgroups together, "
-                             f"not ping-pong tiles: {config}")
+        if config.store_warp and (config.pingpong or config.tile_m != 128):
+            raise ValueError(f"store_warp stages the 128-row tile both MMA warpgroups share "
+                             f"(not 64-row or ping-pong tiles): {config}")
         self.tile_barriers = [cp.NamedBarrier(barrier_id=b, num_threads=self.epi_threads + 32)
                               for b in (Barrier.TILE_STAGED, Barrier.TILE_STORED)]
         if config.pingpong and config.tile_m != 128:

@@ -184,8 +184,9 @@ def test_store_warp_configurations_are_checked():
 
     from csrc_free_kernels import grouped_gemm_sm90 as g
 
-    with pytest.raises(ValueError, match="not ping-pong tiles"):
-        g.GroupedGemmSm90(dataclasses.replace(g.PREFILL_PP, store_warp=True))
+    for cfg in (g.PREFILL_PP, g.DECODE, g.DECODE16, g.DECODE_P2):
+        with pytest.raises(ValueError, match="not 64-row or ping-pong tiles"):
+            g.GroupedGemmSm90(dataclasses.replace(cfg, store_warp=True))
     kernel = g.GroupedGemmSm90(dataclasses.replace(g.PREFILL, store_warp=True))
     with pytest.raises(ValueError, match="16-bit row-major output"):  # fp32: 128 KB a tile
         kernel._setup(cutlass.BFloat16, cutlass.Float32, LayoutEnum.ROW_MAJOR,
