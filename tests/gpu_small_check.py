@@ -1,4 +1,4 @@
-"""A small ragged problem in every tile configuration of the sm_90 kernel.
+"""A small ragged problem in every tile configuration of the sm_90 kernel (and its store_warp variants).
 
     python -m tests.gpu_small_check
 
@@ -7,10 +7,20 @@ own, so the tool sees every launch); prints one ``rel err`` line per
 configuration and fails on a wrong result.
 """
 
+import dataclasses
+
 import torch
 
 from csrc_free_kernels import grouped_gemm_sm90 as sm90
 from ts_moe.reference import grouped_gemm_reference
+
+
+def configs() -> list:
+    """Every named configuration, and the opt-in ``store_warp`` epilogue on each
+    one that takes it (128-row tiles shared by both warpgroups)."""
+    named = list(sm90.CONFIGS.values())
+    return named + [dataclasses.replace(c, name=f"{c.name}:sw", store_warp=True)
+                    for c in named if c.tile_m == 128 and not c.pingpong]
 
 
 def main() -> None:
@@ -19,7 +29,7 @@ def main() -> None:
     b = torch.randn(4, 128, 136, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([40, 40, 171, 290], dtype=torch.int32, device="cuda")
     ref = grouped_gemm_reference(a, b, offs, torch.float32)
-    for cfg in sm90.CONFIGS.values():
+    for cfg in configs():
         out = sm90.grouped_gemm(a, b, offs, config=cfg)
         torch.cuda.synchronize()
         err = ((out.float() - ref).norm() / ref.norm()).item()
