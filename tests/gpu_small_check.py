@@ -1,4 +1,5 @@
-"""A small ragged problem in every tile configuration of the sm_90 kernel (and its store_warp variants).
+"""A small ragged problem in every tile configuration of the sm_90 kernel
+(the named ones, and the opt-in ``store_warp`` epilogue where it applies).
 
     python -m tests.gpu_small_check
 
