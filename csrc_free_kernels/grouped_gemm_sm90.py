@@ -319,8 +319,10 @@ class GroupedGemmSm90:
         if config.store_warp and (config.pingpong or config.tile_m != 128):
             raise ValueError(f"store_warp stages the 128-row tile both MMA warpgroups share "
                              f"(not 64-row or ping-pong tiles): {config}")
+        # store_warp: staged (MMA threads -> warp 3), stored (warp 3 -> MMA threads)
         self.tile_barriers = [cp.NamedBarrier(barrier_id=b, num_threads=self.epi_threads + 32)
-                              for b in (Barrier.TILE_STAGED, Barrier.TILE_STORED)]
+                              for b in ((Barrier.TILE_STAGED, Barrier.TILE_STORED)
+                                        if config.store_warp else ())]
         if config.pingpong and config.tile_m != 128:
             raise ValueError(f"a ping-pong warpgroup owns a 128-row tile: {config}")
         if config.b_warps not in (1, 2) or config.tile_n % config.b_warps:
@@ -329,13 +331,13 @@ class GroupedGemmSm90:
             cta_rows=config.rows, cluster_m=config.cluster_m, pair_tiles=config.pair_tiles,
             band_m=config.band_m, max_experts=MAX_EXPERTS)
 
-    def staged_tile_layout(self, c_dtype, c_layout):
-        """``store_warp``: the whole output tile in shared memory, row-major with
-        rows padded by 16 bytes (``stmatrix`` without bank conflicts, and each
-        row one contiguous bulk copy), as ``(epi_m, epi_n, sub-tiles)`` for the
-        epilogue's sub-tile loop (sub-tile ``mi * n_subs + ni``)."""
+    def staged_tile_layout(self):
+        """``store_warp``: the whole output tile in shared memory, row-major, rows
+        of ``staged_row`` elements (padded by 16 bytes: ``stmatrix`` without bank
+        conflicts, and each row one contiguous bulk copy), as ``(epi_m, epi_n,
+        sub-tiles)`` for the epilogue's sub-tile loop (sub-tile ``mi * n_subs +
+        ni``)."""
         epi_m, epi_n = self.epi_tile[0], self.epi_tile[1]
-        self.staged_row = self.out_tile_n + 128 // c_dtype.width
         m_subs, n_subs = self.cfg.tile_m // epi_m, self.out_tile_n // epi_n
         return cute.make_layout((epi_m, epi_n, (n_subs, m_subs)),
                                 stride=(self.staged_row, 1, (epi_n, epi_m * self.staged_row)))
@@ -376,10 +378,12 @@ class GroupedGemmSm90:
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
             self.tile_shape_mnk, c_dtype,
             is_cooperative=cfg.tile_m == 128 and not cfg.pingpong)
-        self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
-            c_dtype, c_layout, self.epi_tile, self.epi_stages * self.epi_groups)
         if cfg.store_warp:
-            self.epi_smem_layout = self.staged_tile_layout(c_dtype, c_layout)
+            self.staged_row = self.out_tile_n + 128 // c_dtype.width
+            self.epi_smem_layout = self.staged_tile_layout()
+        else:
+            self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
+                c_dtype, c_layout, self.epi_tile, self.epi_stages * self.epi_groups)
         self.a_bytes = cfg.rows * cfg.tile_k * a_dtype.width // 8
         self.b_part_bytes = self.b_part_n * cfg.tile_k * a_dtype.width // 8
         self.stage_bytes = self.a_bytes + cfg.b_warps * self.b_part_bytes
@@ -714,28 +718,24 @@ class GroupedGemmSm90:
                     if t + sched.step - lead < total_tiles:  # the other's turn follows
                         self.turn_barriers[1 - group].arrive()
 
+                # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
+                gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
+                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
+                cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
+                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
                 if cutlass.const_expr(cfg.store_warp):
-                    # the whole tile to shared memory, for warp 3 to store
-                    if turn > 0:
-                        self.tile_barriers[1].arrive_and_wait()  # the last one is stored
-                    for epi in cutlass.range_constexpr(m_subs * n_subs):
-                        mi, ni = divmod(epi, n_subs)
-                        self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
-                        cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, epi])
-                    # stmatrix writes (generic proxy) before the bulk copies' reads
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.tile_barriers[0].arrive()
-                else:
-                    # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
-                    gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
-                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                    cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
-                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                    for epi in cutlass.range_constexpr(m_subs * n_subs):
-                        mi, ni = divmod(epi, n_subs)
+                    if turn > 0:  # warp 3 has stored the tile before
+                        self.tile_barriers[1].arrive_and_wait()
+                for epi in cutlass.range_constexpr(m_subs * n_subs):
+                    mi, ni = divmod(epi, n_subs)
+                    # store_warp: the whole tile, sub-tile by sub-tile; otherwise a
+                    # sub-tile at a time through two buffers, stored right away
+                    buf = epi
+                    if cutlass.const_expr(not cfg.store_warp):
                         buf = group * self.epi_stages + epi_count % self.epi_stages
-                        self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
-                        cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                    self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
+                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                    if cutlass.const_expr(not cfg.store_warp):
                         epi_barrier.arrive_and_wait()
                         # (epi_m, epi_n) sub-tile of C and of its coordinates
                         tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
@@ -746,6 +746,10 @@ class GroupedGemmSm90:
                                 if crd[0] < rows_valid and crd[1] < mC.shape[1]:
                                     cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
                         epi_count += 1
+                if cutlass.const_expr(cfg.store_warp):
+                    # stmatrix writes (generic proxy) before the bulk copies' reads
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.tile_barriers[0].arrive()  # for warp 3 to store
             else:
                 if run:
                     # the other warpgroup's tile: its stages are not ours
