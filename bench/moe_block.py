@@ -15,7 +15,9 @@ eager call at decode sizes replays the layer's own CUDA graph,
 switched to ts_moe by :func:`ts_moe.integrations.transformers.replace_moe_blocks`),
 transformers' own ``MixtralSparseMoeBlock`` with each experts implementation
 (``hf_eager``, ``hf_grouped_mm``, ``hf_batched_mm``), one module per input
-copy, and on request ``ts_moe_unfused`` and ``reference``.  All run under
+copy, and on request ``ts_moe_unfused``, ``ts_moe_router_kernel`` (``ts_moe``
+after :func:`ts_moe.use_router_kernel`: the router's logits by ts_moe's kernel,
+not cuBLAS) and ``reference``.  All run under
 ``torch.no_grad`` (as a decode step does).
 
 Timing (:class:`bench.runner.Suite` ``graph_timing``): each backend's eager
@@ -186,19 +188,25 @@ def reference(case: Case, device: torch.device) -> Bind:
     return lambda inp: lambda: reference_block(inp, inp.x.dtype)
 
 
-def ts_moe_block(fused: bool, decode_graphs: bool = True) -> Factory:
+def ts_moe_block(fused: bool, decode_graphs: bool = True, router_kernel: bool = False) -> Factory:
     """:func:`ts_moe.moe_forward`: route (router GEMM, softmax, top-k), permute,
     (fused) gate/up GEMM, down GEMM, combine; each stage an NVTX range (with
-    ``decode_graphs``, a decode-sized call replays the graph of these)."""
+    ``decode_graphs``, a decode-sized call replays the graph of these;
+    ``router_kernel``: :func:`ts_moe.use_router_kernel` on during the call)."""
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
+        from ts_moe import ops
 
         def bind(inp: BlockInputs):
             def run():
-                with torch.no_grad():
-                    return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
-                                              inp.top_k, fused=fused,
-                                              decode_graphs=decode_graphs)
+                previous = ops.use_router_kernel(router_kernel)
+                try:
+                    with torch.no_grad():
+                        return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
+                                                  inp.top_k, fused=fused,
+                                                  decode_graphs=decode_graphs)
+                finally:
+                    ops.use_router_kernel(previous)
             return run
         return bind
     return factory
@@ -278,6 +286,7 @@ def block_backends() -> dict[str, Factory]:
         "ts_moe": ts_moe_block(fused=True),
         "ts_moe_stages": ts_moe_block(fused=True, decode_graphs=False),
         "ts_moe_unfused": ts_moe_block(fused=False),
+        "ts_moe_router_kernel": ts_moe_block(fused=True, router_kernel=True),
         "ts_moe_hf": ts_moe_hf,
         **{name: hf_block(impl) for name, impl in HF_IMPLEMENTATIONS.items()},
     }

@@ -125,6 +125,18 @@ def _route(from_logits, dtype="bfloat16", per_lane=8):
     return build
 
 
+def _router(dtype="bfloat16"):
+    def build():
+        import cutlass
+
+        from . import route_sm90 as r
+
+        c = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
+        return r.RouterLogits(), r.router_fake_args(c)
+    build.config = {"dtype": dtype}
+    return build
+
+
 def _rowsum(weighted, index="int64"):
     def build():
         import cutlass
@@ -210,6 +222,8 @@ BUILDS = {
     "swiglu_ew_bwd": _swiglu_ew(True),
     "swiglu_ew_bwd_fp16": _swiglu_ew(True, "float16"),
     # routing, slot order, combine and row gather of the decode block, sm_90a
+    "router_logits": _router(),
+    "router_logits_fp16": _router("float16"),
     "route_slots": _route(True),
     "route_slots_f32": _route(True, "float32"),
     "route_slots_e32": _route(True, per_lane=1),     # up to 32 experts (Mixtral)

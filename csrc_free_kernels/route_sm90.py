@@ -1,5 +1,8 @@
 """The small kernels around the expert GEMMs of a MoE block (SIMT; built for sm_90a).
 
+- :class:`RouterLogits`: the router's ``logits = x @ w.T`` of a decode batch in
+  one launch with fp32 sums and one rounding (cuBLAS takes two for these
+  shapes: a split-K GEMM and its reduction).
 - :class:`RouteSlots`: Mixtral routing (softmax, top-k, renormalise) of a small
   batch and the expert order of its (token, k) slots, in one CTA and one launch,
   where ``torch`` takes a dozen (softmax, sort, slicing, a second sort,
@@ -9,10 +12,10 @@
   product and a sum over (T, k, H), then a cast), and, unweighted with ``k =
   1``, the token-row gather before the first grouped GEMM.
 
-Both are deterministic (no atomics), read everything on the device (no host
+All are deterministic (no atomics), read everything on the device (no host
 sync) and capture into CUDA graphs.  The plain-torch references are
-``ts_moe.routing.route``/``sort_slots``/``combine`` and
-``ts_moe.reference.gather_rows``.
+``ts_moe.reference.router_logits_reference``, ``ts_moe.routing.route``/
+``sort_slots``/``combine`` and ``ts_moe.reference.gather_rows``.
 """
 
 import functools
@@ -31,6 +34,105 @@ LOG2E = 1.4426950408889634
 MAX_EXPERTS = 256
 MAX_SLOTS = 1024
 LANE_WIDTHS = (1, 2, 4, 8)  # builds of RouteSlots: up to 32, 64, 128, 256 experts
+# RouterLogits takes decode batches: each CTA re-reads its tokens' rows, so
+# the bytes it moves grow as T * E (larger batches: cuBLAS's tensor cores)
+ROUTER_MAX_TOKENS = 16
+
+
+class RouterLogits:
+    """``out[t, e] = sum_h x[t, h] * w[e, h]``: fp32 sums in a fixed order, one rounding.
+
+    The router GEMV of a decode batch (``T <= ROUTER_MAX_TOKENS``), x (T, H) and
+    w (E, H) bf16/fp16 with 16-byte rows, out (T, E) in their dtype.
+
+    CTA ``(b, g)`` computes experts ``b * experts_per_cta + i`` for tokens
+    ``g * tokens_per_cta + j``: a tile of ``experts_per_cta * tokens_per_cta``
+    dot products.  Its threads split H into 16-byte vectors (thread ``i``:
+    vectors ``i, i + threads, ...``); each loads a vector of each of its
+    experts' rows once and of each token's row once, and keeps the tile's
+    partial sums in registers.  Then each warp adds its lanes' sums by
+    butterfly shuffles, and thread ``i`` of the tile adds the warps' sums in
+    warp order and stores the result.  No roles, no pipeline: every thread
+    streams, and the grid of ``ceil(E / experts_per_cta) x ceil(T /
+    tokens_per_cta)`` CTAs spreads the weight rows over the SMs.
+    """
+
+    def __init__(self, experts_per_cta: int = 2, tokens_per_cta: int = 8, warps: int = 8):
+        for name, value in (("experts_per_cta", experts_per_cta),
+                            ("tokens_per_cta", tokens_per_cta), ("warps", warps)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if experts_per_cta * tokens_per_cta > 32 * warps:
+            raise ValueError("the tile's dot products must not outnumber the CTA's threads")
+        self.experts_per_cta = experts_per_cta
+        self.tokens_per_cta = tokens_per_cta
+        self.warps = warps
+        self.threads = 32 * warps
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, stream):
+        """mX (T, H), mW (E, H): rows of 16-byte vectors; mOut (T, E)."""
+        vec = 128 // mX.element_type.width
+        gX = cute.zipped_divide(mX, (1, vec))
+        gW = cute.zipped_divide(mW, (1, vec))
+        n_vec = cute.size(mX, mode=[1]) // vec
+        tokens = cute.size(mOut, mode=[0])
+        experts = cute.size(mOut, mode=[1])
+        grid = ((experts + self.experts_per_cta - 1) // self.experts_per_cta,
+                (tokens + self.tokens_per_cta - 1) // self.tokens_per_cta, 1)
+        self.kernel(gX, gW, mOut, n_vec).launch(
+            grid=grid, block=(self.threads, 1, 1), stream=stream, use_pdl=pdl.ENABLED)
+
+    @cute.kernel
+    def kernel(self, gX: cute.Tensor, gW: cute.Tensor, mOut: cute.Tensor,
+               n_vec: cutlass.Int32):
+        pdl.enter()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        b, g, _ = cute.arch.block_idx()
+        tokens, experts = mOut.shape
+        n_e, n_t = self.experts_per_cta, self.tokens_per_cta
+        e0 = b * n_e
+        t0 = g * n_t
+        frag = gX[(None, (0, 0))].shape
+        acc = cute.make_rmem_tensor((n_e * n_t,), cutlass.Float32)
+        acc.fill(0.0)
+        w_vecs = [cute.make_rmem_tensor(frag, cutlass.Float32) for _ in range(n_e)]
+        x_vec = cute.make_rmem_tensor(frag, cutlass.Float32)
+        for c in cutlass.range(tidx, n_vec, self.threads, unroll=2):
+            for i in cutlass.range_constexpr(n_e):  # the experts' vectors, then each token's
+                w_vecs[i].fill(0.0)
+                if e0 + i < experts:
+                    w_vecs[i].store(gW[(None, (e0 + i, c))].load().to(cutlass.Float32))
+            for j in cutlass.range_constexpr(n_t):
+                if t0 + j < tokens:
+                    x_vec.store(gX[(None, (t0 + j, c))].load().to(cutlass.Float32))
+                    for i in cutlass.range_constexpr(n_e):
+                        s = acc[i * n_t + j]
+                        for v in cutlass.range_constexpr(cute.size(frag)):
+                            s += w_vecs[i][v] * x_vec[v]
+                        acc[i * n_t + j] = s
+
+        smem = cutlass.utils.SmemAllocator()
+        partial = smem.allocate_tensor(cutlass.Float32,
+                                       cute.make_layout((n_e * n_t, self.warps)), 16)
+        for d in cutlass.range_constexpr(n_e * n_t):
+            if e0 + d // n_t < experts and t0 + d % n_t < tokens:  # uniform in the CTA
+                s = acc[d]
+                for r in cutlass.range_constexpr(5):
+                    s += cute.arch.shuffle_sync_bfly(s, 1 << r)
+                if lane == 0:
+                    partial[d, warp] = s
+        cute.arch.sync_threads()
+        if tidx < n_e * n_t:
+            e = e0 + tidx // n_t
+            t = t0 + tidx % n_t
+            if e < experts and t < tokens:
+                total = cutlass.Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps):
+                    total += partial[tidx, w]
+                mOut[t, e] = total.to(mOut.element_type)
 
 
 class RouteSlots:
@@ -390,6 +492,18 @@ def _compact(dtype, *shape):
         assumed_align=dtype.width // 8)
 
 
+def _rows(dtype, n, h):
+    """(n, h) rows of 16-byte vectors with a free row stride."""
+    return cute.runtime.make_fake_tensor(
+        dtype, (n, h), (cute.sym_int64(divisibility=128 // dtype.width), 1), assumed_align=16)
+
+
+def router_fake_args(dtype) -> tuple:
+    """x (T, H) and w (E, H) rows with free 16-byte strides; out (T, E) compact."""
+    t, e, h = kcompile.sym_dims(3)
+    return _rows(dtype, t, h), _rows(dtype, e, h), _compact(dtype, t, e), kcompile.fake_stream()
+
+
 def route_fake_args(dtype, from_logits: bool) -> tuple:
     """Symbolic T, E, k, and T k (checked against each other on the host);
     ``dtype``: the logits' (``from_logits``) or the input ids'."""
@@ -406,18 +520,21 @@ def rowsum_fake_args(dtype, index_dtype, weighted: bool) -> tuple:
     (T, k) weights when ``weighted`` (else R = T)."""
     m, h, t = kcompile.sym_dims(3)
     r, k = kcompile.sym_dims(2) if weighted else (t, None)
-
-    def rows(n):
-        return cute.runtime.make_fake_tensor(
-            dtype, (n, h), (cute.sym_int64(divisibility=128 // dtype.width), 1), assumed_align=16)
-
     weights = _compact(cutlass.Float32, t, k) if weighted else None
-    return rows(m), _compact(index_dtype, r), weights, rows(t), kcompile.fake_stream()
+    return (_rows(dtype, m, h), _compact(index_dtype, r), weights, _rows(dtype, t, h),
+            kcompile.fake_stream())
 
 
 def lane_width(num_experts: int) -> int:
     """The :class:`RouteSlots` build for ``num_experts``: logits per lane."""
     return next(w for w in LANE_WIDTHS if 32 * w >= num_experts)
+
+
+@functools.cache
+def _router_kernel(dtype: torch.dtype):
+    key = ("RouterLogits", str(dtype), "sm_90a")
+    return kcompile.get_compiled(key, lambda: (RouterLogits(),
+                                               router_fake_args(_TORCH_TO_CUTE[dtype])))
 
 
 @functools.cache
@@ -454,6 +571,30 @@ def _check_fits(slots: int, num_experts: int) -> None:
     if not fits(slots, num_experts):
         raise ValueError(f"the routing kernel takes 1 to {MAX_SLOTS} slots and 1 to "
                          f"{MAX_EXPERTS} experts, got {slots} slots and {num_experts} experts")
+
+
+def router_fits(tokens: int) -> bool:
+    """Whether :func:`router_logits` takes a batch of ``tokens`` rows."""
+    return 0 < tokens <= ROUTER_MAX_TOKENS
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` (T, E) in x's dtype for a batch that :func:`router_fits`:
+    x (T, H) and weight (E, H) bf16/fp16 with 16-byte rows (H a multiple of 8),
+    ``out`` (T, E) contiguous or None; on the current stream."""
+    tokens, hidden = x.shape
+    if not router_fits(tokens):
+        raise ValueError(f"the router kernel takes 1 to {ROUTER_MAX_TOKENS} tokens, "
+                         f"got {tokens}")
+    if hidden % 8 or weight.shape[1] != hidden:
+        raise ValueError(f"x (T, H) and weight (E, H) need one H, a multiple of 8: got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty(tokens, weight.shape[0], dtype=x.dtype, device=x.device)
+    if weight.shape[0]:
+        _router_kernel(x.dtype)(x, weight, out)
+    return out
 
 
 def route_slots(logits: torch.Tensor, top_k: int):

@@ -1,7 +1,8 @@
 """Kernel timeline of one CUDA-graph replay of the MoE block: where the time goes.
 
-``python scripts/block_timeline.py H I E TOP_K [T]`` (e.g. ``4096 14336 8 2`` for
-Mixtral-8x7B) on a CUDA machine: ``ts_moe.moe_forward`` (every stage, as
+``python scripts/block_timeline.py H I E TOP_K [T] [--router-kernel]`` (e.g.
+``4096 14336 8 2`` for Mixtral-8x7B) on a CUDA machine (``--router-kernel``:
+with :func:`ts_moe.use_router_kernel`): ``ts_moe.moe_forward`` (every stage, as
 ``decode_graphs=False`` runs it) captured in a CUDA graph, replayed, and the
 last of five profiled replays printed kernel by kernel (torch.profiler's CUDA
 activity): start, duration and the gap before each kernel, in microseconds,
@@ -61,4 +62,9 @@ def main(hidden: int, inter: int, experts: int, top_k: int, tokens: int = 1) -> 
 
 
 if __name__ == "__main__":
+    if "--router-kernel" in sys.argv:
+        import ts_moe
+
+        sys.argv.remove("--router-kernel")
+        ts_moe.use_router_kernel()
     main(*map(int, sys.argv[1:6]))

@@ -119,8 +119,8 @@ def test_backends_agree_with_the_reference_and_a_wrong_one_is_flagged():
         return lambda inp: lambda: moe_block.reference_block(inp, inp.x.dtype) * 1.5
 
     factories["wrong"] = wrong
-    names = ["reference", "ts_moe", "ts_moe_stages", "ts_moe_unfused", "ts_moe_hf", "hf_eager",
-             "hf_grouped_mm", "hf_batched_mm", "wrong"]
+    names = ["reference", "ts_moe", "ts_moe_stages", "ts_moe_unfused", "ts_moe_router_kernel",
+             "ts_moe_hf", "hf_eager", "hf_grouped_mm", "hf_batched_mm", "wrong"]
     case_list = [moe_block.block_case(TINY, T) for T in (1, 16)]
     records = runner.run_suite(SUITE, case_list, names, CPU, factories=factories, progress=None)
     assert len(records) == len(case_list) * len(names)
@@ -309,6 +309,12 @@ def test_block_targets_rules(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("**3 of 6 met, 3 missed.**")
     assert "| mixtral-8x7b | 1 | graph | 0.1700 | bound 0.1800 | 1.06x | <= 0.180 ms | yes |" in out
+    # a variant timed in the same run, judged by name (ts_moe_stages: its eager time
+    # against the bound-free T=128 case's transformers peer)
+    assert cli.main(["targets", str(path), "--backend", "ts_moe_stages"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("**1 of 1 met, 0 missed.**") and "ts_moe_stages ms" in out
+    assert "| deepseek-v3 | 128 | eager | 0.5000 | hf_grouped_mm 2.0000 | 4.00x |" in out
 
 
 def test_shaped_inputs_are_the_suites_block_case():

@@ -152,3 +152,165 @@ def test_block_is_six_launches_and_graph_capturable():
         torch.cuda.synchronize()
     assert rel_err(eager, ref) < 1e-2
     assert torch.equal(out, eager)
+
+
+# ------------------------------------------------------------ router kernel
+ROUTER_CASES = [(1, 8, 4096), (1, 128, 2048), (1, 256, 7168), (2, 8, 4096), (3, 60, 264),
+                (8, 1, 8), (9, 33, 1024), (16, 128, 2048), (16, 256, 7168), (5, 7, 16)]
+
+
+def _router_inputs(tokens, experts, hidden, dtype, seed=0):
+    g = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(experts, hidden, device="cuda", generator=g).mul_(hidden**-0.5).to(dtype)
+    return x, w
+
+
+def _assert_router_close(got, x, w):
+    """Within one output spacing of the exact logits, plus fp32 summation error
+    (2**-16 of the sum of |products|), elementwise; and per row and overall
+    against float64 by relative error."""
+    exact = x.double() @ w.double().t()
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[got.dtype]
+    spacing = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(2.0**-24))) - mantissa)
+    bound = spacing + 2.0**-16 * (x.double().abs() @ w.double().abs().t())
+    assert torch.isfinite(got).all()
+    assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
+    assert rel_err(got, exact) < 1e-2
+    for row, ref in zip(got, exact):
+        assert rel_err(row, ref) < 1e-2
+
+
+@pytest.mark.parametrize("tokens,experts,hidden", ROUTER_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_logits_matches_float64(tokens, experts, hidden, dtype):
+    """Every logit written (the output poisoned first), each within its rounding
+    of the exact value; two calls bit-identical (fixed summation order)."""
+    x, w = _router_inputs(tokens, experts, hidden, dtype, seed=tokens * 1000 + experts)
+    out = torch.full((tokens, experts), float("nan"), device="cuda", dtype=dtype)
+    got = rk().router_logits(x, w, out)
+    assert got is out
+    _assert_router_close(got, x, w)
+    assert torch.equal(rk().router_logits(x, w), got)
+
+
+def test_router_logits_strided_rows_and_fresh_data():
+    """Rows with a free 16-byte stride and an offset start (views of wider
+    buffers), four draws of fresh data through the same build."""
+    for seed in range(4):
+        x_buf, w_buf = _router_inputs(6, 40, 1024 + 24, torch.bfloat16, seed=seed)
+        x, w = x_buf[:, 8:1032], w_buf[:, 16:1040]
+        assert x.stride(0) == 1048 and x.data_ptr() % 16 == 0
+        _assert_router_close(rk().router_logits(x, w), x, w)
+
+
+def test_router_logits_op_takes_the_kernel_only_where_it_applies():
+    """With use_router_kernel: a decode batch of 16-byte rows runs the kernel
+    (bit-identical to the module entry); 17 tokens, misaligned rows, float32 and
+    a gradient take F.linear; off, F.linear everywhere."""
+    x, w = _router_inputs(16, 128, 2048, torch.bfloat16, seed=7)
+    previous = ops.use_router_kernel(True)
+    try:
+        assert torch.equal(ops.router_logits(x, w), rk().router_logits(x, w))
+        x17, _ = _router_inputs(17, 128, 2048, torch.bfloat16, seed=8)
+        assert torch.equal(ops.router_logits(x17, w), torch.nn.functional.linear(x17, w))
+        buf = torch.randn(3, 2056, device="cuda", dtype=torch.bfloat16)
+        odd = buf[:, 1:2049]  # 2-byte offset: not 16-byte rows
+        assert torch.equal(ops.router_logits(odd, w), torch.nn.functional.linear(odd, w))
+        xf, wf = x.float(), w.float()
+        assert torch.equal(ops.router_logits(xf, wf), torch.nn.functional.linear(xf, wf))
+        xg = x.clone().requires_grad_()
+        out = ops.router_logits(xg, w)
+        assert out.grad_fn is not None
+        compiled = torch.compile(ops.router_logits, fullgraph=True)(x, w)
+        assert torch.equal(compiled, rk().router_logits(x, w))
+    finally:
+        ops.use_router_kernel(previous)
+    assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
+
+
+def _block_reference_on_logits(x, logits, moe, top_k):
+    """The block's fp32 expert loop, routed on the given logits."""
+    weights, experts = routing.route(logits, top_k)
+    inter = moe.gate_up_proj.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            e = int(experts[t, j])
+            h = moe.gate_up_proj[e].float() @ x[t].float()
+            h = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += weights[t, j] * (moe.down_proj[e].float() @ h)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_block_with_the_router_kernel(tokens):
+    """Mixtral-shaped block with use_router_kernel: six launches (router kernel,
+    routing, gather, gate/up + SwiGLU, down, combine), no host sync, the CUDA-graph
+    replay and the layer's own decode graphs equal to the eager stages, the output
+    against an fp32 reference routed on the logits the block returned."""
+    torch.manual_seed(tokens)
+    moe = ts_moe.MoE(1024, 512, 8, 2, device="cuda", dtype=torch.bfloat16, decode_graphs=False)
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    previous = ops.use_router_kernel(True)
+    try:
+        with torch.no_grad():
+            moe(x)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                    eager, logits = moe(x, return_router_logits=True)
+                    torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            names = [e.name for e in p.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA]
+            assert len(names) == 6, names
+            assert sum("RouterLogits" in n for n in names) == 1, names
+            assert torch.equal(logits, rk().router_logits(x, moe.router))
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = moe(x)
+            x_fresh = torch.randn_like(x)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+            ref = _block_reference_on_logits(x, logits, moe, 2)
+            moe.decode_graphs = True
+            for _ in range(3):  # eager, capture, replay
+                assert torch.equal(moe(x_fresh), moe_forward_eager(moe, x_fresh))
+    finally:
+        ops.use_router_kernel(previous)
+    assert rel_err(eager, ref) < 1e-2
+    for row, ref_row in zip(eager, ref):
+        assert rel_err(row, ref_row) < 1e-2
+
+
+def moe_forward_eager(moe, x):
+    return ts_moe.moe_forward(x, moe.router, moe.gate_up_proj, moe.down_proj, moe.top_k,
+                              decode_graphs=False)
+
+
+def test_decode_graphs_key_on_the_router_setting():
+    """Turning use_router_kernel on or off gives the next decode call a graph of
+    its own (the old one would replay the other router)."""
+    from ts_moe.decode_graphs import graphs
+
+    torch.manual_seed(3)
+    moe = ts_moe.MoE(1024, 512, 8, 2, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
+    previous = ops.use_router_kernel(False)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                moe(x)
+            before = graphs.captures
+            ops.use_router_kernel(True)
+            for _ in range(3):
+                out = moe(x)
+            assert graphs.captures == before + 1
+            assert torch.equal(out, moe_forward_eager(moe, x))
+    finally:
+        ops.use_router_kernel(previous)

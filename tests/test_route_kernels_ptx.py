@@ -1,5 +1,5 @@
-"""CPU: the decode block's small kernels (routing and slot order, combine, row
-gather) compile for sm_90a and assemble without spills; their torch entry points
+"""CPU: the decode block's small kernels (router logits, routing and slot order,
+combine, row gather) compile for sm_90a and assemble without spills; their torch entry points
 and the ops' CPU paths agree with the plain-torch functions."""
 
 import re
@@ -11,15 +11,16 @@ import ts_moe
 from csrc_free_kernels import ptx_dump
 from ts_moe import ops, routing
 
+from .conftest import rel_err
 from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture, run_for_arch
 
-BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("route_slots", "sort_slots", "combine_rows",
-                                                      "gather_rows"))]
+BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("router_logits", "route_slots", "sort_slots",
+                                                      "combine_rows", "gather_rows"))]
 ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def test_builds(ptx):
-    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 7
+    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 9
     for name in BUILDS:
         assert len(re.findall(r"\.entry\s", ptx[name])) == 1
         assert ".local" not in ptx[name]
@@ -37,6 +38,46 @@ def test_row_kernels_move_16_byte_vectors(ptx):
         assert re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", text), name
         assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", text)) == 1, name
         assert not re.search(r"st\.global(?:\.\w+)*\.(?:b16|v2)", text), name
+
+
+@pytest.mark.parametrize("name", ["router_logits", "router_logits_fp16"])
+def test_router_kernel_streams_16_byte_vectors_and_stores_once(ptx, name):
+    """Each thread loads whole 16-byte vectors of the experts' and the tokens' rows
+    (two experts and eight tokens a CTA, the loop unrolled twice: 20 loads), sums in
+    fp32, and a CTA's partial sums meet in shared memory, not by atomics; one
+    rounding, one 2-byte store of each logit."""
+    text = ptx[name]
+    loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", text)
+    assert len(loads) == 20 and len(re.findall(r"ld\.global", text)) == 20
+    assert len(re.findall(r"fma\.rn\.f32", text)) == 2 * 2 * 8 * 8
+    assert len(re.findall(r"st\.global\.b16", text)) == 1
+    assert len(re.findall(r"st\.global", text)) == 1
+    assert not re.search(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.", text, re.M)
+    assert len(re.findall(r"shfl\.sync\.bfly", text)) == 2 * 8 * 5
+    cvt = {"router_logits": "cvt.rn.bf16.f32", "router_logits_fp16": "cvt.rn.f16.f32"}[name]
+    assert text.count(cvt) == 1
+
+
+def test_router_kernel_tile_is_validated():
+    from csrc_free_kernels import route_sm90 as r
+
+    with pytest.raises(ValueError, match="experts_per_cta"):
+        r.RouterLogits(experts_per_cta=0)
+    with pytest.raises(ValueError, match="outnumber"):
+        r.RouterLogits(experts_per_cta=8, tokens_per_cta=8, warps=1)
+    assert [r.router_fits(t) for t in (0, 1, 16, 17)] == [False, True, True, False]
+
+
+def test_router_kernel_entry_refuses_what_it_cannot_take():
+    """The module entry checks the batch and H on the host before any launch."""
+    from csrc_free_kernels import route_sm90 as r
+
+    w = torch.randn(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 16 tokens"):
+        r.router_logits(torch.randn(17, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="a multiple of 8"):
+        r.router_logits(torch.randn(2, 60, dtype=torch.bfloat16),
+                        torch.randn(8, 60, dtype=torch.bfloat16))
 
 
 def test_lane_widths():
@@ -71,6 +112,8 @@ def test_tvm_ffi_builds_compile():
     for sm_90a, no GPU needed."""
     code = ("import torch\n"
             "from csrc_free_kernels import route_sm90 as r\n"
+            "for dt in (torch.bfloat16, torch.float16):\n"
+            "    assert r._router_kernel(dt) is not None\n"
             "for dt in (torch.bfloat16, torch.float32):\n"
             "    assert r._route_kernel(True, dt) is not None\n"
             "for dt in (torch.int32, torch.int64):\n"
@@ -96,6 +139,57 @@ def test_ops_cpu_paths_are_the_torch_functions(tokens, experts, top_k):
     assert torch.equal(ops.combine(y, w, slots.inverse), routing.combine(y, w, slots.inverse))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_router_logits_cpu_is_f_linear(dtype, kernel):
+    """On the CPU (either setting of use_router_kernel) the op is F.linear: within
+    an output rounding of the float64 reference; eager and compiled alike."""
+    x = torch.randn(5, 72, dtype=dtype)
+    w = torch.randn(12, 72, dtype=dtype)
+    previous = ops.use_router_kernel(kernel)
+    try:
+        got = ops.router_logits(x, w)
+        compiled = torch.compile(ops.router_logits, fullgraph=True)(x, w)
+    finally:
+        ops.use_router_kernel(previous)
+    assert got.dtype == dtype and got.shape == (5, 12)
+    assert torch.equal(got, torch.nn.functional.linear(x, w)) and torch.equal(compiled, got)
+    ref = routing.router_logits_reference(x, w)
+    assert rel_err(got, ref) < 1e-2
+    for row, ref_row in zip(got, ref):
+        assert rel_err(row, ref_row) < 1e-2
+
+
+def test_use_router_kernel_returns_the_previous_setting():
+    assert ops.router_kernel_enabled() is False
+    assert ops.use_router_kernel() is False and ops.router_kernel_enabled() is True
+    assert ts_moe.use_router_kernel(False) is True and ops.router_kernel_enabled() is False
+
+
+def test_router_logits_keeps_gradients():
+    x = torch.randn(3, 16, requires_grad=True)
+    w = torch.randn(4, 16, requires_grad=True)
+    ops.router_logits(x, w).square().sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x2, w2).square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad) and torch.allclose(w.grad, w2.grad)
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    ((torch.randn(3, 8), torch.randn(4, 6)), ValueError, r"weight must be \(E, H\) with H ="),
+    ((torch.randn(3, 8), torch.randn(4, 8, dtype=torch.float64)), TypeError, "weight must have"),
+    ((torch.randn(3, 8, 1), torch.randn(4, 8)), ValueError, "x must be 2-D"),
+    ((torch.ones(3, 8, dtype=torch.int32), torch.randn(4, 8)), TypeError, "x must be floating"),
+    (([[1.0]], torch.randn(4, 1)), TypeError, "x must be a torch.Tensor"),
+    ((torch.randn(3, 8), torch.randn(4, 8, device="meta")), ValueError, "weight is on meta"),
+])
+def test_router_logits_bad_arguments_name_them(args, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.router_logits(*args)
+    with pytest.raises(Exception, match=match):  # compiled: the same error, wrapped
+        torch.compile(ops.router_logits, fullgraph=True)(*args)
+
+
 def test_ops_keep_gradients():
     """Where the logits or the expert outputs need a gradient, the differentiable
     torch functions run: the router still learns."""
@@ -119,6 +213,8 @@ def test_ops_bad_arguments_name_them():
 
 
 def test_opcheck():
+    torch.library.opcheck(torch.ops.ts_moe.router_logits.default,
+                          (torch.randn(3, 16), torch.randn(8, 16)))
     logits = torch.randn(6, 8)
     torch.library.opcheck(torch.ops.ts_moe.route_slots.default, (logits, 2))
     ex = torch.randint(0, 8, (6, 2))

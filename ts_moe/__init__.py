@@ -3,7 +3,7 @@
 ``import ts_moe`` registers ``torch.ops.ts_moe.*``.
 """
 
-from .ops import grouped_gemm, grouped_gemm_swiglu, use_sm100_kernel
+from .ops import grouped_gemm, grouped_gemm_swiglu, use_router_kernel, use_sm100_kernel
 from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends
 from .routing import combine, permute, route, sort_slots
 from .moe import MoE, experts_forward, moe_forward
@@ -14,6 +14,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_swiglu",
     "use_sm100_kernel",
+    "use_router_kernel",
     "grouped_gemm_reference",
     "grouped_gemm_swiglu_reference",
     "segment_ends",

@@ -2,7 +2,7 @@
 
 Mixtral's sparse MoE block on the ``torch.ops.ts_moe`` grouped GEMMs::
 
-    logits = x @ router.T                                   (T, E)
+    logits = x @ router.T                                   (T, E) ops.router_logits
     weights, experts = route(logits, top_k)                 (T, k) fp32, int64
     token, offs, inverse = sort_slots(experts, E)           (T*k,) slot order
         (the two in one op, ops.route_slots: one launch for a decode batch)
@@ -213,7 +213,7 @@ def _moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
             f"router_weight has {router_weight.shape[0]} experts but gate_up_proj has "
             f"{gate_up_proj.shape[0]}")
     with nvtx_range("route"):
-        logits = F.linear(x, router_weight)
+        logits = ops.router_logits(x, router_weight)
         weights, _, slots = ops.route_slots(logits, top_k)
     out = _experts_in_slot_order(x, slots, weights, gate_up_proj, down_proj, fused)
     out = out.view(hidden.shape)

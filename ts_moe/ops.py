@@ -43,6 +43,7 @@ import importlib
 import os
 
 import torch
+import torch.nn.functional as F
 
 from . import routing
 from .checks import (ALIGN_BYTES, check_grouped_gemm_args, check_swiglu_activation_args,
@@ -562,9 +563,40 @@ _swiglu_op = torch.ops.ts_moe.swiglu.default
 
 
 # ------------------------------------------------ routing, slot order, combine
+_lib.define("router_logits(Tensor x, Tensor weight) -> Tensor")
 _lib.define("route_slots(Tensor logits, int top_k) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _lib.define("sort_slots(Tensor experts, int num_experts) -> (Tensor, Tensor, Tensor)")
 _lib.define("combine(Tensor y_sorted, Tensor weights, Tensor inverse) -> Tensor")
+
+
+_router_kernel_opt_in = False
+
+
+def use_router_kernel(enabled: bool = True) -> bool:
+    """Take :func:`router_logits` of decode batches (up to 16 tokens, bf16/fp16) on
+    the sm_90 path to ts_moe's router kernel (``route_sm90.RouterLogits``: one
+    launch, fp32 sums in a fixed order) instead of ``F.linear`` (cuBLAS: two
+    launches at these shapes).  Off by default until it has been measured on
+    the GPU (bench/RESULTS.md, "Issue 21, fifth pass").  Returns the previous
+    setting; takes effect on the next call (the decode graphs key on it)."""
+    global _router_kernel_opt_in
+    previous, _router_kernel_opt_in = _router_kernel_opt_in, bool(enabled)
+    return previous
+
+
+def router_kernel_enabled() -> bool:
+    """Whether :func:`use_router_kernel` is on."""
+    return _router_kernel_opt_in
+
+
+def _router_logits_impl(x, weight):
+    routing.check_router_args(x, weight)
+    kernels = _sm90_module(x, "route_sm90") if _router_kernel_opt_in else None
+    if (kernels is not None and kernels.router_fits(x.shape[0]) and weight.shape[0]
+            and _rows_ok(x) and _rows_ok(weight)
+            and x.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0):  # as compiled
+        return kernels.router_logits(x, weight)
+    return F.linear(x, weight)
 
 
 def _route_slots_impl(logits, top_k):
@@ -597,6 +629,12 @@ def _combine_impl(y_sorted, weights, inverse):
     return routing.combine(y_sorted, weights, inverse)
 
 
+@torch.library.register_fake("ts_moe::router_logits", lib=_lib)
+def _router_logits_fake(x, weight):
+    routing.check_router_args(x, weight)
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 @torch.library.register_fake("ts_moe::route_slots", lib=_lib)
 def _route_slots_fake(logits, top_k):
     routing.check_route_args(logits, top_k)
@@ -624,12 +662,31 @@ def _combine_fake(y_sorted, weights, inverse):
 
 
 for _key in ("CPU", "CUDA"):
+    _lib.impl("router_logits", _router_logits_impl, _key)
     _lib.impl("route_slots", _route_slots_impl, _key)
     _lib.impl("sort_slots", _sort_slots_impl, _key)
     _lib.impl("combine", _combine_impl, _key)
+_router_logits_op = torch.ops.ts_moe.router_logits.default
 _route_slots_op = torch.ops.ts_moe.route_slots.default
 _sort_slots_op = torch.ops.ts_moe.sort_slots.default
 _combine_op = torch.ops.ts_moe.combine.default
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's logits ``x @ weight.T`` (T, E) in x's dtype, fp32 sums
+    (reference: :func:`ts_moe.routing.router_logits_reference`).
+
+    ``torch.ops.ts_moe.router_logits``: ``F.linear``, or with
+    :func:`use_router_kernel` a decode batch on the sm_90 path in one launch of
+    ts_moe's router kernel.  Not differentiable itself: where x or weight need
+    a gradient, ``F.linear`` runs."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (x, weight)):
+        routing.check_router_args(x, weight)
+        return F.linear(x, weight)
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight)):
+        routing.check_router_args(x, weight)  # the op validates the rest, once
+    return _router_logits_op(x, weight)
 
 
 def route_slots(logits: torch.Tensor, top_k: int):

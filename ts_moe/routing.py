@@ -46,6 +46,31 @@ def nvtx_range(name: str):
     return _annotation(name)
 
 
+def check_router_args(x, weight) -> None:
+    """x (T, H) and weight (E, H), float tensors of one dtype on one device, else
+    a TypeError/ValueError naming them."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be (E, H) with H = {x.shape[1]} (x's last dim), "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+
+
+def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (T, E): float64 products and sums, one rounding to x's dtype
+    (the yardstick of ``ts_moe.ops.router_logits``)."""
+    return (x.double() @ weight.double().t()).to(x.dtype)
+
+
 def check_top_k(top_k, num_experts: int) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
