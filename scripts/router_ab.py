@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""The router's logits by cuBLAS (``F.linear``) and by ts_moe's router kernel, alone
+and inside the decode block.
+
+    python scripts/router_ab.py [--T 1,4,16]
+
+For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 shapes; the
+suite's inputs, ``bench.moe_block.shaped_inputs``) and token count: the logits
+alone, ``F.linear`` then ``csrc_free_kernels.route_sm90.router_logits`` (twenty
+calls per CUDA graph), and the block (``ts_moe.moe_forward`` with
+``decode_graphs=False``, ten calls per graph, ``bench.timing.measure``) with
+:func:`ts_moe.use_router_kernel` off, on, and off again (the spread between
+the two "off" columns is the noise).  µs per call.  The kernel's logits are
+checked against float64 first (relative error per row).  Needs an sm_90 GPU.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from bench.moe_block import shaped_inputs  # noqa: E402
+from bench.timing import measure  # noqa: E402
+from ts_moe import ops  # noqa: E402
+from ts_moe.moe import moe_forward  # noqa: E402
+
+MODELS = {"mixtral": (4096, 14336, 8, 2), "qwen3": (2048, 768, 128, 8),
+          "deepseek": (7168, 2048, 256, 8)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--T", default="1,4,16", help="token counts (at most 16)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("scripts/router_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
+        return 2
+    from csrc_free_kernels import route_sm90
+
+    dev = torch.device("cuda")
+    print("| model | T | F.linear | router kernel | block, kernel off | on | off again |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, (hidden, inter, experts, top_k) in MODELS.items():
+        for tokens in map(int, args.T.split(",")):
+            _, inp = shaped_inputs(hidden, inter, experts, top_k, tokens, dev)
+            exact = inp.x.double() @ inp.router.double().t()
+            got = route_sm90.router_logits(inp.x, inp.router).double()
+            worst = ((got - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
+            if worst > 1e-2:
+                print(f"{name} T={tokens}: router kernel off by {worst:.3g} (rel. per row)",
+                      file=sys.stderr)
+                return 1
+            row = [measure([lambda: F.linear(inp.x, inp.router)] * 20, dev, graph=True,
+                           target_ms=20).ms,
+                   measure([lambda: route_sm90.router_logits(inp.x, inp.router)] * 20, dev,
+                           graph=True, target_ms=20).ms]
+
+            def block():
+                return moe_forward(inp.x, inp.router, inp.gate_up, inp.down, top_k,
+                                   decode_graphs=False)
+
+            for enabled in (False, True, False):
+                previous = ops.use_router_kernel(enabled)
+                try:
+                    with torch.no_grad():
+                        row.append(measure([block] * 10, dev, graph=True, target_ms=50).ms)
+                finally:
+                    ops.use_router_kernel(previous)
+            print(f"| {name} | {tokens} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in row) + " |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
