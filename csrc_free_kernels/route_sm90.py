@@ -34,16 +34,21 @@ LOG2E = 1.4426950408889634
 MAX_EXPERTS = 256
 MAX_SLOTS = 1024
 LANE_WIDTHS = (1, 2, 4, 8)  # builds of RouteSlots: up to 32, 64, 128, 256 experts
-# RouterLogits takes decode batches: each CTA re-reads its tokens' rows, so
-# the bytes it moves grow as T * E (larger batches: cuBLAS's tensor cores)
-ROUTER_MAX_TOKENS = 16
+# RouterLogits: a CTA's tile of experts x tokens (its grid's y dimension
+# bounds the tokens)
+ROUTER_EXPERTS_PER_CTA = 2
+ROUTER_TOKENS_PER_CTA = 8
+ROUTER_MAX_TOKENS = 65535 * ROUTER_TOKENS_PER_CTA
 
 
 class RouterLogits:
     """``out[t, e] = sum_h x[t, h] * w[e, h]``: fp32 sums in a fixed order, one rounding.
 
-    The router GEMV of a decode batch (``T <= ROUTER_MAX_TOKENS``), x (T, H) and
-    w (E, H) bf16/fp16 with 16-byte rows, out (T, E) in their dtype.
+    The router GEMV of a decode batch, x (T, H) and w (E, H) bf16/fp16 with
+    16-byte rows, out (T, E) in their dtype.  Every CTA reads its experts' and
+    its tokens' rows (:func:`router_read_bytes`), so the rows of x are read
+    ``E / experts_per_cta`` times: a kernel for small T (larger batches are
+    cuBLAS's, on tensor cores; ``ts_moe.ops`` chooses).
 
     CTA ``(b, g)`` computes experts ``b * experts_per_cta + i`` for tokens
     ``g * tokens_per_cta + j``: a tile of ``experts_per_cta * tokens_per_cta``
@@ -57,7 +62,8 @@ class RouterLogits:
     tokens_per_cta)`` CTAs spreads the weight rows over the SMs.
     """
 
-    def __init__(self, experts_per_cta: int = 2, tokens_per_cta: int = 8, warps: int = 8):
+    def __init__(self, experts_per_cta: int = ROUTER_EXPERTS_PER_CTA,
+                 tokens_per_cta: int = ROUTER_TOKENS_PER_CTA, warps: int = 8):
         for name, value in (("experts_per_cta", experts_per_cta),
                             ("tokens_per_cta", tokens_per_cta), ("warps", warps)):
             if not isinstance(value, int) or value < 1:
@@ -573,18 +579,22 @@ def _check_fits(slots: int, num_experts: int) -> None:
                          f"{MAX_EXPERTS} experts, got {slots} slots and {num_experts} experts")
 
 
-def router_fits(tokens: int) -> bool:
-    """Whether :func:`router_logits` takes a batch of ``tokens`` rows."""
-    return 0 < tokens <= ROUTER_MAX_TOKENS
+def router_read_bytes(tokens: int, experts: int, hidden: int, element_bytes: int = 2) -> int:
+    """The bytes :class:`RouterLogits`'s CTAs read (from L2 and HBM): each its
+    experts' rows and its tokens' rows."""
+    ctas_e = -(-experts // ROUTER_EXPERTS_PER_CTA)
+    ctas_t = -(-tokens // ROUTER_TOKENS_PER_CTA)
+    rows = (min(experts, ROUTER_EXPERTS_PER_CTA) + min(tokens, ROUTER_TOKENS_PER_CTA))
+    return ctas_e * ctas_t * rows * hidden * element_bytes
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` (T, E) in x's dtype for a batch that :func:`router_fits`:
-    x (T, H) and weight (E, H) bf16/fp16 with 16-byte rows (H a multiple of 8),
-    ``out`` (T, E) contiguous or None; on the current stream."""
+    """``x @ weight.T`` (T, E) in x's dtype: x (T, H) and weight (E, H) bf16/fp16
+    with 16-byte rows (H a multiple of 8, row strides too), ``out`` (T, E)
+    contiguous or None; on the current stream."""
     tokens, hidden = x.shape
-    if not router_fits(tokens):
+    if not 0 < tokens <= ROUTER_MAX_TOKENS:
         raise ValueError(f"the router kernel takes 1 to {ROUTER_MAX_TOKENS} tokens, "
                          f"got {tokens}")
     if hidden % 8 or weight.shape[1] != hidden:

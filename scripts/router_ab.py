@@ -2,7 +2,7 @@
 """The router's logits by cuBLAS (``F.linear``) and by ts_moe's router kernel, alone
 and inside the decode block.
 
-    python scripts/router_ab.py [--T 1,4,16]
+    python scripts/router_ab.py [--T 1,4,16,64]
 
 For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 shapes; the
 suite's inputs, ``bench.moe_block.shaped_inputs``) and token count: the logits
@@ -10,7 +10,9 @@ alone, ``F.linear`` then ``csrc_free_kernels.route_sm90.router_logits`` (twenty
 calls per CUDA graph), and the block (``ts_moe.moe_forward`` with
 ``decode_graphs=False``, ten calls per graph, ``bench.timing.measure``) with
 :func:`ts_moe.use_router_kernel` off, on, and off again (the spread between
-the two "off" columns is the noise).  µs per call.  The kernel's logits are
+the two "off" columns is the noise; "on" is the op's choice, ``F.linear``
+where the kernel would read more than ``ts_moe.ops.ROUTER_KERNEL_MAX_READ``).
+µs per call.  The kernel's logits are
 checked against float64 first (relative error per row).  Needs an sm_90 GPU.
 """
 
@@ -34,7 +36,7 @@ MODELS = {"mixtral": (4096, 14336, 8, 2), "qwen3": (2048, 768, 128, 8),
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--T", default="1,4,16", help="token counts (at most 16)")
+    p.add_argument("--T", default="1,4,16,64", help="token counts")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("scripts/router_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)

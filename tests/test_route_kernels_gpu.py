@@ -156,7 +156,8 @@ def test_block_is_six_launches_and_graph_capturable():
 
 # ------------------------------------------------------------ router kernel
 ROUTER_CASES = [(1, 8, 4096), (1, 128, 2048), (1, 256, 7168), (2, 8, 4096), (3, 60, 264),
-                (8, 1, 8), (9, 33, 1024), (16, 128, 2048), (16, 256, 7168), (5, 7, 16)]
+                (8, 1, 8), (9, 33, 1024), (16, 128, 2048), (16, 256, 7168), (5, 7, 16),
+                (64, 128, 2048), (128, 8, 4096), (300, 3, 40)]
 
 
 def _router_inputs(tokens, experts, hidden, dtype, seed=0):
@@ -205,15 +206,17 @@ def test_router_logits_strided_rows_and_fresh_data():
 
 
 def test_router_logits_op_takes_the_kernel_only_where_it_applies():
-    """With use_router_kernel: a decode batch of 16-byte rows runs the kernel
-    (bit-identical to the module entry); 17 tokens, misaligned rows, float32 and
-    a gradient take F.linear; off, F.linear everywhere."""
+    """With use_router_kernel: a small batch of 16-byte rows runs the kernel
+    (bit-identical to the module entry); a batch past the kernel's read limit,
+    misaligned rows, float32 and a gradient take F.linear; off, F.linear
+    everywhere."""
     x, w = _router_inputs(16, 128, 2048, torch.bfloat16, seed=7)
     previous = ops.use_router_kernel(True)
     try:
         assert torch.equal(ops.router_logits(x, w), rk().router_logits(x, w))
-        x17, _ = _router_inputs(17, 128, 2048, torch.bfloat16, seed=8)
-        assert torch.equal(ops.router_logits(x17, w), torch.nn.functional.linear(x17, w))
+        xl, wl = _router_inputs(128, 128, 2048, torch.bfloat16, seed=8)
+        assert rk().router_read_bytes(128, 128, 2048) > ops.ROUTER_KERNEL_MAX_READ
+        assert torch.equal(ops.router_logits(xl, wl), torch.nn.functional.linear(xl, wl))
         buf = torch.randn(3, 2056, device="cuda", dtype=torch.bfloat16)
         odd = buf[:, 1:2049]  # 2-byte offset: not 16-byte rows
         assert torch.equal(ops.router_logits(odd, w), torch.nn.functional.linear(odd, w))

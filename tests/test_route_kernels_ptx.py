@@ -65,7 +65,23 @@ def test_router_kernel_tile_is_validated():
         r.RouterLogits(experts_per_cta=0)
     with pytest.raises(ValueError, match="outnumber"):
         r.RouterLogits(experts_per_cta=8, tokens_per_cta=8, warps=1)
-    assert [r.router_fits(t) for t in (0, 1, 16, 17)] == [False, True, True, False]
+    # each CTA: its 2 experts' rows and its (up to) 8 tokens' rows
+    assert r.router_read_bytes(1, 8, 4096) == 4 * 3 * 4096 * 2
+    assert r.router_read_bytes(16, 256, 7168) == 128 * 2 * 10 * 7168 * 2
+    assert r.router_read_bytes(3, 1, 64) == 1 * 1 * 4 * 64 * 2
+
+
+def test_router_kernel_taken_for_small_batches_only():
+    """The op's rule: the kernel while its CTAs read at most ROUTER_KERNEL_MAX_READ
+    (the rows of x are read once per expert pair)."""
+    from csrc_free_kernels import route_sm90 as r
+
+    def taken(t, e, h):
+        return r.router_read_bytes(t, e, h) <= ops.ROUTER_KERNEL_MAX_READ
+
+    assert all(taken(t, 8, 4096) for t in (1, 16, 64, 128))         # Mixtral
+    assert taken(64, 128, 2048) and not taken(128, 128, 2048)       # Qwen3-30B-A3B
+    assert taken(8, 256, 7168) and not taken(16, 256, 7168)         # DeepSeek-V3
 
 
 def test_router_kernel_entry_refuses_what_it_cannot_take():
@@ -73,8 +89,8 @@ def test_router_kernel_entry_refuses_what_it_cannot_take():
     from csrc_free_kernels import route_sm90 as r
 
     w = torch.randn(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="1 to 16 tokens"):
-        r.router_logits(torch.randn(17, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="1 to 524280 tokens"):
+        r.router_logits(torch.randn(0, 64, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="a multiple of 8"):
         r.router_logits(torch.randn(2, 60, dtype=torch.bfloat16),
                         torch.randn(8, 60, dtype=torch.bfloat16))

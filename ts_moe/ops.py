@@ -570,15 +570,21 @@ _lib.define("combine(Tensor y_sorted, Tensor weights, Tensor inverse) -> Tensor"
 
 
 _router_kernel_opt_in = False
+# the router kernel's CTAs read x's rows once per expert pair: it takes a batch
+# while they read at most this much (about 250 KB per SM of the H200), e.g.
+# Qwen3-30B-A3B up to 64 tokens, DeepSeek-V3 up to 8 (not yet measured: see
+# use_router_kernel)
+ROUTER_KERNEL_MAX_READ = 32 << 20
 
 
 def use_router_kernel(enabled: bool = True) -> bool:
-    """Take :func:`router_logits` of decode batches (up to 16 tokens, bf16/fp16) on
-    the sm_90 path to ts_moe's router kernel (``route_sm90.RouterLogits``: one
-    launch, fp32 sums in a fixed order) instead of ``F.linear`` (cuBLAS: two
-    launches at these shapes).  Off by default until it has been measured on
-    the GPU (bench/RESULTS.md, "Issue 21, fifth pass").  Returns the previous
-    setting; takes effect on the next call (the decode graphs key on it)."""
+    """Take :func:`router_logits` of small batches (bf16/fp16, the kernel's reads
+    within ``ROUTER_KERNEL_MAX_READ``) on the sm_90 path to ts_moe's router
+    kernel (``route_sm90.RouterLogits``: one launch, fp32 sums in a fixed order)
+    instead of ``F.linear`` (cuBLAS: two launches at decode shapes).  Off by
+    default until it has been measured on the GPU (bench/RESULTS.md, "Issue 21,
+    fifth pass").  Returns the previous setting; takes effect on the next call
+    (the decode graphs key on it)."""
     global _router_kernel_opt_in
     previous, _router_kernel_opt_in = _router_kernel_opt_in, bool(enabled)
     return previous
@@ -592,7 +598,8 @@ def router_kernel_enabled() -> bool:
 def _router_logits_impl(x, weight):
     routing.check_router_args(x, weight)
     kernels = _sm90_module(x, "route_sm90") if _router_kernel_opt_in else None
-    if (kernels is not None and kernels.router_fits(x.shape[0]) and weight.shape[0]
+    if (kernels is not None and x.shape[0] and weight.shape[0]
+            and kernels.router_read_bytes(*x.shape[:1], *weight.shape) <= ROUTER_KERNEL_MAX_READ
             and _rows_ok(x) and _rows_ok(weight)
             and x.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0):  # as compiled
         return kernels.router_logits(x, weight)
@@ -677,7 +684,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (reference: :func:`ts_moe.routing.router_logits_reference`).
 
     ``torch.ops.ts_moe.router_logits``: ``F.linear``, or with
-    :func:`use_router_kernel` a decode batch on the sm_90 path in one launch of
+    :func:`use_router_kernel` a small batch on the sm_90 path in one launch of
     ts_moe's router kernel.  Not differentiable itself: where x or weight need
     a gradient, ``F.linear`` runs."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
