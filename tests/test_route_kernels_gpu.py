@@ -9,6 +9,7 @@ import torch
 
 import ts_moe
 from ts_moe import ops, routing
+from ts_moe.decode_graphs import graphs
 from ts_moe.moe import moe_forward_reference
 
 from .conftest import rel_err
@@ -155,6 +156,14 @@ def test_block_is_six_launches_and_graph_capturable():
 
 
 # ------------------------------------------------------------ router kernel
+@pytest.fixture
+def fresh_graphs():
+    graphs.clear()
+    graphs.enable()
+    yield
+    graphs.clear()
+
+
 ROUTER_CASES = [(1, 8, 4096), (1, 128, 2048), (1, 256, 7168), (2, 8, 4096), (3, 60, 264),
                 (8, 1, 8), (9, 33, 1024), (16, 128, 2048), (16, 256, 7168), (5, 7, 16),
                 (64, 128, 2048), (128, 8, 4096), (300, 3, 40)]
@@ -206,10 +215,10 @@ def test_router_logits_strided_rows_and_fresh_data():
 
 
 def test_router_logits_op_takes_the_kernel_only_where_it_applies():
-    """With use_router_kernel: a small batch of 16-byte rows runs the kernel
-    (bit-identical to the module entry); a batch past the kernel's read limit,
-    misaligned rows, float32 and a gradient take F.linear; off, F.linear
-    everywhere."""
+    """With use_router_kernel: a small batch runs the kernel (bit-identical to the
+    module entry; x's misaligned rows copied first, so the choice never rests on
+    x's strides); a batch past the kernel's read limit, a misaligned weight,
+    float32 and a gradient take F.linear; off, F.linear everywhere."""
     x, w = _router_inputs(16, 128, 2048, torch.bfloat16, seed=7)
     previous = ops.use_router_kernel(True)
     try:
@@ -218,8 +227,10 @@ def test_router_logits_op_takes_the_kernel_only_where_it_applies():
         assert rk().router_read_bytes(128, 128, 2048) > ops.ROUTER_KERNEL_MAX_READ
         assert torch.equal(ops.router_logits(xl, wl), torch.nn.functional.linear(xl, wl))
         buf = torch.randn(3, 2056, device="cuda", dtype=torch.bfloat16)
-        odd = buf[:, 1:2049]  # 2-byte offset: not 16-byte rows
-        assert torch.equal(ops.router_logits(odd, w), torch.nn.functional.linear(odd, w))
+        odd = buf[:, 1:2049]  # 2-byte offset: copied to 16-byte rows, then the kernel
+        assert torch.equal(ops.router_logits(odd, w), rk().router_logits(odd.contiguous(), w))
+        w_odd = torch.randn(128, 2056, device="cuda", dtype=torch.bfloat16)[:, 1:2049]
+        assert torch.equal(ops.router_logits(x, w_odd), torch.nn.functional.linear(x, w_odd))
         xf, wf = x.float(), w.float()
         assert torch.equal(ops.router_logits(xf, wf), torch.nn.functional.linear(xf, wf))
         xg = x.clone().requires_grad_()
@@ -247,7 +258,7 @@ def _block_reference_on_logits(x, logits, moe, top_k):
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16])
-def test_block_with_the_router_kernel(tokens):
+def test_block_with_the_router_kernel(tokens, fresh_graphs):
     """Mixtral-shaped block with use_router_kernel: six launches (router kernel,
     routing, gather, gate/up + SwiGLU, down, combine), no host sync, the CUDA-graph
     replay and the layer's own decode graphs equal to the eager stages, the output
@@ -282,8 +293,10 @@ def test_block_with_the_router_kernel(tokens):
             assert torch.equal(out, eager)
             ref = _block_reference_on_logits(x, logits, moe, 2)
             moe.decode_graphs = True
+            before = graphs.captures
             for _ in range(3):  # eager, capture, replay
                 assert torch.equal(moe(x_fresh), moe_forward_eager(moe, x_fresh))
+            assert graphs.captures == before + 1
     finally:
         ops.use_router_kernel(previous)
     assert rel_err(eager, ref) < 1e-2
@@ -296,11 +309,10 @@ def moe_forward_eager(moe, x):
                               decode_graphs=False)
 
 
-def test_decode_graphs_key_on_the_router_setting():
+def test_decode_graphs_key_on_the_router_setting(fresh_graphs):
     """Turning use_router_kernel on or off gives the next decode call a graph of
-    its own (the old one would replay the other router)."""
-    from ts_moe.decode_graphs import graphs
-
+    its own (the old one would replay the other router); a misaligned x takes
+    the router the aligned graph inputs take."""
     torch.manual_seed(3)
     moe = ts_moe.MoE(1024, 512, 8, 2, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
@@ -315,5 +327,9 @@ def test_decode_graphs_key_on_the_router_setting():
                 out = moe(x)
             assert graphs.captures == before + 1
             assert torch.equal(out, moe_forward_eager(moe, x))
+            odd = torch.empty(2, 1032, device="cuda", dtype=torch.bfloat16)[:, 4:1028]
+            odd.copy_(x)
+            assert torch.equal(moe(odd), out) and graphs.captures == before + 1
+            assert torch.equal(moe_forward_eager(moe, odd), out)
     finally:
         ops.use_router_kernel(previous)

@@ -176,6 +176,56 @@ def test_router_logits_cpu_is_f_linear(dtype, kernel):
         assert rel_err(row, ref_row) < 1e-2
 
 
+class _FakeRouterModule:
+    """Stands in for csrc_free_kernels.route_sm90 on the CPU: records the router calls."""
+
+    ROUTER_MAX_TOKENS = 6
+
+    def __init__(self):
+        from csrc_free_kernels import route_sm90
+
+        self.router_read_bytes = route_sm90.router_read_bytes
+        self.calls = []
+
+    def router_logits(self, x, weight):
+        self.calls.append(x)
+        return torch.full((x.shape[0], weight.shape[0]), 7.0, dtype=x.dtype)
+
+
+def test_router_op_chooses_on_shapes_and_the_weight(monkeypatch):
+    """The op's choice (kernel module stubbed): small 16-bit batches go to the
+    kernel, x's unreadable rows copied first (never F.linear for them: a decode
+    graph's aligned buffers would take the kernel); too many tokens, too many
+    bytes, an unreadable weight, fp32 or the switch off: F.linear."""
+    fake = _FakeRouterModule()
+    monkeypatch.setattr(ops, "_sm90_module", lambda t, name: fake)
+    bf16 = torch.bfloat16
+    w = torch.randn(8, 64, dtype=bf16)
+    x = torch.randn(3, 64, dtype=bf16)
+    previous = ops.use_router_kernel(True)
+    try:
+        assert (ops.router_logits(x, w) == 7).all() and fake.calls[-1] is x
+        odd = torch.randn(3 * 64 + 1, dtype=bf16)[1:].view(3, 64)  # 2-byte offset
+        assert (ops.router_logits(odd, w) == 7).all()
+        assert fake.calls[-1] is not odd and torch.equal(fake.calls[-1], odd)
+        assert fake.calls[-1].data_ptr() % 16 == 0
+        strided = torch.randn(3, 68, dtype=bf16)[:, :64]  # 136-byte rows
+        assert (ops.router_logits(strided, w) == 7).all() and fake.calls[-1].stride(0) == 64
+        calls = len(fake.calls)
+        too_many = torch.randn(7, 64, dtype=bf16)
+        big_w = torch.randn(4096, 4096, dtype=bf16)
+        for args in ((too_many, w), (torch.randn(2, 4096, dtype=bf16), big_w),
+                     (x, torch.randn(8, 65, dtype=bf16)[:, :64]), (x.float(), w.float()),
+                     (torch.randn(3, 60, dtype=bf16), torch.randn(8, 60, dtype=bf16))):
+            assert fake.router_read_bytes(2, 4096, 4096) > ops.ROUTER_KERNEL_MAX_READ
+            assert torch.equal(ops.router_logits(*args), torch.nn.functional.linear(*args))
+        ops.use_router_kernel(False)
+        assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
+        assert len(fake.calls) == calls
+    finally:
+        ops.use_router_kernel(previous)
+
+
 def test_use_router_kernel_returns_the_previous_setting():
     assert ops.router_kernel_enabled() is False
     assert ops.use_router_kernel() is False and ops.router_kernel_enabled() is True

@@ -584,7 +584,8 @@ def use_router_kernel(enabled: bool = True) -> bool:
     instead of ``F.linear`` (cuBLAS: two launches at decode shapes).  Off by
     default until it has been measured on the GPU (bench/RESULTS.md, "Issue 21,
     fifth pass").  Returns the previous setting; takes effect on the next call
-    (the decode graphs key on it)."""
+    (the layer's decode graphs key on it; a ``torch.compile(mode="reduce-overhead")``
+    graph keeps the router it was recorded with: set this before compiling)."""
     global _router_kernel_opt_in
     previous, _router_kernel_opt_in = _router_kernel_opt_in, bool(enabled)
     return previous
@@ -595,13 +596,23 @@ def router_kernel_enabled() -> bool:
     return _router_kernel_opt_in
 
 
+def _router_rows_ok(t: torch.Tensor) -> bool:
+    """Rows as the router kernel is compiled for: 16-byte vectors, 16-byte strides."""
+    return _rows_ok(t) and t.stride(0) % 8 == 0
+
+
 def _router_logits_impl(x, weight):
     routing.check_router_args(x, weight)
     kernels = _sm90_module(x, "route_sm90") if _router_kernel_opt_in else None
-    if (kernels is not None and x.shape[0] and weight.shape[0]
-            and kernels.router_read_bytes(*x.shape[:1], *weight.shape) <= ROUTER_KERNEL_MAX_READ
-            and _rows_ok(x) and _rows_ok(weight)
-            and x.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0):  # as compiled
+    # the choice rests on shapes, dtypes and the weight (which a decode graph
+    # keys on), never on x's strides: x's rows are copied where the kernel
+    # cannot read them, so that a graph replay routes as the eager call did
+    if (kernels is not None and x.dtype in (torch.bfloat16, torch.float16)
+            and 0 < x.shape[0] <= kernels.ROUTER_MAX_TOKENS and weight.shape[0]
+            and x.shape[1] % 8 == 0 and _router_rows_ok(weight)
+            and kernels.router_read_bytes(*x.shape[:1], *weight.shape) <= ROUTER_KERNEL_MAX_READ):
+        if not _router_rows_ok(x):
+            x = x.clone(memory_format=torch.contiguous_format)
         return kernels.router_logits(x, weight)
     return F.linear(x, weight)
 
