@@ -137,6 +137,18 @@ def _router(dtype="bfloat16"):
     return build
 
 
+def _topk(dtype="bfloat16", per_lane=8):
+    def build():
+        import cutlass
+
+        from . import route_sm90 as r
+
+        c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32"}[dtype])
+        return r.RouteTopK(per_lane), r.topk_fake_args(c)
+    build.config = {"dtype": dtype, "per_lane": per_lane}
+    return build
+
+
 def _rowsum(weighted, index="int64"):
     def build():
         import cutlass
@@ -227,6 +239,8 @@ BUILDS = {
     "route_slots": _route(True),
     "route_slots_f32": _route(True, "float32"),
     "route_slots_e32": _route(True, per_lane=1),     # up to 32 experts (Mixtral)
+    "route_topk": _topk(),                            # the routing alone, many CTAs
+    "route_topk_f32": _topk("float32", per_lane=4),
     "sort_slots_i64": _route(False, "int64"),
     "sort_slots_i32": _route(False, "int32"),
     "combine_rows": _rowsum(True),

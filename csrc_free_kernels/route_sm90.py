@@ -7,6 +7,8 @@
   batch and the expert order of its (token, k) slots, in one CTA and one launch,
   where ``torch`` takes a dozen (softmax, sort, slicing, a second sort,
   searchsorted, scatter, ...).  Or, from given expert ids, the slot order alone.
+  :class:`RouteTopK`: its routing alone, a warp a token on many CTAs (for
+  batches whose top-k rounds would keep one CTA busy).
 - :class:`WeightedRowSum`: ``out[t] = sum_j w[t, j] * src[index[t * k + j]]`` in
   fp32 with one rounding: the MoE combine in one pass (torch: a gather, a
   product and a sum over (T, k, H), then a cast), and, unweighted with ``k =
@@ -19,7 +21,6 @@ sync) and capture into CUDA graphs.  The plain-torch references are
 """
 
 import functools
-import math
 
 import cutlass
 import cutlass.cute as cute
@@ -400,7 +401,8 @@ class RouteSlots:
             if r < top_k:
                 mWeights[t, r] = vals[j] / total
                 mExperts[t, r] = cutlass.Int64(chosen[j])
-                ids[t * top_k + r] = chosen[j]
+                if cutlass.const_expr(ids is not None):
+                    ids[t * top_k + r] = chosen[j]
 
 
 _KEY_TOP = -(1 << 16)  # 0xFFFF0000: a key's top half
@@ -427,6 +429,51 @@ def _ordered_key(bits: cutlass.Int32) -> cutlass.Int32:
         if bits == -(2**31):  # -0.0
             key = cutlass.Int32(0)
     return key
+
+
+class RouteTopK(RouteSlots):
+    """:class:`RouteSlots`'s routing phase alone, on ``ceil(T / warps)`` CTAs.
+
+    Warp ``w`` of CTA ``b`` routes token ``b * warps + w`` (softmax, top-k,
+    renormalise: :meth:`RouteSlots.route_token`, so the experts and weights are
+    bit for bit those of :class:`RouteSlots`) and writes ``mWeights`` and
+    ``mExperts``.  The slot order then comes from :class:`RouteSlots` on the
+    ids (``from_logits=False``): two launches, where one CTA's top-k rounds
+    would keep one SM issue-bound for many tokens (bench/RESULTS.md, "Issue
+    21, fourth pass": about 900 warp instructions a token at E = 128).
+    """
+
+    def __init__(self, per_lane: int = MAX_EXPERTS // 32, warps: int = 4):
+        if per_lane not in LANE_WIDTHS:
+            raise ValueError(f"per_lane must be one of {LANE_WIDTHS}, got {per_lane}")
+        self.from_logits = True
+        self.per_lane = per_lane
+        self.warps = warps
+        self.threads = 32 * warps
+
+    @cute.jit
+    def __call__(self, mLogits: cute.Tensor, mWeights: cute.Tensor, mExperts: cute.Tensor,
+                 stream):
+        """mLogits (T, E) float, mWeights (T, k) fp32, mExperts (T, k) int64 (outputs)."""
+        tokens = cute.size(mExperts, mode=[0])
+        self.kernel(mLogits, mWeights, mExperts).launch(
+            grid=((tokens + self.warps - 1) // self.warps, 1, 1), block=(self.threads, 1, 1),
+            stream=stream, use_pdl=pdl.ENABLED)
+
+    @cute.kernel
+    def kernel(self, mLogits: cute.Tensor, mWeights: cute.Tensor, mExperts: cute.Tensor):
+        pdl.enter()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        b, _, _ = cute.arch.block_idx()
+        tokens, top_k = mExperts.shape
+        vals = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
+        keys = cute.make_rmem_tensor((self.per_lane,), cutlass.Int32)
+        chosen = cute.make_rmem_tensor((self.per_lane,), cutlass.Int32)
+        t = b * self.warps + warp
+        if t < tokens:
+            self.route_token(mLogits, mWeights, mExperts, None, vals, keys, chosen, t, lane,
+                             top_k, mLogits.shape[1])
 
 
 class WeightedRowSum:
@@ -521,6 +568,13 @@ def route_fake_args(dtype, from_logits: bool) -> tuple:
             _compact(cutlass.Int64, s), kcompile.fake_stream())
 
 
+def topk_fake_args(dtype) -> tuple:
+    """Symbolic T, E, k: logits (T, E) of ``dtype``, weights and experts (T, k)."""
+    t, e, k = kcompile.sym_dims(3)
+    return (_compact(dtype, t, e), _compact(cutlass.Float32, t, k), _compact(cutlass.Int64, t, k),
+            kcompile.fake_stream())
+
+
 def rowsum_fake_args(dtype, index_dtype, weighted: bool) -> tuple:
     """(M, H) source and (T, H) output rows with free 16-byte strides; (R,) index;
     (T, k) weights when ``weighted`` (else R = T)."""
@@ -552,6 +606,13 @@ def _route_kernel(from_logits: bool, dtype: torch.dtype, per_lane: int = 1):
                 route_fake_args(_TORCH_TO_CUTE[dtype], from_logits))
 
     return kcompile.get_compiled(key, build)
+
+
+@functools.cache
+def _topk_kernel(dtype: torch.dtype, per_lane: int):
+    key = ("RouteTopK", str(dtype), per_lane, "sm_90a")
+    return kcompile.get_compiled(key, lambda: (RouteTopK(per_lane),
+                                               topk_fake_args(_TORCH_TO_CUTE[dtype])))
 
 
 @functools.cache
@@ -624,6 +685,24 @@ def route_slots(logits: torch.Tensor, top_k: int):
     _route_kernel(True, logits.dtype, lane_width(num_experts))(
         logits, weights, experts, token_index, offs, inverse)
     return weights, experts, token_index, offs, inverse
+
+
+def route_topk(logits: torch.Tensor, top_k: int):
+    """(weights (T, k) fp32, experts (T, k) int64): ``ts_moe.route`` of ``logits``
+    (T, E) contiguous, E <= MAX_EXPERTS, a warp a token on many CTAs; the
+    experts and weights of :func:`route_slots`, bit for bit."""
+    tokens, num_experts = logits.shape
+    if not 0 < num_experts <= MAX_EXPERTS:
+        raise ValueError(f"the routing kernel takes 1 to {MAX_EXPERTS} experts, "
+                         f"got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
+    dev = logits.device
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
+    experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
+    if tokens:
+        _topk_kernel(logits.dtype, lane_width(num_experts))(logits, weights, experts)
+    return weights, experts
 
 
 def sort_slots(experts: torch.Tensor, num_experts: int):

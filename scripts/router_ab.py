@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""The router's logits by cuBLAS (``F.linear``) and by ts_moe's router kernel, alone
-and inside the decode block.
+"""The router's kernels (``ts_moe.use_router_kernel``) against the default path,
+alone and inside the decode block.
 
     python scripts/router_ab.py [--T 1,4,16,64]
 
 For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 shapes; the
 suite's inputs, ``bench.moe_block.shaped_inputs``) and token count: the logits
-alone, ``F.linear`` then ``csrc_free_kernels.route_sm90.router_logits`` (twenty
-calls per CUDA graph), and the block (``ts_moe.moe_forward`` with
+alone, ``F.linear`` then ``csrc_free_kernels.route_sm90.router_logits``; the
+routing alone, the one-CTA ``route_slots`` then ``route_topk`` + ``sort_slots``
+(two launches; twenty calls per CUDA graph each); and the block (``ts_moe.moe_forward`` with
 ``decode_graphs=False``, ten calls per graph, ``bench.timing.measure``) with
 :func:`ts_moe.use_router_kernel` off, on, and off again (the spread between
 the two "off" columns is the noise; "on" is the op's choice, ``F.linear``
@@ -44,8 +45,8 @@ def main(argv=None) -> int:
     from csrc_free_kernels import route_sm90
 
     dev = torch.device("cuda")
-    print("| model | T | F.linear | router kernel | block, kernel off | on | off again |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| model | T | F.linear | router kernel | route_slots | route_topk + sort_slots "
+          "| block, kernels off | on | off again |\n|---|---|---|---|---|---|---|---|---|")
     for name, (hidden, inter, experts, top_k) in MODELS.items():
         for tokens in map(int, args.T.split(",")):
             _, inp = shaped_inputs(hidden, inter, experts, top_k, tokens, dev)
@@ -60,6 +61,14 @@ def main(argv=None) -> int:
                            target_ms=20).ms,
                    measure([lambda: route_sm90.router_logits(inp.x, inp.router)] * 20, dev,
                            graph=True, target_ms=20).ms]
+            logits = F.linear(inp.x, inp.router)
+
+            def split():
+                _, ids = route_sm90.route_topk(logits, top_k)
+                return route_sm90.sort_slots(ids, experts)
+
+            for routing in (lambda: route_sm90.route_slots(logits, top_k), split):
+                row.append(measure([routing] * 20, dev, graph=True, target_ms=20).ms)
 
             def block():
                 return moe_forward(inp.x, inp.router, inp.gate_up, inp.down, top_k,

@@ -72,6 +72,63 @@ def test_route_slots_many_ties(experts, top_k, dtype):
     assert torch.equal(offs, s_ref.offs) and torch.equal(inv, s_ref.inverse)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", CASES + [(5000, 64, 6), (33, 256, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ties", [False, True])
+def test_route_topk_is_route_slots_bit_for_bit(tokens, experts, top_k, dtype, ties):
+    """The routing on many CTAs: the experts and weights of the one-CTA kernel,
+    bit for bit (it runs the same rounds), outputs poisoned first; past the
+    one-CTA kernel's 1024 slots, against ts_moe.route."""
+    torch.manual_seed(tokens + experts + top_k)
+    if ties:
+        logits = torch.randint(-2, 3, (tokens, experts), device="cuda").to(dtype)
+    else:
+        logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
+    w, ex = rk().route_topk(logits, top_k)
+    assert w.shape == ex.shape == (tokens, top_k) and ex.dtype == torch.int64
+    w_ref, ex_ref = routing.route(logits, top_k)
+    assert torch.equal(ex, ex_ref)
+    assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
+    if rk().fits(tokens * top_k, experts):
+        w1, ex1, *_ = rk().route_slots(logits, top_k)
+        assert torch.equal(w, w1) and torch.equal(ex, ex1)
+
+
+def test_route_op_split_is_the_one_cta_result():
+    """ops.route_slots with use_router_kernel on a batch it splits (Qwen3-30B-A3B
+    T=64, DeepSeek-V3 T=16): all five outputs bit-equal to the switch off; two
+    launches, no host sync, captured in a CUDA graph."""
+    for tokens, experts in ((64, 128), (16, 256)):
+        torch.manual_seed(tokens)
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+        assert tokens * rk().lane_width(experts) >= ops.ROUTE_SPLIT_MIN_WORK
+        w0, ex0, s0 = ops.route_slots(logits, 8)
+        previous = ops.use_router_kernel(True)
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                    w, ex, slots = ops.route_slots(logits, 8)
+                    torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            names = [e.name for e in sorted(p.events(), key=lambda e: e.time_range.start)
+                     if e.device_type == torch.autograd.DeviceType.CUDA]
+            assert len(names) == 2 and "RouteTopK" in names[0], names
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                wg, exg, sg = ops.route_slots(logits, 8)
+            g.replay()
+            torch.cuda.synchronize()
+        finally:
+            ops.use_router_kernel(previous)
+        for got in ((w, ex, *slots), (wg, exg, *sg)):
+            for a, b in zip(got, (w0, ex0, *s0)):
+                assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (40, 16, 4), (256, 256, 4),
                                                    (333, 8, 3), (1024, 1, 1)])

@@ -14,13 +14,14 @@ from ts_moe import ops, routing
 from .conftest import rel_err
 from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture, run_for_arch
 
-BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("router_logits", "route_slots", "sort_slots",
-                                                      "combine_rows", "gather_rows"))]
+BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("router_logits", "route_slots", "route_topk",
+                                                      "sort_slots", "combine_rows",
+                                                      "gather_rows"))]
 ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def test_builds(ptx):
-    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 9
+    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 11
     for name in BUILDS:
         assert len(re.findall(r"\.entry\s", ptx[name])) == 1
         assert ".local" not in ptx[name]
@@ -56,6 +57,21 @@ def test_router_kernel_streams_16_byte_vectors_and_stores_once(ptx, name):
     assert len(re.findall(r"shfl\.sync\.bfly", text)) == 2 * 8 * 5
     cvt = {"router_logits": "cvt.rn.bf16.f32", "router_logits_fp16": "cvt.rn.f16.f32"}[name]
     assert text.count(cvt) == 1
+
+
+def test_topk_kernel_is_the_routing_phase_alone(ptx):
+    """RouteTopK: a warp a token, the routing kernel's rounds (bf16: one packed
+    reduction a round; fp32: two), no shared memory, no barrier, no atomics;
+    each lane stores the weights and experts of its rounds."""
+    for name, per_lane, reductions in (("route_topk", 8, {"max": 2, "min": 0}),
+                                       ("route_topk_f32", 4, {"max": 2, "min": 1})):
+        text = ptx[name]
+        assert text.count("redux.sync.max") == reductions["max"], name
+        assert text.count("redux.sync.min") == reductions["min"], name
+        assert ".shared" not in text and "bar.sync" not in text, name
+        assert not re.search(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.", text, re.M), name
+        assert len(re.findall(r"st\.global\.b32", text)) == per_lane, name
+        assert len(re.findall(r"st\.global\.b64", text)) == per_lane, name
 
 
 def test_router_kernel_tile_is_validated():
@@ -130,6 +146,7 @@ def test_tvm_ffi_builds_compile():
             "from csrc_free_kernels import route_sm90 as r\n"
             "for dt in (torch.bfloat16, torch.float16):\n"
             "    assert r._router_kernel(dt) is not None\n"
+            "    assert r._topk_kernel(dt, 4) is not None\n"
             "for dt in (torch.bfloat16, torch.float32):\n"
             "    assert r._route_kernel(True, dt) is not None\n"
             "for dt in (torch.int32, torch.int64):\n"
@@ -222,6 +239,57 @@ def test_router_op_chooses_on_shapes_and_the_weight(monkeypatch):
         ops.use_router_kernel(False)
         assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
         assert len(fake.calls) == calls
+    finally:
+        ops.use_router_kernel(previous)
+
+
+class _FakeRouteModule:
+    """Stands in for csrc_free_kernels.route_sm90 on the CPU: records which routing
+    path the op takes, and returns the torch functions' results."""
+
+    def __init__(self):
+        from csrc_free_kernels import route_sm90
+
+        self.fits, self.lane_width = route_sm90.fits, route_sm90.lane_width
+        self.calls = []
+
+    def route_slots(self, logits, top_k):
+        self.calls.append("route_slots")
+        weights, experts = routing.route(logits, top_k)
+        return (weights, experts, *routing.sort_slots(experts, logits.shape[1]))
+
+    def route_topk(self, logits, top_k):
+        self.calls.append("route_topk")
+        return routing.route(logits, top_k)
+
+    def sort_slots(self, experts, num_experts):
+        self.calls.append("sort_slots")
+        return tuple(routing.sort_slots(experts, num_experts))
+
+
+def test_route_op_splits_large_batches_with_the_router_kernels(monkeypatch):
+    """With use_router_kernel, a batch of at least ROUTE_SPLIT_MIN_WORK tokens x
+    logits per lane is routed on many CTAs, then sorted (two launches); smaller
+    ones, or the switch off, take the one-CTA kernel."""
+    fake = _FakeRouteModule()
+    monkeypatch.setattr(ops, "_sm90_module", lambda t, name: fake)
+    assert ops.ROUTE_SPLIT_MIN_WORK == 128
+    cases = [((32, 128), True), ((31, 128), False), ((16, 256), True), ((15, 256), False),
+             ((128, 8), True), ((127, 8), False)]
+    previous = ops.use_router_kernel(True)
+    try:
+        for (tokens, experts), split in cases:
+            fake.calls.clear()
+            logits = torch.randn(tokens, experts)
+            w, ex, slots = ops.route_slots(logits, 1)
+            assert fake.calls == (["route_topk", "sort_slots"] if split else ["route_slots"])
+            w_ref, ex_ref = routing.route(logits, 1)
+            assert torch.equal(w, w_ref) and torch.equal(ex, ex_ref)
+            assert torch.equal(slots.offs, routing.sort_slots(ex_ref, experts).offs)
+        ops.use_router_kernel(False)
+        fake.calls.clear()
+        ops.route_slots(torch.randn(64, 128), 8)
+        assert fake.calls == ["route_slots"]
     finally:
         ops.use_router_kernel(previous)
 

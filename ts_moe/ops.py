@@ -575,13 +575,23 @@ _router_kernel_opt_in = False
 # Qwen3-30B-A3B up to 64 tokens, DeepSeek-V3 up to 8 (not yet measured: see
 # use_router_kernel)
 ROUTER_KERNEL_MAX_READ = 32 << 20
+# route_slots in one CTA spends about 900 warp instructions a token at 128
+# experts on its top-k rounds (one SM, issue-bound: 9 us at Qwen3-30B-A3B
+# T=64, 17 at DeepSeek-V3 T=64).  From this many tokens x logits per lane
+# (E / 32), with use_router_kernel, the routing runs a warp a token on many
+# CTAs and the slot order in a second launch (an estimate: Qwen3 from T=32,
+# DeepSeek-V3 from T=16, Mixtral from T=128; bench/RESULTS.md "fifth pass")
+ROUTE_SPLIT_MIN_WORK = 128
 
 
 def use_router_kernel(enabled: bool = True) -> bool:
     """Take :func:`router_logits` of small batches (bf16/fp16, the kernel's reads
     within ``ROUTER_KERNEL_MAX_READ``) on the sm_90 path to ts_moe's router
     kernel (``route_sm90.RouterLogits``: one launch, fp32 sums in a fixed order)
-    instead of ``F.linear`` (cuBLAS: two launches at decode shapes).  Off by
+    instead of ``F.linear`` (cuBLAS: two launches at decode shapes), and
+    :func:`route_slots` of batches from ``ROUTE_SPLIT_MIN_WORK`` to the top-k on
+    many CTAs (``route_sm90.RouteTopK``) and the slot order in a second launch
+    (the same experts, weights and order, bit for bit).  Off by
     default until it has been measured on the GPU (bench/RESULTS.md, "Issue 21,
     fifth pass").  Returns the previous setting; takes effect on the next call
     (the layer's decode graphs key on it; a ``torch.compile(mode="reduce-overhead")``
@@ -620,8 +630,13 @@ def _router_logits_impl(x, weight):
 def _route_slots_impl(logits, top_k):
     routing.check_route_args(logits, top_k)
     kernels = _sm90_module(logits, "route_sm90")
+    tokens, num_experts = logits.shape
     if (kernels is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and kernels.fits(logits.shape[0] * top_k, logits.shape[1])):
+            and kernels.fits(tokens * top_k, num_experts)):
+        if (_router_kernel_opt_in
+                and tokens * kernels.lane_width(num_experts) >= ROUTE_SPLIT_MIN_WORK):
+            weights, experts = kernels.route_topk(logits.contiguous(), top_k)
+            return (weights, experts, *kernels.sort_slots(experts, num_experts))
         return kernels.route_slots(logits.contiguous(), top_k)
     weights, experts = routing.route(logits, top_k)
     experts = experts.contiguous()  # a slice of the sort: the kernel's layout
@@ -712,8 +727,9 @@ def route_slots(logits: torch.Tensor, top_k: int):
     ``(weights, experts, SlotOrder)``.
 
     ``torch.ops.ts_moe.route_slots``: on the sm_90 path a batch of up to
-    1024 slots and 256 experts takes one launch (``csrc_free_kernels.route_sm90``),
-    otherwise the plain-torch functions.  Not differentiable itself: where
+    1024 slots and 256 experts takes one launch (``csrc_free_kernels.route_sm90``;
+    two for larger batches with :func:`use_router_kernel`), otherwise the
+    plain-torch functions.  Not differentiable itself: where
     the logits need a gradient, the differentiable torch functions run.
     """
     if torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad:
