@@ -21,14 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from bench.cases import MODELS  # noqa: E402
 from bench.moe_block import shaped_inputs  # noqa: E402
 from bench.timing import measure  # noqa: E402
 from ts_moe import ops  # noqa: E402
 from ts_moe.moe import moe_forward  # noqa: E402
-
-MODELS = {"mixtral": (4096, 14336, 8, 2), "qwen3": (2048, 768, 128, 8),
-          "deepseek": (7168, 2048, 256, 8)}
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -46,7 +43,8 @@ def main(argv=None) -> int:
         return as_set(*a, **kw)
 
     print("| model | T | prefetch on | off | on again | route_slots |\n|---|---|---|---|---|---|")
-    for name, (hidden, inter, experts, top_k) in MODELS.items():
+    for name, m in MODELS.items():
+        hidden, inter, experts, top_k = m.hidden, m.inter, m.experts, m.top_k
         for tokens in map(int, args.T.split(",")):
             _, inp = shaped_inputs(hidden, inter, experts, top_k, tokens, dev)
 

@@ -49,13 +49,8 @@ def nvtx_range(name: str):
 def check_router_args(x, weight) -> None:
     """x (T, H) and weight (E, H), float tensors of one dtype on one device, else
     a TypeError/ValueError naming them."""
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    _check_float_matrix("x", x, "(tokens, hidden)")
+    _check_float_matrix("weight", weight, "(experts, hidden)")
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight must be (E, H) with H = {x.shape[1]} (x's last dim), "
                          f"got {tuple(weight.shape)}")
@@ -79,13 +74,17 @@ def check_top_k(top_k, num_experts: int) -> None:
             f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
 
 
+def _check_float_matrix(name: str, t, dims: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D {dims}, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got {t.dtype}")
+
+
 def check_logits(logits) -> None:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be 2-D (tokens, experts), got shape {tuple(logits.shape)}")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    _check_float_matrix("logits", logits, "(tokens, experts)")
 
 
 def check_route_args(logits, top_k) -> None:
