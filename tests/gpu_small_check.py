@@ -1,5 +1,7 @@
 """A small ragged problem in every tile configuration of the sm_90 kernel
-(the named ones, and the opt-in ``store_warp`` epilogue where it applies).
+(the named ones, and the opt-in ``store_warp`` epilogue where it applies), then
+the decode block's small kernels (router logits, routing on one CTA and on many,
+slot order, combine, row gather) on odd sizes.
 
     python -m tests.gpu_small_check
 
@@ -13,6 +15,8 @@ import dataclasses
 import torch
 
 from csrc_free_kernels import grouped_gemm_sm90 as sm90
+from csrc_free_kernels import route_sm90
+from ts_moe import routing
 from ts_moe.reference import grouped_gemm_reference
 
 
@@ -36,6 +40,31 @@ def main() -> None:
         err = ((out.float() - ref).norm() / ref.norm()).item()
         print(f"{cfg.name}: rel err {err:.2e}")
         assert err < 1e-2
+    route_kernels()
+
+
+def route_kernels() -> None:
+    """Odd sizes (rows of a strided buffer, a partial token tile, E not a power of
+    two), each kernel against the torch functions; one line ``route kernels ok``."""
+    buf = torch.randn(9, 264 + 8, device="cuda", dtype=torch.bfloat16)
+    x, w = buf[:, 8:], torch.randn(33, 264, device="cuda", dtype=torch.bfloat16)
+    logits = route_sm90.router_logits(x, w)
+    exact = x.double() @ w.double().t()
+    assert ((logits.double() - exact).norm() / exact.norm()).item() < 1e-2
+    ids_ref = routing.route(logits, 3)[1]
+    weights, ids = route_sm90.route_topk(logits, 3)
+    assert torch.equal(ids, ids_ref)
+    w1, ids1, token_index, offs, inverse = route_sm90.route_slots(logits, 3)
+    assert torch.equal(ids1, ids_ref) and torch.equal(w1, weights)
+    for got, ref in zip(route_sm90.sort_slots(ids, 33), routing.sort_slots(ids_ref, 33)):
+        assert torch.equal(got, ref)
+    rows = route_sm90.weighted_row_sum(x, token_index, None, x.new_empty(27, 264))
+    assert torch.equal(rows, x[token_index.long()])
+    out = route_sm90.weighted_row_sum(rows, inverse, weights, x.new_empty(9, 264))
+    ref = routing.combine(rows.float(), weights, inverse)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.cuda.synchronize()
+    print("route kernels ok")
 
 
 if __name__ == "__main__":

@@ -232,6 +232,7 @@ def test_compute_sanitizer(tool):
     # every configuration ran and matched the reference under the tool
     from .gpu_small_check import configs
     assert proc.stdout.count("rel err") == len(configs())
+    assert "route kernels ok" in proc.stdout  # the decode block's small kernels too
 
 
 @pytest.mark.parametrize("config", CONFIG_NAMES + ["mid:sw", "prefill:sw", "prefill_p2:sw"])
