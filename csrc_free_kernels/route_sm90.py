@@ -446,6 +446,8 @@ class RouteTopK(RouteSlots):
     def __init__(self, per_lane: int = MAX_EXPERTS // 32, warps: int = 4):
         if per_lane not in LANE_WIDTHS:
             raise ValueError(f"per_lane must be one of {LANE_WIDTHS}, got {per_lane}")
+        if not 1 <= warps <= 32:
+            raise ValueError(f"warps must be in [1, 32] (a CTA's threads), got {warps}")
         self.from_logits = True
         self.per_lane = per_lane
         self.warps = warps
@@ -687,10 +689,12 @@ def route_slots(logits: torch.Tensor, top_k: int):
     return weights, experts, token_index, offs, inverse
 
 
-def route_topk(logits: torch.Tensor, top_k: int):
+def route_topk(logits: torch.Tensor, top_k: int, weights: torch.Tensor | None = None,
+               experts: torch.Tensor | None = None):
     """(weights (T, k) fp32, experts (T, k) int64): ``ts_moe.route`` of ``logits``
     (T, E) contiguous, E <= MAX_EXPERTS, a warp a token on many CTAs; the
-    experts and weights of :func:`route_slots`, bit for bit."""
+    experts and weights of :func:`route_slots`, bit for bit.  ``weights`` and
+    ``experts``: contiguous outputs to write, or None."""
     tokens, num_experts = logits.shape
     if not 0 < num_experts <= MAX_EXPERTS:
         raise ValueError(f"the routing kernel takes 1 to {MAX_EXPERTS} experts, "
@@ -698,8 +702,10 @@ def route_topk(logits: torch.Tensor, top_k: int):
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
     dev = logits.device
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
-    experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
+    if weights is None:
+        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
+    if experts is None:
+        experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
     if tokens:
         _topk_kernel(logits.dtype, lane_width(num_experts))(logits, weights, experts)
     return weights, experts

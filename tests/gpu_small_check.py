@@ -56,8 +56,9 @@ def route_kernels() -> None:
     assert torch.equal(ids, ids_ref)
     w1, ids1, token_index, offs, inverse = route_sm90.route_slots(logits, 3)
     assert torch.equal(ids1, ids_ref) and torch.equal(w1, weights)
-    for got, ref in zip(route_sm90.sort_slots(ids, 33), routing.sort_slots(ids_ref, 33)):
-        assert torch.equal(got, ref)
+    for got, ref in zip(route_sm90.sort_slots(ids, 33), routing.sort_slots(ids_ref, 33),
+                        strict=True):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
     rows = route_sm90.weighted_row_sum(x, token_index, None, x.new_empty(27, 264))
     assert torch.equal(rows, x[token_index.long()])
     out = route_sm90.weighted_row_sum(rows, inverse, weights, x.new_empty(9, 264))

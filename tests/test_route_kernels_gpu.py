@@ -73,19 +73,24 @@ def test_route_slots_many_ties(experts, top_k, dtype):
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", CASES + [(5000, 64, 6), (33, 256, 8)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("ties", [False, True])
 def test_route_topk_is_route_slots_bit_for_bit(tokens, experts, top_k, dtype, ties):
     """The routing on many CTAs: the experts and weights of the one-CTA kernel,
     bit for bit (it runs the same rounds), outputs poisoned first; past the
-    one-CTA kernel's 1024 slots, against ts_moe.route."""
-    torch.manual_seed(tokens + experts + top_k)
+    one-CTA kernel's 1024 slots, against ts_moe.route.  Tied logits: small
+    integers, -0.0 among them."""
+    torch.manual_seed(tokens + experts + top_k + 7 * ties)
     if ties:
         logits = torch.randint(-2, 3, (tokens, experts), device="cuda").to(dtype)
+        zero = logits == 0
+        logits[zero] = torch.where(torch.rand(int(zero.sum()), device="cuda") < 0.5,
+                                   -0.0, 0.0).to(dtype)
     else:
         logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
-    w, ex = rk().route_topk(logits, top_k)
-    assert w.shape == ex.shape == (tokens, top_k) and ex.dtype == torch.int64
+    w = torch.full((tokens, top_k), float("nan"), device="cuda")
+    ex = torch.full((tokens, top_k), -1, dtype=torch.int64, device="cuda")
+    assert rk().route_topk(logits, top_k, w, ex)[0] is w
     w_ref, ex_ref = routing.route(logits, top_k)
     assert torch.equal(ex, ex_ref)
     assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
@@ -102,9 +107,11 @@ def test_route_op_split_is_the_one_cta_result():
         torch.manual_seed(tokens)
         logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
         assert tokens * rk().lane_width(experts) >= ops.ROUTE_SPLIT_MIN_WORK
-        w0, ex0, s0 = ops.route_slots(logits, 8)
-        previous = ops.use_router_kernel(True)
+        previous = ops.use_router_kernel(False)
         try:
+            w0, ex0, s0 = ops.route_slots(logits, 8)
+            ops.use_router_kernel(True)
+            ops.route_slots(logits, 8)  # builds or loads the kernels outside the checks
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -117,6 +124,7 @@ def test_route_op_split_is_the_one_cta_result():
             names = [e.name for e in sorted(p.events(), key=lambda e: e.time_range.start)
                      if e.device_type == torch.autograd.DeviceType.CUDA]
             assert len(names) == 2 and "RouteTopK" in names[0], names
+            assert "RouteSlots" in names[1], names
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 wg, exg, sg = ops.route_slots(logits, 8)
@@ -125,8 +133,8 @@ def test_route_op_split_is_the_one_cta_result():
         finally:
             ops.use_router_kernel(previous)
         for got in ((w, ex, *slots), (wg, exg, *sg)):
-            for a, b in zip(got, (w0, ex0, *s0)):
-                assert torch.equal(a, b)
+            for a, b in zip(got, (w0, ex0, *s0), strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
