@@ -33,11 +33,10 @@ that rank's tokens (sum it across ranks, as DDP does for replicated parameters).
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .moe import _check_tensor, check_layer_config, init_linear_
-from .ops import grouped_gemm, grouped_gemm_swiglu, scatter_rows
+from .ops import grouped_gemm, grouped_gemm_swiglu, router_logits, scatter_rows
 from .reference import gather_rows
 from .routing import combine, gather_permutation, route, sort_slots
 
@@ -224,7 +223,7 @@ class ExpertParallelMoE(nn.Module):
         """Route ``tokens`` (T, H) and exchange the counts (a collective): the
         combine weights, the slots in expert order, the (W, E/W) slots this rank
         sends to each rank's experts, and the (W, E/W) it receives for its own."""
-        weights, experts = route(F.linear(tokens, self.router), self.top_k)
+        weights, experts = route(router_logits(tokens, self.router), self.top_k)
         slots = sort_slots(experts, self.num_experts)
         counts = torch.diff(slots.offs, prepend=slots.offs.new_zeros(1)).to(torch.int64)
         counts = counts.view(self.world, self.local_experts)
