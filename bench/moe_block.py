@@ -48,9 +48,10 @@ import torch
 import torch.nn.functional as F
 
 from .backends import Bind, Factory, Unavailable
-from .cases import (BLOCK_ROUTING, Case, Model, case_seed, expert_counts, model_named,
+from .cases import (BLOCK_ROUTING, MODELS, Case, Model, case_seed, expert_counts, model_named,
                     weight_bytes)
 from .moe_layer import LayerInputs, reference_layer
+from .timing import measure
 
 DEFAULT_BACKENDS = ("ts_moe", "ts_moe_stages", "ts_moe_hf", "hf_eager", "hf_grouped_mm",
                     "hf_batched_mm")
@@ -173,6 +174,28 @@ def shaped_inputs(hidden: int, inter: int, experts: int, top_k: int, T: int,
     case = block_case(Model("custom", experts=experts, hidden=hidden, inter=inter,
                             top_k=top_k), T)
     return case, make_block_inputs(case, device)
+
+
+def suite_inputs(Ts, device: torch.device):
+    """``(model, T, inputs)`` of every moe_block model (Mixtral-8x7B, Qwen3-30B-A3B,
+    DeepSeek-V3) at each ``T``: the suite's cases, for the A/B scripts."""
+    for model in MODELS.values():
+        for T in Ts:
+            yield model, T, make_block_inputs(block_case(model, T), device)
+
+
+def stages_graph_ms(inp: BlockInputs, device: torch.device, calls: int = 10) -> float:
+    """ms per call of :func:`ts_moe.moe_forward`'s stages (``decode_graphs=False``)
+    replayed from a CUDA graph of ``calls`` calls, under ``torch.no_grad``
+    (:func:`bench.timing.measure`): the block's GPU time in the A/B scripts."""
+    from ts_moe.moe import moe_forward
+
+    def block():
+        return moe_forward(inp.x, inp.router, inp.gate_up, inp.down, inp.top_k,
+                           decode_graphs=False)
+
+    with torch.no_grad():
+        return measure([block] * calls, device, graph=True, target_ms=50).ms
 
 
 def reference_block(inp: BlockInputs, out_dtype=torch.float32) -> torch.Tensor:

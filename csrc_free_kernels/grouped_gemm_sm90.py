@@ -718,14 +718,15 @@ class GroupedGemmSm90:
                     if t + sched.step - lead < total_tiles:  # the other's turn follows
                         self.turn_barriers[1 - group].arrive()
 
-                # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
-                gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
-                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
-                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
                 if cutlass.const_expr(cfg.store_warp):
                     if turn > 0:  # warp 3 has stored the tile before
                         self.tile_barriers[1].arrive_and_wait()
+                else:
+                    # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
+                    gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
+                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
+                    cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
+                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
                 for epi in cutlass.range_constexpr(m_subs * n_subs):
                     mi, ni = divmod(epi, n_subs)
                     # store_warp: the whole tile, sub-tile by sub-tile; otherwise a

@@ -16,7 +16,7 @@
 
 All are deterministic (no atomics), read everything on the device (no host
 sync) and capture into CUDA graphs.  The plain-torch references are
-``ts_moe.reference.router_logits_reference``, ``ts_moe.routing.route``/
+``ts_moe.routing.router_logits_reference``/``route``/
 ``sort_slots``/``combine`` and ``ts_moe.reference.gather_rows``.
 """
 
@@ -142,7 +142,113 @@ class RouterLogits:
                 mOut[t, e] = total.to(mOut.element_type)
 
 
-class RouteSlots:
+class TokenRouting:
+    """Mixtral routing of one token by one warp (:meth:`route_token`), as the
+    routing kernels run it: ``per_lane`` logits per lane, so ``E <= 32 *
+    per_lane`` (each top-k round scans them all)."""
+
+    def __init__(self, per_lane: int):
+        if per_lane not in LANE_WIDTHS:
+            raise ValueError(f"per_lane must be one of {LANE_WIDTHS}, got {per_lane}")
+        self.per_lane = per_lane
+
+    @cute.jit
+    def route_token(self, mLogits, mWeights, mExperts, ids, vals, keys, chosen, t, lane,
+                    top_k, num_experts):
+        """One warp: token ``t``'s top-k experts and weights.
+
+        Each logit becomes an order-preserving int32 key (-0.0 as +0.0: the two
+        tie), so a round's argmax is a warp reduction (``redux.sync``).  bf16
+        logits: a key's low 16 bits carry nothing (an fp32 made from a bf16
+        has zeros there, or ones once ordered), so the key's top half and
+        ``0xFFFF - expert`` pack into one int32 whose maximum is the largest
+        logit and, on ties, the lowest expert: one reduction per round.  Other
+        dtypes: two (the largest key, then the lowest expert holding it).
+        Round ``r``'s choice stays with lane ``r % 32`` (register ``r // 32``);
+        the weights are computed from them once all rounds are done."""
+        packed = cutlass.const_expr(mLogits.element_type == cutlass.BFloat16)
+        low = -(2**31)  # below every key: an expert past E, or one taken
+        lane_max = cutlass.Int32(low)
+        for j in cutlass.range_constexpr(self.per_lane):
+            key = cutlass.Int32(low)
+            if lane + 32 * j < num_experts:
+                v = mLogits[t, lane + 32 * j].to(cutlass.Float32)
+                key = _ordered_key(v.bitcast(cutlass.Int32))
+                if cutlass.const_expr(packed):
+                    key = (key & _KEY_TOP) | (0xFFFF - (lane + 32 * j))
+            keys[j] = key
+            lane_max = cutlass.max(lane_max, key)
+        top = cute.arch.warp_redux_sync(lane_max, "max")  # the largest logit's key
+        best = _key_value(top, packed)
+        denom = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(self.per_lane):
+            if lane + 32 * j < num_experts:
+                denom += cute.math.exp2((_key_value(keys[j], packed) - best) * LOG2E)
+        for d in cutlass.range_constexpr(5):
+            denom += cute.arch.shuffle_sync_bfly(denom, 1 << d)
+
+        for r in cutlass.range(top_k, unroll=1):
+            choice = cutlass.Int32(0)  # packed: the key; else the expert
+            value = cutlass.Float32(0.0)  # not packed: the chosen logit
+            if cutlass.const_expr(packed):
+                if r > 0:
+                    lane_max = cutlass.Int32(low)
+                    for j in cutlass.range_constexpr(self.per_lane):
+                        lane_max = cutlass.max(lane_max, keys[j])
+                    top = cute.arch.warp_redux_sync(lane_max, "max")
+                choice = top
+                for j in cutlass.range_constexpr(self.per_lane):  # unique: it holds e
+                    if keys[j] == top:
+                        keys[j] = cutlass.Int32(low)
+            else:
+                # this lane's largest key (the lower expert on ties) ...
+                lane_key = cutlass.Int32(low)
+                lane_expert = cutlass.Int32(2**31 - 1)
+                for j in cutlass.range_constexpr(self.per_lane):
+                    if keys[j] > lane_key:
+                        lane_key = keys[j]
+                        lane_expert = lane + 32 * j
+                # ... then the warp's, and the lowest expert that holds it
+                key = cute.arch.warp_redux_sync(lane_key, "max")
+                if lane_key != key:
+                    lane_expert = cutlass.Int32(2**31 - 1)
+                choice = cute.arch.warp_redux_sync(lane_expert, "min")
+                if lane == choice % 32:
+                    for j in cutlass.range_constexpr(self.per_lane):
+                        if choice // 32 == j:
+                            keys[j] = cutlass.Int32(low)
+                value = _key_value(key, packed)
+            if r < 32:  # warp-uniform; k <= 32 in every model
+                if lane == r:
+                    chosen[0] = choice
+                    vals[0] = value
+            elif lane == r % 32:
+                for j in cutlass.range_constexpr(1, self.per_lane):
+                    if r // 32 == j:
+                        chosen[j] = choice
+                        vals[j] = value
+
+        total = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(self.per_lane):
+            if lane + 32 * j < top_k:
+                v = vals[j]
+                if cutlass.const_expr(packed):
+                    v = _key_value(chosen[j], True)
+                    chosen[j] = 0xFFFF - (chosen[j] & 0xFFFF)
+                vals[j] = cute.math.exp2((v - best) * LOG2E) / denom
+                total += vals[j]
+        for d in cutlass.range_constexpr(5):
+            total += cute.arch.shuffle_sync_bfly(total, 1 << d)
+        for j in cutlass.range_constexpr(self.per_lane):
+            r = lane + 32 * j
+            if r < top_k:
+                mWeights[t, r] = vals[j] / total
+                mExperts[t, r] = cutlass.Int64(chosen[j])
+                if cutlass.const_expr(ids is not None):
+                    ids[t * top_k + r] = chosen[j]
+
+
+class RouteSlots(TokenRouting):
     """Routing and slot order of a small batch in one CTA of ``threads`` threads.
 
     ``T`` tokens, ``E <= MAX_EXPERTS`` experts, ``k`` experts per token, ``T * k
@@ -184,12 +290,9 @@ class RouteSlots:
 
     def __init__(self, from_logits: bool, per_lane: int = MAX_EXPERTS // 32,
                  threads: int = 1024):
+        super().__init__(per_lane)
         self.from_logits = from_logits
         self.threads = threads
-        # logits per lane: E <= 32 * per_lane (each round scans them all)
-        self.per_lane = per_lane
-        if per_lane not in LANE_WIDTHS:
-            raise ValueError(f"per_lane must be one of {LANE_WIDTHS}, got {per_lane}")
         self.chunks = MAX_SLOTS // 32
         if threads < MAX_EXPERTS or threads % 32:
             raise ValueError(f"RouteSlots needs whole warps and a thread per expert "
@@ -309,102 +412,6 @@ class RouteSlots:
             mTokenIndex[pos] = s // top_k
             mInverse[s] = cutlass.Int64(pos)
 
-    @cute.jit
-    def route_token(self, mLogits, mWeights, mExperts, ids, vals, keys, chosen, t, lane,
-                    top_k, num_experts):
-        """One warp: token ``t``'s top-k experts and weights.
-
-        Each logit becomes an order-preserving int32 key (-0.0 as +0.0: the two
-        tie), so a round's argmax is a warp reduction (``redux.sync``).  bf16
-        logits: a key's low 16 bits carry nothing (an fp32 made from a bf16
-        has zeros there, or ones once ordered), so the key's top half and
-        ``0xFFFF - expert`` pack into one int32 whose maximum is the largest
-        logit and, on ties, the lowest expert: one reduction per round.  Other
-        dtypes: two (the largest key, then the lowest expert holding it).
-        Round ``r``'s choice stays with lane ``r % 32`` (register ``r // 32``);
-        the weights are computed from them once all rounds are done."""
-        packed = cutlass.const_expr(mLogits.element_type == cutlass.BFloat16)
-        low = -(2**31)  # below every key: an expert past E, or one taken
-        lane_max = cutlass.Int32(low)
-        for j in cutlass.range_constexpr(self.per_lane):
-            key = cutlass.Int32(low)
-            if lane + 32 * j < num_experts:
-                v = mLogits[t, lane + 32 * j].to(cutlass.Float32)
-                key = _ordered_key(v.bitcast(cutlass.Int32))
-                if cutlass.const_expr(packed):
-                    key = (key & _KEY_TOP) | (0xFFFF - (lane + 32 * j))
-            keys[j] = key
-            lane_max = cutlass.max(lane_max, key)
-        top = cute.arch.warp_redux_sync(lane_max, "max")  # the largest logit's key
-        best = _key_value(top, packed)
-        denom = cutlass.Float32(0.0)
-        for j in cutlass.range_constexpr(self.per_lane):
-            if lane + 32 * j < num_experts:
-                denom += cute.math.exp2((_key_value(keys[j], packed) - best) * LOG2E)
-        for d in cutlass.range_constexpr(5):
-            denom += cute.arch.shuffle_sync_bfly(denom, 1 << d)
-
-        for r in cutlass.range(top_k, unroll=1):
-            choice = cutlass.Int32(0)  # packed: the key; else the expert
-            value = cutlass.Float32(0.0)  # not packed: the chosen logit
-            if cutlass.const_expr(packed):
-                if r > 0:
-                    lane_max = cutlass.Int32(low)
-                    for j in cutlass.range_constexpr(self.per_lane):
-                        lane_max = cutlass.max(lane_max, keys[j])
-                    top = cute.arch.warp_redux_sync(lane_max, "max")
-                choice = top
-                for j in cutlass.range_constexpr(self.per_lane):  # unique: it holds e
-                    if keys[j] == top:
-                        keys[j] = cutlass.Int32(low)
-            else:
-                # this lane's largest key (the lower expert on ties) ...
-                lane_key = cutlass.Int32(low)
-                lane_expert = cutlass.Int32(2**31 - 1)
-                for j in cutlass.range_constexpr(self.per_lane):
-                    if keys[j] > lane_key:
-                        lane_key = keys[j]
-                        lane_expert = lane + 32 * j
-                # ... then the warp's, and the lowest expert that holds it
-                key = cute.arch.warp_redux_sync(lane_key, "max")
-                if lane_key != key:
-                    lane_expert = cutlass.Int32(2**31 - 1)
-                choice = cute.arch.warp_redux_sync(lane_expert, "min")
-                if lane == choice % 32:
-                    for j in cutlass.range_constexpr(self.per_lane):
-                        if choice // 32 == j:
-                            keys[j] = cutlass.Int32(low)
-                value = _key_value(key, packed)
-            if r < 32:  # warp-uniform; k <= 32 in every model
-                if lane == r:
-                    chosen[0] = choice
-                    vals[0] = value
-            elif lane == r % 32:
-                for j in cutlass.range_constexpr(1, self.per_lane):
-                    if r // 32 == j:
-                        chosen[j] = choice
-                        vals[j] = value
-
-        total = cutlass.Float32(0.0)
-        for j in cutlass.range_constexpr(self.per_lane):
-            if lane + 32 * j < top_k:
-                v = vals[j]
-                if cutlass.const_expr(packed):
-                    v = _key_value(chosen[j], True)
-                    chosen[j] = 0xFFFF - (chosen[j] & 0xFFFF)
-                vals[j] = cute.math.exp2((v - best) * LOG2E) / denom
-                total += vals[j]
-        for d in cutlass.range_constexpr(5):
-            total += cute.arch.shuffle_sync_bfly(total, 1 << d)
-        for j in cutlass.range_constexpr(self.per_lane):
-            r = lane + 32 * j
-            if r < top_k:
-                mWeights[t, r] = vals[j] / total
-                mExperts[t, r] = cutlass.Int64(chosen[j])
-                if cutlass.const_expr(ids is not None):
-                    ids[t * top_k + r] = chosen[j]
-
-
 _KEY_TOP = -(1 << 16)  # 0xFFFF0000: a key's top half
 
 
@@ -431,12 +438,12 @@ def _ordered_key(bits: cutlass.Int32) -> cutlass.Int32:
     return key
 
 
-class RouteTopK(RouteSlots):
+class RouteTopK(TokenRouting):
     """:class:`RouteSlots`'s routing phase alone, on ``ceil(T / warps)`` CTAs.
 
     Warp ``w`` of CTA ``b`` routes token ``b * warps + w`` (softmax, top-k,
-    renormalise: :meth:`RouteSlots.route_token`, so the experts and weights are
-    bit for bit those of :class:`RouteSlots`) and writes ``mWeights`` and
+    renormalise: :meth:`TokenRouting.route_token`, so the experts and weights
+    are bit for bit those of :class:`RouteSlots`) and writes ``mWeights`` and
     ``mExperts``.  The slot order then comes from :class:`RouteSlots` on the
     ids (``from_logits=False``): two launches, where one CTA's top-k rounds
     would keep one SM issue-bound for many tokens (bench/RESULTS.md, "Issue
@@ -444,12 +451,9 @@ class RouteTopK(RouteSlots):
     """
 
     def __init__(self, per_lane: int = MAX_EXPERTS // 32, warps: int = 4):
-        if per_lane not in LANE_WIDTHS:
-            raise ValueError(f"per_lane must be one of {LANE_WIDTHS}, got {per_lane}")
+        super().__init__(per_lane)
         if not 1 <= warps <= 32:
             raise ValueError(f"warps must be in [1, 32] (a CTA's threads), got {warps}")
-        self.from_logits = True
-        self.per_lane = per_lane
         self.warps = warps
         self.threads = 32 * warps
 
@@ -642,13 +646,19 @@ def _check_fits(slots: int, num_experts: int) -> None:
                          f"{MAX_EXPERTS} experts, got {slots} slots and {num_experts} experts")
 
 
-def router_read_bytes(tokens: int, experts: int, hidden: int, element_bytes: int = 2) -> int:
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    """Each top-k round takes a new expert."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
+
+
+def router_read_bytes(tokens: int, experts: int, hidden: int) -> int:
     """The bytes :class:`RouterLogits`'s CTAs read (from L2 and HBM): each its
-    experts' rows and its tokens' rows."""
+    experts' rows and its tokens' rows, of 16-bit elements."""
     ctas_e = -(-experts // ROUTER_EXPERTS_PER_CTA)
     ctas_t = -(-tokens // ROUTER_TOKENS_PER_CTA)
     rows = (min(experts, ROUTER_EXPERTS_PER_CTA) + min(tokens, ROUTER_TOKENS_PER_CTA))
-    return ctas_e * ctas_t * rows * hidden * element_bytes
+    return ctas_e * ctas_t * rows * hidden * 2
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor,
@@ -676,8 +686,7 @@ def route_slots(logits: torch.Tensor, top_k: int):
     ``ts_moe.sort_slots`` in one launch."""
     tokens, num_experts = logits.shape
     _check_fits(tokens * top_k, num_experts)
-    if not 1 <= top_k <= num_experts:  # each round takes a new expert
-        raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
+    _check_top_k(top_k, num_experts)
     dev = logits.device
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
     experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
@@ -699,8 +708,7 @@ def route_topk(logits: torch.Tensor, top_k: int, weights: torch.Tensor | None = 
     if not 0 < num_experts <= MAX_EXPERTS:
         raise ValueError(f"the routing kernel takes 1 to {MAX_EXPERTS} experts, "
                          f"got {num_experts}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
+    _check_top_k(top_k, num_experts)
     dev = logits.device
     if weights is None:
         weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)

@@ -3,10 +3,9 @@
 
     python scripts/prefetch_ab.py [--T 1,16,64]
 
-For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 shapes; the
-suite's inputs, ``bench.moe_block.shaped_inputs``) and token count: the block's
-time under a CUDA graph (``ts_moe.moe_forward`` with ``decode_graphs=False``,
-ten calls per graph, ``bench.timing.measure``) with the sm_90 GEMMs' weight
+For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3; the suite's
+cases and inputs, ``bench.moe_block.suite_inputs``) and token count: the block's
+time under a CUDA graph (``bench.moe_block.stages_graph_ms``) with the sm_90 GEMMs' weight
 prefetch as the layer sets it, then with the hint dropped (the kernel module's
 entry wrapped for the measurement), then as set again (the spread between the
 two "on" columns is the noise); and ``ts_moe.ops.route_slots`` alone, twenty
@@ -21,11 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench.cases import MODELS  # noqa: E402
-from bench.moe_block import shaped_inputs  # noqa: E402
+from bench.moe_block import stages_graph_ms, suite_inputs  # noqa: E402
 from bench.timing import measure  # noqa: E402
 from ts_moe import ops  # noqa: E402
-from ts_moe.moe import moe_forward  # noqa: E402
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -43,28 +41,19 @@ def main(argv=None) -> int:
         return as_set(*a, **kw)
 
     print("| model | T | prefetch on | off | on again | route_slots |\n|---|---|---|---|---|---|")
-    for name, m in MODELS.items():
-        hidden, inter, experts, top_k = m.hidden, m.inter, m.experts, m.top_k
-        for tokens in map(int, args.T.split(",")):
-            _, inp = shaped_inputs(hidden, inter, experts, top_k, tokens, dev)
-
-            def block():
-                return moe_forward(inp.x, inp.router, inp.gate_up, inp.down, top_k,
-                                   decode_graphs=False)
-
-            row = []
-            for entry in (as_set, dropped, as_set):
-                kernels.grouped_gemm = entry
-                try:
-                    with torch.no_grad():
-                        row.append(measure([block] * 10, dev, graph=True, target_ms=50).ms)
-                finally:
-                    kernels.grouped_gemm = as_set
-            logits = torch.nn.functional.linear(inp.x, inp.router)
-            row.append(measure([lambda: ops.route_slots(logits, top_k)] * 20, dev, graph=True,
-                               target_ms=20).ms)
-            print(f"| {name} | {tokens} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in row) + " |",
-                  flush=True)
+    for model, tokens, inp in suite_inputs(map(int, args.T.split(",")), dev):
+        row = []
+        for entry in (as_set, dropped, as_set):
+            kernels.grouped_gemm = entry
+            try:
+                row.append(stages_graph_ms(inp, dev))
+            finally:
+                kernels.grouped_gemm = as_set
+        logits = torch.nn.functional.linear(inp.x, inp.router)
+        row.append(measure([lambda: ops.route_slots(logits, inp.top_k)] * 20, dev, graph=True,
+                           target_ms=20).ms)
+        print(f"| {model.name} | {tokens} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in row)
+              + " |", flush=True)
     return 0
 
 

@@ -4,12 +4,12 @@ alone and inside the decode block.
 
     python scripts/router_ab.py [--T 1,4,16,64]
 
-For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 shapes; the
-suite's inputs, ``bench.moe_block.shaped_inputs``) and token count: the logits
+For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3; the suite's
+cases and inputs, ``bench.moe_block.suite_inputs``) and token count: the logits
 alone, ``F.linear`` then ``csrc_free_kernels.route_sm90.router_logits``; the
 routing alone, the one-CTA ``route_slots`` then ``route_topk`` + ``sort_slots``
-(two launches; twenty calls per CUDA graph each); and the block (``ts_moe.moe_forward`` with
-``decode_graphs=False``, ten calls per graph, ``bench.timing.measure``) with
+(two launches; twenty calls per CUDA graph each); and the block
+(``bench.moe_block.stages_graph_ms``) with
 :func:`ts_moe.use_router_kernel` off, on, and off again (the spread between
 the two "off" columns is the noise; "on" is the op's choice, ``F.linear``
 where the kernel would read more than ``ts_moe.ops.ROUTER_KERNEL_MAX_READ``).
@@ -26,11 +26,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from bench.cases import MODELS  # noqa: E402
-from bench.moe_block import shaped_inputs  # noqa: E402
+from bench.moe_block import stages_graph_ms, suite_inputs  # noqa: E402
 from bench.timing import measure  # noqa: E402
 from ts_moe import ops  # noqa: E402
-from ts_moe.moe import moe_forward  # noqa: E402
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -44,46 +43,35 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     print("| model | T | F.linear | router kernel | route_slots | route_topk + sort_slots "
           "| block, kernels off | on | off again |\n|---|---|---|---|---|---|---|---|---|")
-    for name, m in MODELS.items():
-        hidden, inter, experts, top_k = m.hidden, m.inter, m.experts, m.top_k
-        for tokens in map(int, args.T.split(",")):
-            _, inp = shaped_inputs(hidden, inter, experts, top_k, tokens, dev)
-            exact = inp.x.double() @ inp.router.double().t()
-            got = route_sm90.router_logits(inp.x, inp.router).double()
-            worst = ((got - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
-            if worst > 1e-2:
-                print(f"{name} T={tokens}: router kernel off by {worst:.3g} (rel. per row)",
-                      file=sys.stderr)
-                return 1
-            row = [measure([lambda: F.linear(inp.x, inp.router)] * 20, dev, graph=True,
-                           target_ms=20).ms,
-                   measure([lambda: route_sm90.router_logits(inp.x, inp.router)] * 20, dev,
-                           graph=True, target_ms=20).ms]
-            logits = F.linear(inp.x, inp.router)
+    for model, tokens, inp in suite_inputs(map(int, args.T.split(",")), dev):
+        exact = inp.x.double() @ inp.router.double().t()
+        got = route_sm90.router_logits(inp.x, inp.router).double()
+        worst = ((got - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
+        if worst > 1e-2:
+            print(f"{model.name} T={tokens}: router kernel off by {worst:.3g} (rel. per row)",
+                  file=sys.stderr)
+            return 1
+        row = [measure([lambda: fn(inp.x, inp.router)] * 20, dev, graph=True, target_ms=20).ms
+               for fn in (F.linear, route_sm90.router_logits)]
+        logits = F.linear(inp.x, inp.router)
 
-            def split():
-                _, ids = route_sm90.route_topk(logits, top_k)
-                return route_sm90.sort_slots(ids, experts)
+        def split():
+            _, ids = route_sm90.route_topk(logits, inp.top_k)
+            return route_sm90.sort_slots(ids, model.experts)
 
-            if route_sm90.fits(tokens * top_k, experts):  # the one-CTA kernel's slots
-                for routing in (lambda: route_sm90.route_slots(logits, top_k), split):
-                    row.append(measure([routing] * 20, dev, graph=True, target_ms=20).ms)
-            else:
-                row += [float("nan")] * 2
-
-            def block():
-                return moe_forward(inp.x, inp.router, inp.gate_up, inp.down, top_k,
-                                   decode_graphs=False)
-
-            for enabled in (False, True, False):
-                previous = ops.use_router_kernel(enabled)
-                try:
-                    with torch.no_grad():
-                        row.append(measure([block] * 10, dev, graph=True, target_ms=50).ms)
-                finally:
-                    ops.use_router_kernel(previous)
-            print(f"| {name} | {tokens} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in row) + " |",
-                  flush=True)
+        if route_sm90.fits(tokens * inp.top_k, model.experts):  # the one-CTA kernel's slots
+            for routing in (lambda: route_sm90.route_slots(logits, inp.top_k), split):
+                row.append(measure([routing] * 20, dev, graph=True, target_ms=20).ms)
+        else:
+            row += [float("nan")] * 2
+        for enabled in (False, True, False):
+            previous = ops.use_router_kernel(enabled)
+            try:
+                row.append(stages_graph_ms(inp, dev))
+            finally:
+                ops.use_router_kernel(previous)
+        print(f"| {model.name} | {tokens} | " + " | ".join(f"{ms * 1e3:.1f}" for ms in row)
+              + " |", flush=True)
     return 0
 
 

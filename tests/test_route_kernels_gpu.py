@@ -308,20 +308,6 @@ def test_router_logits_op_takes_the_kernel_only_where_it_applies():
     assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
 
 
-def _block_reference_on_logits(x, logits, moe, top_k):
-    """The block's fp32 expert loop, routed on the given logits."""
-    weights, experts = routing.route(logits, top_k)
-    inter = moe.gate_up_proj.shape[1] // 2
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        for j in range(top_k):
-            e = int(experts[t, j])
-            h = moe.gate_up_proj[e].float() @ x[t].float()
-            h = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += weights[t, j] * (moe.down_proj[e].float() @ h)
-    return out
-
-
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_block_with_the_router_kernel(tokens, fresh_graphs):
     """Mixtral-shaped block with use_router_kernel: six launches (router kernel,
@@ -356,7 +342,8 @@ def test_block_with_the_router_kernel(tokens, fresh_graphs):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, eager)
-            ref = _block_reference_on_logits(x, logits, moe, 2)
+            ref = moe_forward_reference(x, moe.router, moe.gate_up_proj, moe.down_proj, 2,
+                                        router_logits=logits)
             moe.decode_graphs = True
             before = graphs.captures
             for _ in range(3):  # eager, capture, replay

@@ -222,14 +222,17 @@ def _moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
 
 def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                          top_k: int) -> torch.Tensor:
+                          top_k: int, router_logits: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`moe_forward` one token at a time, experts and combine in fp32, one rounding.
 
     The yardstick for the kernels (tests only): the router logits are computed
-    as the fast path computes them (in the hidden dtype), so both route alike.
+    as the default path computes them (``F.linear`` in the hidden dtype), so both
+    route alike; or given (``router_logits`` (T, E), e.g. those a call of
+    :func:`moe_forward` returned), to route on exactly those.
     """
     x = hidden.reshape(-1, hidden.shape[-1])
-    weights, experts = routing.route(F.linear(x, router_weight), top_k)
+    logits = F.linear(x, router_weight) if router_logits is None else router_logits
+    weights, experts = routing.route(logits, top_k)
     inter = gate_up_proj.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):

@@ -620,7 +620,7 @@ def _router_logits_impl(x, weight):
     if (kernels is not None and x.dtype in (torch.bfloat16, torch.float16)
             and 0 < x.shape[0] <= kernels.ROUTER_MAX_TOKENS and weight.shape[0]
             and x.shape[1] % 8 == 0 and _router_rows_ok(weight)
-            and kernels.router_read_bytes(*x.shape[:1], *weight.shape) <= ROUTER_KERNEL_MAX_READ):
+            and kernels.router_read_bytes(x.shape[0], *weight.shape) <= ROUTER_KERNEL_MAX_READ):
         if not _router_rows_ok(x):
             x = x.clone(memory_format=torch.contiguous_format)
         return kernels.router_logits(x, weight)
@@ -711,10 +711,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     ``torch.ops.ts_moe.router_logits``: ``F.linear``, or with
     :func:`use_router_kernel` a small batch on the sm_90 path in one launch of
-    ts_moe's router kernel.  Not differentiable itself: where x or weight need
-    a gradient, ``F.linear`` runs."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (x, weight)):
+    ts_moe's router kernel.  The op runs only where it may choose the kernel:
+    with the switch off, or where x or weight need a gradient (the op is not
+    differentiable itself), ``F.linear`` runs here, without the op's dispatch."""
+    if not _router_kernel_opt_in or (
+            torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                            for t in (x, weight))):
         routing.check_router_args(x, weight)
         return F.linear(x, weight)
     if not all(isinstance(t, torch.Tensor) for t in (x, weight)):
