@@ -3,43 +3,37 @@
 A kernel is compiled from fake (symbolic-shape) tensors through TVM-FFI, so the
 compiled function takes torch tensors directly, reads the current torch stream
 itself, and serves every problem size of its configuration.  The object file
-is exported to ``$TS_MOE_CACHE_DIR`` (default ``~/.cache/ts_moe``) under a
-fingerprint of the kernel sources and toolchain versions, so a new process
+is exported to the disk cache (:mod:`.kernel_cache`: ``$TS_MOE_CACHE_DIR`` or
+``~/.cache/ts_moe``, only if this user alone can write it), so a new process
 loads it in milliseconds instead of recompiling.
 """
 
-import hashlib
 import os
-import pathlib
 import threading
 import time
 
 import cutlass
 import cutlass.cute as cute
 
-from . import pdl
+from . import kernel_cache, pdl
 
-_SOURCES = [pathlib.Path(__file__).parent, pathlib.Path(__file__).parent.parent / "ts_pipeline"]
 _memory: dict = {}
 _lock = threading.Lock()
 # (key, seconds, "compiled" | "loaded") of each kernel this process obtained
 stats: list = []
 
 
-def _fingerprint() -> str:
-    import tvm_ffi
+def codegen_environment() -> str:
+    """The DSL settings that change the code it generates (``CUTE_DSL_ARCH``,
+    ``CUTE_DSL_LINEINFO``, ``CUTE_DSL_COMPILER_OPT``, ...), as the DSL keys its own
+    JIT cache on them: the values it read, not today's environment."""
+    try:
+        from cutlass.cutlass_dsl import CuTeDSL
 
-    h = hashlib.sha256(f"{cutlass.__version__}|{tvm_ffi.__version__}".encode())
-    for root in _SOURCES:
-        for path in sorted(root.glob("*.py")):
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def cache_dir() -> pathlib.Path:
-    root = os.environ.get("TS_MOE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "ts_moe"
-    return pathlib.Path(root) / _fingerprint()
+        return CuTeDSL._get_dsl().envar.cache_key_str()
+    except (ImportError, AttributeError):  # another DSL release: every CUTE_DSL_ variable
+        return ";".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                        if k.startswith("CUTE_DSL_"))
 
 
 def sym_dims(n: int, divisibility: int = 1) -> list:
@@ -87,9 +81,10 @@ def get_compiled(key: tuple, build):
 
     ``key`` must name everything the compiled code depends on besides the
     sources (dtypes, layouts, tile configuration, arch); whether the kernels
-    use programmatic dependent launch (:mod:`.pdl`) is added here.
+    use programmatic dependent launch (:mod:`.pdl`) and the DSL's code-generation
+    settings (:func:`codegen_environment`) are added here.
     """
-    key = (*key, ("pdl", pdl.ENABLED))
+    key = (*key, ("pdl", pdl.ENABLED), ("dsl", codegen_environment()))
     fn = _memory.get(key)
     if fn is not None:
         return fn
@@ -98,22 +93,18 @@ def get_compiled(key: tuple, build):
         if fn is not None:
             return fn
         t0 = time.perf_counter()
-        name = "k_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        path = None if os.environ.get("TS_MOE_NO_DISK_CACHE") == "1" else cache_dir() / f"{name}.o"
+        name = kernel_cache.object_name(key)
+        directory = kernel_cache.directory()
         how = "loaded"
-        try:
-            fn = cute.runtime.load_module(str(path), enable_tvm_ffi=True)[name] if path and path.exists() else None
-        except Exception:  # a truncated or stale object is a cache miss
-            fn = None
+        fn = None if directory is None else kernel_cache.load(
+            directory, name, lambda path: cute.runtime.load_module(path, enable_tvm_ffi=True)[name])
         if fn is None:
             how = "compiled"
             kernel, args = build()
             fn = cute.compile(kernel, *args, options="--enable-tvm-ffi")
-            if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                fn.export_to_c(object_file_path=str(tmp), function_name=name)
-                os.replace(tmp, path)
+            if directory is not None:
+                kernel_cache.store(directory, name, lambda path: fn.export_to_c(
+                    object_file_path=path, function_name=name))
         stats.append((key, time.perf_counter() - t0, how))
         _memory[key] = fn
         return fn

@@ -282,14 +282,14 @@ def _main(out_dir: str, names: list) -> None:
 
 def dump(arch: str, names: list, out_dir: str, timeout: float = 600) -> dict:
     """Compile ``names`` for ``arch`` in a fresh process; returns ``{name: ptx text}``."""
-    scratch = tempfile.mkdtemp(prefix="ts_moe_ptx_")
-    env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=scratch, TS_MOE_NO_DISK_CACHE="1")
     root = str(pathlib.Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "csrc_free_kernels.ptx_dump", out_dir,
-                           json.dumps(names)], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=root)
+    with tempfile.TemporaryDirectory(prefix="ts_moe_ptx_") as scratch:
+        env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx",
+                   CUTE_DSL_DUMP_DIR=scratch, TS_MOE_NO_DISK_CACHE="1")
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run([sys.executable, "-m", "csrc_free_kernels.ptx_dump", out_dir,
+                               json.dumps(names)], env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=root)
     if proc.returncode:
         raise RuntimeError(f"PTX build for {arch} failed:\n{proc.stdout}\n{proc.stderr}")
     return {p.stem: p.read_text() for p in pathlib.Path(out_dir).glob("*.ptx")}

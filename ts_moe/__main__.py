@@ -19,6 +19,7 @@ import time
 import torch
 
 from . import MoE, load_mixtral_experts, make_tiny_moe_checkpoint
+from . import cache_cli
 from .moe import moe_forward, moe_forward_reference
 from .ops import Path, cuda_path
 
@@ -113,7 +114,10 @@ def main(argv=None) -> int:
                    help="tokens through the Mixtral-shaped layer (default 64)")
     d.add_argument("--no-compile", action="store_true",
                    help="skip compiling the sm_90a kernels on a machine without one")
+    cache_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "cache":
+        return cache_cli.run(args.clear)
     return demo(args.tokens, not args.no_compile)
 
 

@@ -1,0 +1,41 @@
+"""``python -m ts_moe cache`` (``ts-moe cache``): where the compiled kernels are
+kept, how much they take, or why they stay in memory; ``--clear`` empties it.
+The rules are :mod:`csrc_free_kernels.kernel_cache`'s."""
+
+import sys
+
+from csrc_free_kernels import kernel_cache
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("cache", help="show the compiled-kernel cache (--clear empties it)")
+    c.add_argument("--clear", action="store_true",
+                   help="remove the cached kernel objects (only ts_moe's own files)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def run(clear: bool) -> int:
+    """Prints the cache's state, or clears it (1 if there is no disk cache to clear)."""
+    directory, why = kernel_cache.locate(create=False)
+    if directory is None:
+        print(f"kernel cache: memory only ({why})")
+        if clear:
+            print("nothing cleared: no disk cache in use", file=sys.stderr)
+        return int(clear)
+    root = directory.parent
+    if clear:
+        files, size = kernel_cache.clear(root)
+        print(f"kernel cache: {root}: removed {files} files ({_size(size)})")
+        return 0
+    found = kernel_cache.usage(root)
+    objects = sum(n for n, _ in found.values())
+    size = sum(s for _, s in found.values())
+    mine = found.get(directory.name, (0, 0))
+    print(f"kernel cache: {root}")
+    print(f"  this build ({directory.name}): {mine[0]} kernel objects, {_size(mine[1])}"
+          + ("" if directory.is_dir() else " (not created yet)"))
+    print(f"  in all: {len(found)} builds, {objects} kernel objects, {_size(size)}")
+    return 0
