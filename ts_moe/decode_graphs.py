@@ -32,9 +32,10 @@ capture, on a path of :mod:`ts_moe.ops` that never syncs with the host
 (:func:`ts_moe.ops.graph_path`, which is part of the signature, as are
 :func:`ts_moe.ops.use_router_kernel` and cuBLAS's reduced-precision switches).
 Everything else, and every call while ``TS_MOE_DECODE_GRAPHS=0`` (read at
-each call, unless :func:`DecodeGraphs.enable` or :func:`DecodeGraphs.disable`
-chose) or after :func:`DecodeGraphs.disable`, runs eagerly as before.  A replay gives the
-eager call's result bit for bit (``tests/test_decode_graphs_gpu.py``).
+each call) or after :func:`DecodeGraphs.disable` (which, like
+:func:`DecodeGraphs.enable`, outranks the variable), runs eagerly as before.
+A replay gives the eager call's result bit for bit
+(``tests/test_decode_graphs_gpu.py``).
 """
 
 import collections
