@@ -200,6 +200,14 @@ def test_a_malformed_index_is_named(ckpt, weight_map):
         ts_moe.load_mixtral_experts(ckpt, device="cpu")
 
 
+@pytest.mark.parametrize("name", [INDEX, "config.json"])
+def test_a_json_file_that_is_not_an_object_is_named(ckpt, name):
+    for text in ("{", "[1]"):
+        (ckpt / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"{name}: (not valid JSON|expected a JSON object)"):
+            ts_moe.load_mixtral_experts(ckpt, device="cpu")
+
+
 def test_a_missing_shard_names_the_index_entry(ckpt):
     _point_shard(ckpt, "gone.safetensors")
     with pytest.raises(FileNotFoundError, match=rf"{INDEX}: weight_map\[.*gone\.safetensors"):

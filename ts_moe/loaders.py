@@ -70,7 +70,10 @@ class _Checkpoint:
         path = self.file(name, name)
         if path is None:
             return None
-        value = json.loads(path.read_text())
+        try:
+            value = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{self.path / name}: not valid JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ValueError(f"{self.path / name}: expected a JSON object")
         return value
