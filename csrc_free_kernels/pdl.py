@@ -15,21 +15,36 @@ passed its own wait (or started), so the whole stream before is done.  Only
 then does the kernel let its own dependents launch
 (``griddepcontrol.launch_dependents``).
 
-``TS_MOE_PDL=0`` (read at import) compiles and launches without it; the
-compile keys carry :data:`ENABLED`.  Measured on and off: bench/RESULTS.md,
-"Issue 21".
+``TS_MOE_PDL=0`` compiles and launches without it.  It is read at each use
+of :data:`ENABLED` (:func:`enabled`), that is at each kernel build: the
+compile keys carry it, and a build's trace reads it for both its
+``griddepcontrol`` instructions and its launch.  A kernel already built in
+this process keeps what it was built with (the launchers memoize their
+kernels), so a change reaches the kernels first used after it; set it before
+the first kernel call to have it everywhere, and never while a kernel builds.
+Either way is safe to mix in one stream: a PDL kernel waits for whatever ran
+before it.  Measured on and off: bench/RESULTS.md, "Issue 21".
 """
 
 import os
 
 import cutlass.cute as cute
 
-ENABLED = os.environ.get("TS_MOE_PDL", "1") != "0"
+
+def enabled() -> bool:
+    """Whether a kernel built now uses PDL: ``TS_MOE_PDL`` != "0", read now."""
+    return os.environ.get("TS_MOE_PDL", "1") != "0"
+
+
+def __getattr__(name: str):
+    if name == "ENABLED":  # the builds' and compile keys' spelling of enabled()
+        return enabled()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def enter() -> None:
     """At a PDL kernel's start, in every thread: wait for the stream ahead, then
     let the next kernel launch (emits nothing without :data:`ENABLED`)."""
-    if ENABLED:
+    if enabled():
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()

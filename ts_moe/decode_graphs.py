@@ -31,9 +31,11 @@ AD), no autocast, outside ``torch.compile`` tracing and outside another
 capture, on a path of :mod:`ts_moe.ops` that never syncs with the host
 (:func:`ts_moe.ops.graph_path`, which is part of the signature, as are
 :func:`ts_moe.ops.use_router_kernel` and cuBLAS's reduced-precision switches).
-Everything else, and every call with ``TS_MOE_DECODE_GRAPHS=0`` or after
-:func:`DecodeGraphs.disable`, runs eagerly as before.  A replay gives the
-eager call's result bit for bit (``tests/test_decode_graphs_gpu.py``).
+Everything else, and every call while ``TS_MOE_DECODE_GRAPHS=0`` (read at
+each call) or after :func:`DecodeGraphs.disable` (which, like
+:func:`DecodeGraphs.enable`, outranks the variable), runs eagerly as before.
+A replay gives the eager call's result bit for bit
+(``tests/test_decode_graphs_gpu.py``).
 """
 
 import collections
@@ -113,14 +115,27 @@ class DecodeGraphs:
 
     def __init__(self, max_tokens: int = MAX_TOKENS, max_graphs: int = MAX_GRAPHS):
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
-        self.enabled = os.environ.get("TS_MOE_DECODE_GRAPHS", "1") != "0"
+        self._switch: bool | None = None  # enable()/disable(); None: the environment
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: collections.OrderedDict = collections.OrderedDict()  # met once, not captured
         self._eager: set = set()  # signatures whose capture failed: eager for good
         self._lanes: dict = {}
         self._lock = threading.Lock()
+        self._order = threading.Lock()  # the graphs' LRU order; never held over a capture
         self._tick = 0  # graphable calls so far
         self.captures = 0  # graphs captured so far (tests, benchmarks)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether calls may be graphed: as :meth:`enable` / :meth:`disable` set it,
+        else ``TS_MOE_DECODE_GRAPHS`` != "0", read now (set it at any time)."""
+        if self._switch is not None:
+            return self._switch
+        return os.environ.get("TS_MOE_DECODE_GRAPHS", "1") != "0"
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._switch = bool(value)
 
     def enable(self) -> None:
         self.enabled = True
@@ -149,10 +164,11 @@ class DecodeGraphs:
         entry = self._graphs.get(key)
         if entry is not None:
             entry.last_use = self._tick
-            try:
-                self._graphs.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile: this replay still holds it
-                pass
+            with self._order:  # an eviction walks the order under this lock
+                try:
+                    self._graphs.move_to_end(key)
+                except KeyError:  # evicted by another thread meanwhile: this replay holds it
+                    pass
             return entry.replay(dynamic)
         if key in self._seen:
             entry = self._capture_once(key, fn, dynamic, fixed, static)
@@ -208,10 +224,11 @@ class DecodeGraphs:
             if self._seen.pop(key, True) is not None or key in self._graphs:
                 return self._graphs.get(key)
             if len(self._graphs) >= self.max_graphs:
-                oldest = next(iter(self._graphs.values()))
-                if self._tick - oldest.last_use < self.IDLE_FACTOR * self.max_graphs:
-                    return None
-                self._graphs.popitem(last=False)
+                with self._order:  # replays reorder the graphs without self._lock
+                    oldest = next(iter(self._graphs.values()))
+                    if self._tick - oldest.last_use < self.IDLE_FACTOR * self.max_graphs:
+                        return None
+                    self._graphs.popitem(last=False)
             try:
                 entry = self._capture(key, fn, dynamic, fixed, static)
             except Exception as exc:  # CUDA refused the capture: warn, and stay eager

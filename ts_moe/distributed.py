@@ -29,6 +29,25 @@ exchange), deterministic (gathers with sort-based or gather gradients, no
 atomics) and built on ``torch.distributed`` collectives only (NCCL on GPUs,
 gloo on CPUs).  The router is replicated: its gradient on each rank is from
 that rank's tokens (sum it across ranks, as DDP does for replicated parameters).
+
+Errors reach every rank wherever that costs no extra host sync, so no rank is
+left waiting in a collective for one that has given up:
+
+- construction (``__init__``, :meth:`~ExpertParallelMoE.from_weights`,
+  :meth:`~ExpertParallelMoE.from_pretrained`) is one ``all_gather``: the
+  ranks agree on the sizes, top-k, capacity, dtype and device type, and a rank
+  whose own arguments (or checkpoint) fail still joins it with its reason.
+  The rank that failed raises its own error; every other rank a ValueError
+  quoting it.  Ranks that disagree all raise the same ValueError;
+- a forward in exact mode sends a "refused" flag with the counts and reads it
+  at the mode's one sync: a rank whose input is refused raises its own error
+  there, every other rank a RuntimeError naming it, before any row moves, and
+  the group stays usable for the next call;
+- a forward in capacity mode never syncs, so a rank whose input is refused
+  raises at once and the others wait in the exchange until the process
+  group's timeout (``init_process_group(..., timeout=...)``: 30 minutes by
+  default for gloo, 10 for NCCL, whose watchdog then ends the process).  Set
+  a short one where a hung decode step costs more than a restart.
 """
 
 import torch
@@ -96,6 +115,60 @@ def _group_info(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+# what the ranks agree on at construction, in one int64 row per rank: a number,
+# or (width > 0) a text of that many bytes; a rank that failed sends its reason
+_AGREEMENT = (("refused", 0), ("reason", 512), ("hidden_size", 0), ("intermediate_size", 0),
+              ("num_experts", 0), ("top_k", 0), ("capacity", 0), ("dtype", 32),
+              ("device type", 16))
+
+
+def _encode(values: dict) -> list[int]:
+    row = []
+    for name, width in _AGREEMENT:
+        value = values.get(name, "" if width else 0)
+        if width:
+            data = str(value).encode()[:width]
+            row += [*data, *bytes(width - len(data))]
+        else:
+            row.append(int(value))
+    return row
+
+
+def _decode(row: list[int]) -> dict:
+    values, at = {}, 0
+    for name, width in _AGREEMENT:
+        if width:
+            values[name] = bytes(b for b in row[at:at + width] if b).decode(errors="replace")
+            at += width
+        else:
+            values[name] = row[at]
+            at += 1
+    return values
+
+
+def _agree(group, device, values: dict, refusal: Exception | None = None) -> None:
+    """The construction's collective: every rank's ``values`` (or its ``refusal``)
+    gathered, then the same outcome on every rank (the module docstring)."""
+    world, _ = _group_info(group)
+    if refusal is not None:
+        values = {"refused": 1, "reason": f"{type(refusal).__name__}: {refusal}"}
+    mine = torch.tensor(_encode(values), dtype=torch.int64,
+                        device=_collective_device(group, device))
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    ranks = [_decode(row) for row in torch.stack(every).tolist()]
+    refused = [f"rank {r}: {v['reason']}" for r, v in enumerate(ranks) if v["refused"]]
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise ValueError(f"the layer was not built on any rank: {'; '.join(refused)}")
+    names = [name for name, _ in _AGREEMENT[2:]]
+    differ = [n for n in names if any(v[n] != ranks[0][n] for v in ranks)]
+    if differ:
+        raise ValueError(f"ranks disagree on {', '.join(differ)}: " + "; ".join(
+            f"{n} per rank {[v[n] for v in ranks]}" for n in differ))
+
+
 class ExpertParallelMoE(nn.Module):
     """A Mixtral MoE layer with its experts sharded over ``group`` (default: the world).
 
@@ -107,26 +180,34 @@ class ExpertParallelMoE(nn.Module):
     to each rank (no sync; see the module docstring).
 
     Construction is a collective too: the ranks check they agree on the sizes,
-    top-k and capacity (a ``ValueError`` on every rank if not).
+    top-k, capacity, dtype and device type, and a rank whose arguments fail
+    tells the others (errors: the module docstring).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  *, group=None, capacity: int | None = None, device=None, dtype=None):
         super().__init__()
         world, rank = _group_info(group)
-        check_layer_config(hidden_size, intermediate_size, num_experts, top_k)
-        if num_experts % world:
-            raise ValueError(f"num_experts = {num_experts} must be divisible by the group's "
-                             f"size {world} (each rank holds num_experts / {world} experts)")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                                     or capacity < 1):
-            raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
+        try:
+            check_layer_config(hidden_size, intermediate_size, num_experts, top_k)
+            if num_experts % world:
+                raise ValueError(f"num_experts = {num_experts} must be divisible by the group's "
+                                 f"size {world} (each rank holds num_experts / {world} experts)")
+            if capacity is not None and (isinstance(capacity, bool)
+                                         or not isinstance(capacity, int) or capacity < 1):
+                raise ValueError(f"capacity must be None or a positive int, got {capacity!r}")
+            probe = torch.empty(0, device=device, dtype=dtype)  # the defaults, resolved
+        except (ValueError, TypeError, RuntimeError) as exc:
+            _agree(group, device, {}, exc)  # raises exc here, after telling the others
+        _agree(group, device, {
+            "hidden_size": hidden_size, "intermediate_size": intermediate_size,
+            "num_experts": num_experts, "top_k": top_k, "capacity": capacity or 0,
+            "dtype": probe.dtype, "device type": probe.device.type})
         self.group, self.world, self.rank = group, world, rank
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity
         self.local_experts = num_experts // world
         self.first_expert = rank * self.local_experts
-        self._check_ranks_agree(device)
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         self.gate_up_proj = nn.Parameter(
@@ -136,20 +217,6 @@ class ExpertParallelMoE(nn.Module):
         self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.int64, device=device),
                              persistent=False)
         self.reset_parameters()
-
-    def _check_ranks_agree(self, device) -> None:
-        mine = torch.tensor([self.hidden_size, self.intermediate_size, self.num_experts,
-                             self.top_k, self.capacity or 0], dtype=torch.int64,
-                            device=_collective_device(self.group, device))
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        names = ("hidden_size", "intermediate_size", "num_experts", "top_k", "capacity")
-        for r, theirs in enumerate(every):
-            differ = [n for n, a, b in zip(names, mine.tolist(), theirs.tolist()) if a != b]
-            if differ:
-                raise ValueError(f"ranks disagree on {', '.join(differ)}: rank {self.rank} has "
-                                 f"{mine.tolist()}, rank {r} has {theirs.tolist()} "
-                                 f"({', '.join(names)})")
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s default init per matrix (each rank draws its own experts;
@@ -161,22 +228,31 @@ class ExpertParallelMoE(nn.Module):
         """The sharded layer on this rank from a layer's weights: ``{"router": (E, H),
         "gate_up_proj", "down_proj"}`` holding all E experts (this rank's slice is
         copied) or only this rank's E/W (used as they are)."""
-        router, gate_up, down = (weights[k] for k in ("router", "gate_up_proj", "down_proj"))
-        for name, t, rank in (("router", router, 2), ("gate_up_proj", gate_up, 3),
-                              ("down_proj", down, 3)):
-            _check_tensor(name, t, rank)
-        num_experts, hidden = router.shape
-        layer = cls(hidden, gate_up.shape[1] // 2, num_experts, top_k, group=group,
+        world, _ = _group_info(group)
+        try:  # every check before the construction's collective: told to the other ranks
+            router, gate_up, down = (weights[k] for k in ("router", "gate_up_proj", "down_proj"))
+            for name, t, rank in (("router", router, 2), ("gate_up_proj", gate_up, 3),
+                                  ("down_proj", down, 3)):
+                _check_tensor(name, t, rank)
+            num_experts, hidden = router.shape
+            held, two_inter = gate_up.shape[:2]
+            for name, t, shape in (("gate_up_proj", gate_up, (held, two_inter, hidden)),
+                                   ("down_proj", down, (held, hidden, two_inter // 2))):
+                if held not in (num_experts, num_experts // world) or t.shape != shape:
+                    raise ValueError(
+                        f"{name}: expected ({num_experts} or {num_experts // world}, "
+                        f"{', '.join(map(str, shape[1:]))}) for the router's E = {num_experts} "
+                        f"over {world} ranks and H = {hidden}, got {tuple(t.shape)}")
+        except (KeyError, TypeError, ValueError) as exc:
+            _agree(group, None, {}, exc)  # raises exc here, after telling the others
+        layer = cls(hidden, two_inter // 2, num_experts, top_k, group=group,
                     capacity=capacity, device=router.device, dtype=router.dtype)
         lo, n = layer.first_expert, layer.local_experts
-        if gate_up.shape[0] == num_experts:
+        if held == num_experts:
             gate_up, down = gate_up[lo:lo + n], down[lo:lo + n]
         with torch.no_grad():
             for param, t in ((layer.router, router), (layer.gate_up_proj, gate_up),
                              (layer.down_proj, down)):
-                if param.shape != t.shape:
-                    raise ValueError(f"weights: expected {tuple(param.shape)} for this rank, "
-                                     f"got {tuple(t.shape)}")
                 param.copy_(t)
         return layer
 
@@ -191,50 +267,70 @@ class ExpertParallelMoE(nn.Module):
         from .loaders import load_mixtral_experts
 
         world, rank = _group_info(group)
-        config = json.loads((Path(path) / "config.json").read_text())
-        num_experts = config["num_local_experts"]
-        if num_experts % world:
-            raise ValueError(f"num_experts = {num_experts} must be divisible by the group's "
-                             f"size {world}")
-        n = num_experts // world
-        weights = load_mixtral_experts(path, layers=[layer], device=device,
-                                       experts=range(rank * n, (rank + 1) * n))[layer]
-        return cls.from_weights(weights, config["num_experts_per_tok"], group=group,
-                                capacity=capacity)
+        try:  # a failure here (a missing file on this rank's host) is told to the others
+            config = json.loads((Path(path) / "config.json").read_text())
+            num_experts, top_k = config["num_local_experts"], config["num_experts_per_tok"]
+            if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
+                    or num_experts < 1 or num_experts % world:
+                raise ValueError(f"{Path(path) / 'config.json'}: num_local_experts = "
+                                 f"{num_experts!r} must be a positive int divisible by the "
+                                 f"group's size {world}")
+            n = num_experts // world
+            weights = load_mixtral_experts(path, layers=[layer], device=device,
+                                           experts=range(rank * n, (rank + 1) * n))[layer]
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            _agree(group, device, {}, exc)  # raises exc here, after telling the others
+        return cls.from_weights(weights, top_k, group=group, capacity=capacity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's tokens (..., H) -> (..., H); a collective over the group."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must be (..., {self.hidden_size}), got {tuple(x.shape)}")
-        if x.dtype != self.router.dtype or x.device != self.router.device:
-            raise TypeError(f"x must be {self.router.dtype} on {self.router.device}, got "
-                            f"{x.dtype} on {x.device}")
-        tokens = x.reshape(-1, self.hidden_size)
-        weights, slots, counts, received = self._plan(tokens)
+        """This rank's tokens (..., H) -> (..., H); a collective over the group.  A
+        refused ``x`` raises on every rank in exact mode, on this rank alone in
+        capacity mode (the module docstring)."""
+        refusal = self._input_error(x)
+        if refusal is not None and self.capacity is not None:
+            raise refusal  # the others wait in the exchange until the group's timeout
+        tokens = (x.reshape(-1, self.hidden_size) if refusal is None
+                  else self.router.new_empty((0, self.hidden_size)))  # joins the exchange
         if self.capacity is None:
-            y_sorted = self._exchange_exact(tokens, slots, counts, received)
+            weights, slots, counts, received, refused = self._plan(tokens, refusal is not None)
+            y_sorted = self._exchange_exact(tokens, slots, counts, received, refused, refusal)
         else:
+            weights, slots, counts, received, _ = self._plan(tokens)
             y_sorted = self._exchange_capacity(tokens, slots, counts, received)
         return combine(y_sorted, weights, slots.inverse).view(x.shape)
 
-    def _plan(self, tokens):
+    def _input_error(self, x) -> Exception | None:
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            return ValueError(f"x must be (..., {self.hidden_size}), got {tuple(x.shape)}")
+        if x.dtype != self.router.dtype or x.device != self.router.device:
+            return TypeError(f"x must be {self.router.dtype} on {self.router.device}, got "
+                             f"{x.dtype} on {x.device}")
+        return None
+
+    def _plan(self, tokens, refused: bool | None = None):
         """Route ``tokens`` (T, H) and exchange the counts (a collective): the
         combine weights, the slots in expert order, the (W, E/W) slots this rank
-        sends to each rank's experts, and the (W, E/W) it receives for its own."""
+        sends to each rank's experts, the (W, E/W) it receives for its own, and,
+        where ``refused`` is given (exact mode), each rank's refused flag (W,),
+        sent with the counts."""
         weights, experts = route(router_logits(tokens, self.router), self.top_k)
         slots = sort_slots(experts, self.num_experts)
         counts = torch.diff(slots.offs, prepend=slots.offs.new_zeros(1)).to(torch.int64)
         counts = counts.view(self.world, self.local_experts)
-        received = all_to_all_rows(counts, self.world, group=self.group)
-        return weights, slots, counts, received
+        if refused is None:
+            received = all_to_all_rows(counts, self.world, group=self.group)
+            return weights, slots, counts, received, None
+        flag = counts.new_full((self.world, 1), int(refused))
+        received = all_to_all_rows(torch.cat([counts, flag], 1), self.world, group=self.group)
+        return weights, slots, counts, received[:, :-1], received[:, -1]
 
     def exchange_rows(self, x: torch.Tensor) -> tuple[list[int], list[int]]:
         """The rows this rank would send to and receive from each rank for tokens
         ``x`` (exact splits; a collective and a host sync): what the exchange of
         a forward moves, for the harness."""
-        _, _, counts, received = self._plan(x.reshape(-1, self.hidden_size))
+        _, _, counts, received, _ = self._plan(x.reshape(-1, self.hidden_size))
         sizes = torch.cat([counts.sum(1), received.sum(1)]).tolist()
         return sizes[:self.world], sizes[self.world:]
 
@@ -247,11 +343,17 @@ class ExpertParallelMoE(nn.Module):
         y = grouped_gemm(h, self.down_proj.transpose(-2, -1), local.offs)
         return gather_permutation(y, local.inverse)
 
-    def _exchange_exact(self, tokens, slots, counts, received):
-        # the one host sync of this mode: the exchange's split sizes
-        sizes = torch.cat([counts.sum(1), received.sum(1), received.flatten()]).tolist()
+    def _exchange_exact(self, tokens, slots, counts, received, refused, refusal):
+        # the one host sync of this mode: the exchange's split sizes, and the
+        # ranks that refused their input (they raise here, and so do the others)
         w = self.world
-        send, recv, per_expert = sizes[:w], sizes[w:2 * w], sizes[2 * w:]
+        sizes = torch.cat([counts.sum(1), received.sum(1), received.flatten(), refused]).tolist()
+        if refusal is not None:
+            raise refusal
+        if any(sizes[-w:]):
+            raise RuntimeError(f"rank(s) {[r for r in range(w) if sizes[-w + r]]} refused their "
+                               f"input to this call (their own errors say why); no rank ran it")
+        send, recv, per_expert = sizes[:w], sizes[w:2 * w], sizes[2 * w:-w]
         rows = all_to_all_rows(_gather(tokens, slots.token_index), sum(recv), recv, send,
                                self.group)
         row_expert = torch.repeat_interleave(

@@ -18,9 +18,11 @@ which :meth:`ts_moe.MoE.from_pretrained` shares).
 """
 
 import json
+import os
 import re
+import stat
 from contextlib import ExitStack
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
@@ -28,34 +30,121 @@ from safetensors import safe_open
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.(gate|experts)\.")
+_V4_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
 _V4, _V5 = "block_sparse_moe", "mlp"
+_CONFIG_SIZES = ("num_local_experts", "hidden_size", "intermediate_size")
 
 
-def _weight_index(path: Path) -> dict[str, Path]:
-    """Checkpoint key -> the safetensors file holding it."""
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        return {key: path / shard for key, shard in weight_map.items()}
-    single = path / "model.safetensors"
-    if single.is_file():
+class _Checkpoint:
+    """The files of a checkpoint directory that may be opened: regular files
+    inside it (after symlinks), or, for a snapshot of the Hugging Face cache
+    (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs``), in
+    that repository's ``blobs``.  Checked with ``lstat`` before anything opens
+    them, so a FIFO, a device or a path out of the directory is a ValueError
+    naming the file and the field that named it, never a blocked read."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        real = Path(os.path.realpath(path))
+        self.roots = [real]
+        if real.parent.name == "snapshots":
+            self.roots.append(real.parent.parent / "blobs")
+
+    def file(self, name: str, what: str) -> Path | None:
+        """The checked real path of ``name`` in the directory; None if it does not exist."""
+        path = self.path / name
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(root) for root in self.roots):
+            raise ValueError(f"{what}: {str(path)!r} resolves to {str(real)!r}, outside the "
+                             f"checkpoint directory")
+        try:
+            mode = os.lstat(real).st_mode
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{what}: {str(path)!r} is not a regular file")
+        return real
+
+    def json(self, name: str) -> dict | None:
+        """A JSON file of the directory, or None if it has none by that name."""
+        path = self.file(name, name)
+        if path is None:
+            return None
+        try:
+            value = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{self.path / name}: not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.path / name}: expected a JSON object")
+        return value
+
+
+def _shard_name(index_file: Path, key, shard) -> str:
+    """A shard name of the index: a relative path that stays in the directory."""
+    field = f"{index_file}: weight_map[{key!r}]"
+    if not isinstance(key, str) or not isinstance(shard, str) or not shard:
+        raise ValueError(f"{field} must map a key to a file name, got {shard!r}")
+    if os.path.isabs(shard) or ".." in PurePosixPath(shard).parts:
+        raise ValueError(f"{field} = {shard!r} is not a file inside the checkpoint directory")
+    return shard
+
+
+def _weight_index(ckpt: _Checkpoint) -> tuple[dict[str, str], Path]:
+    """Checkpoint key -> the name of the safetensors file holding it, and the file
+    that says so (the index, or the single ``model.safetensors``)."""
+    index = ckpt.json("model.safetensors.index.json")
+    if index is not None:
+        index_file = ckpt.path / "model.safetensors.index.json"
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_file}: weight_map must be an object of key -> file name")
+        return {key: _shard_name(index_file, key, shard)
+                for key, shard in weight_map.items()}, index_file
+    single = ckpt.file("model.safetensors", "model.safetensors")
+    if single is not None:
         with safe_open(single, framework="pt") as f:
-            return {key: single for key in f.keys()}
+            return {key: "model.safetensors" for key in f.keys()}, ckpt.path / "model.safetensors"
     raise FileNotFoundError(
-        f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        f"{ckpt.path} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def _layer_plan(layer: int, naming: str, index: dict[str, Path], num_experts: int | None):
+def _read_config(ckpt: _Checkpoint) -> dict:
+    """config.json (``{}`` without one), its sizes positive ints."""
+    config = ckpt.json("config.json") or {}
+    for field in _CONFIG_SIZES:
+        value = config.get(field)
+        if field in config and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 1):
+            raise ValueError(f"{ckpt.path / 'config.json'}: {field} must be a positive int, "
+                             f"got {value!r}")
+    return config
+
+
+def _expert_count(router_key: str, router_shape: tuple, config: dict, config_file: Path,
+                  last_expert: tuple[int, str] | None, index_file: Path) -> int:
+    """E of a layer, from its router's header; config.json's ``num_local_experts`` and
+    the largest expert index of the index must agree with it."""
+    if len(router_shape) != 2 or router_shape[0] < 1:
+        raise ValueError(
+            f"{router_key}: expected a 2-D (E, H) router with E >= 1, got shape {router_shape}")
+    num_experts = router_shape[0]
+    if config.get("num_local_experts", num_experts) != num_experts:
+        raise ValueError(f"{config_file}: num_local_experts = {config['num_local_experts']}, "
+                         f"but the router {router_key} has {num_experts} experts (its shape "
+                         f"{router_shape})")
+    if last_expert is not None and last_expert[0] >= num_experts:
+        raise ValueError(f"{index_file}: key {last_expert[1]!r} names expert {last_expert[0]}, "
+                         f"but the router {router_key} has {num_experts} experts")
+    return num_experts
+
+
+def _layer_plan(layer: int, naming: str, num_experts: int):
     """The checkpoint keys of one MoE layer: {"router": key, ...} by naming."""
     prefix = f"model.layers.{layer}.{naming}."
     if naming == _V5:
         return {"router": prefix + "gate.weight",
                 "gate_up_proj": prefix + "experts.gate_up_proj",
                 "down_proj": prefix + "experts.down_proj"}
-    if num_experts is None:  # no config.json: count the experts present
-        found = {int(m.group(1)) for key in index
-                 if (m := re.fullmatch(re.escape(prefix) + r"experts\.(\d+)\.w[123]\.weight", key))}
-        num_experts = max(found) + 1 if found else 1
     plan = {"router": prefix + "gate.weight"}
     for e in range(num_experts):
         for w in ("w1", "w2", "w3"):
@@ -64,14 +153,10 @@ def _layer_plan(layer: int, naming: str, index: dict[str, Path], num_experts: in
 
 
 def _expected_shapes(plan: dict[str, str], shapes: dict[str, tuple], config: dict):
-    """Shape of each role in ``plan``; E and H from config.json or the router, I from config.json
-    or the first gate projection."""
-    router_shape = shapes[plan["router"]]
-    if len(router_shape) != 2:
-        raise ValueError(
-            f"{plan['router']}: expected a 2-D (E, H) router, got shape {router_shape}")
-    num_experts = config.get("num_local_experts", router_shape[0])
-    hidden = config.get("hidden_size", router_shape[1])
+    """Shape of each role in ``plan``; E from the router (checked by :func:`_expert_count`),
+    H from config.json or the router, I from config.json or the first gate projection."""
+    num_experts, router_hidden = shapes[plan["router"]]
+    hidden = config.get("hidden_size", router_hidden)
     if "intermediate_size" in config:
         inter = config["intermediate_size"]
     else:  # from gate_up_proj (E, 2I, H) or w1 (I, H); a wrong rank fails the check below
@@ -148,10 +233,22 @@ def load_mixtral_experts(path, layers=None, device=None,
     layers' tensors are read; every shape and dtype is checked from the
     headers before any data is read.
 
+    The expert count of a layer is its router's first dimension, read from
+    the safetensors header before any per-expert key is made: config.json's
+    ``num_local_experts`` (a positive int, like ``hidden_size`` and
+    ``intermediate_size``) and the expert indices of the index's keys must
+    agree with it.  The index's shard names, config.json and the shards are
+    opened only if they are regular files inside the directory (a Hugging Face
+    cache snapshot's links into its repository's ``blobs`` included).
+
     Raises ``ValueError`` for a device that does not exist here (before any
-    file is read), ``FileNotFoundError`` without a checkpoint, ``KeyError`` naming a
-    layer that is not in it or a missing key, ``ValueError`` naming a key with
-    the wrong shape or dtype (not bf16/fp16/fp32, or not the router's).
+    file is read), ``FileNotFoundError`` without a checkpoint or a shard it
+    names, ``KeyError`` naming a layer that is not in it or a missing key,
+    ``ValueError`` naming a key with the wrong shape or dtype (not
+    bf16/fp16/fp32, or not the router's), and ``ValueError`` naming the file
+    and the field for a bad config.json size, an expert count that disagrees
+    with the router, or a shard name that is not a regular file inside the
+    directory (``../x``, an absolute path, a link out of it, a FIFO).
     """
     device = resolve_device(device)
     if experts is not None and (not isinstance(experts, range) or experts.step != 1
@@ -167,14 +264,19 @@ def load_mixtral_experts(path, layers=None, device=None,
             f"allow_patterns=['*.safetensors', '*.json'], local_dir='Mixtral-8x7B'), or "
             f"`hf download mistralai/Mixtral-8x7B-v0.1 --include '*.safetensors' '*.json' "
             f"--local-dir Mixtral-8x7B`, and pass that directory")
-    index = _weight_index(path)
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    ckpt = _Checkpoint(path)
+    index, index_file = _weight_index(ckpt)
+    config = _read_config(ckpt)
 
     present: dict[int, str] = {}
+    last_expert: dict[int, tuple[int, str]] = {}  # per v4 layer: its largest expert index, a key
     for key in index:
         if m := _LAYER_KEY.match(key):
             present.setdefault(int(m.group(1)), m.group(2))
+        if m := _V4_EXPERT_KEY.match(key):
+            layer, e = int(m.group(1)), int(m.group(2))
+            if e >= last_expert.get(layer, (-1,))[0]:
+                last_expert[layer] = (e, key)
     if layers is None:
         layers = sorted(present)
     elif isinstance(layers, int) and not isinstance(layers, bool):
@@ -188,22 +290,35 @@ def load_mixtral_experts(path, layers=None, device=None,
             raise KeyError(f"layer {layer} is not in the checkpoint {path} "
                            f"(its MoE layers: {sorted(present)})")
 
-    plans = {layer: _layer_plan(layer, present[layer], index, config.get("num_local_experts"))
-             for layer in layers}
-    for plan in plans.values():
-        for key in plan.values():
-            if key not in index:
-                raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
-
     with ExitStack() as stack:
         handles = {}
 
         def handle(key):
+            if key not in index:
+                raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
             shard = index[key]
             if shard not in handles:
+                file = ckpt.file(shard, f"{index_file}: weight_map[{key!r}]")
+                if file is None:
+                    raise FileNotFoundError(f"{index_file}: weight_map[{key!r}] = {shard!r}, "
+                                            f"which is not in {path}")
                 handles[shard] = stack.enter_context(
-                    safe_open(shard, framework="pt", device=str(device)))
+                    safe_open(file, framework="pt", device=str(device)))
             return handles[shard]
+
+        # each layer's expert count from its router's header, checked before any
+        # per-expert key is made
+        plans = {}
+        for layer in layers:
+            router = f"model.layers.{layer}.{present[layer]}.gate.weight"
+            num_experts = _expert_count(
+                router, tuple(handle(router).get_slice(router).get_shape()), config,
+                path / "config.json", last_expert.get(layer), index_file)
+            plans[layer] = _layer_plan(layer, present[layer], num_experts)
+        for plan in plans.values():
+            for key in plan.values():
+                if key not in index:
+                    raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
 
         headers = {key: handle(key).get_slice(key)
                    for plan in plans.values() for key in plan.values()}

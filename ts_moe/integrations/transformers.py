@@ -10,6 +10,11 @@
 
 Both train: the ts_moe ops and the layer have backward formulas, so the
 router, ``gate_up_proj`` and ``down_proj`` get gradients.
+
+Hidden and intermediate sizes must be multiples of 8 (the kernels read 16-byte
+rows): :func:`replace_moe_blocks` checks every block before it switches any;
+the experts interface, whose switch transformers makes, checks a module at
+its first forward.  Either way the ValueError names the module and the size.
 """
 
 import functools
@@ -17,7 +22,7 @@ import functools
 import torch
 from torch import nn
 
-from ..moe import experts_forward
+from ..moe import check_layer_sizes, experts_forward
 from ..routing import nvtx_range, route
 
 EXPERTS_IMPLEMENTATION = "ts_moe"
@@ -102,7 +107,24 @@ def _layout(name: str, block: nn.Module) -> type:
             f"ModuleList of w1/w2/w3 experts or gate_up_proj/down_proj parameters)")
     if not all(_is_silu(act) for act in acts):
         raise ValueError(f"{name}: ts_moe runs SwiGLU experts only (hidden_act='silu')")
+    if layout is _V4Forward:  # each expert's w1 (I, H); the stack needs them alike
+        shapes = {tuple(e.w1.weight.shape) for e in experts}
+        if len(shapes) != 1:
+            raise ValueError(f"{name}: the experts' w1 shapes differ: {sorted(shapes)}")
+        (inter, hidden), = shapes
+    else:
+        _, two_inter, hidden = experts.gate_up_proj.shape
+        inter = two_inter // 2
+    _check_sizes(name, hidden, inter)
     return layout
+
+
+def _check_sizes(name: str, hidden: int, inter: int) -> None:
+    """H and I as the ts_moe layer takes them, or a ValueError naming the module."""
+    try:
+        check_layer_sizes(hidden_size=hidden, intermediate_size=inter)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _switch_block(block: nn.Module, layout: type) -> None:
@@ -175,6 +197,8 @@ def ts_moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
     ``down_proj`` (E, H, I)).  Expert-parallel sentinel ids (>= E) are dropped.
     """
     _check_experts_module(self)
+    _, two_inter, hidden = self.gate_up_proj.shape
+    _check_sizes(type(self).__name__, hidden, two_inter // 2)
     x = hidden_states.to(self.gate_up_proj.dtype)
     return experts_forward(x, top_k_index, top_k_weights, self.gate_up_proj,
                            self.down_proj).to(hidden_states.dtype)
