@@ -233,9 +233,6 @@ BUILDS = {
     "dw_128x256_f32_out": _dw("dw_128x256", out="float32"),
     "dw_128x128": _dw("dw_128x128"),
     "dw_128x128_f32_out": _dw("dw_128x128", out="float32"),
-    "dw_128x256_st": _dw("dw_128x256_st"),          # thread-store epilogue (A/B)
-    "dw_128x256_st_f32_out": _dw("dw_128x256_st", out="float32"),
-    "dw_128x128_st": _dw("dw_128x128_st"),
     # SwiGLU activation / gradient, elementwise, sm_90a
     "swiglu_ew_fwd": _swiglu_ew(False),
     "swiglu_ew_fwd_fp16": _swiglu_ew(False, "float16"),
