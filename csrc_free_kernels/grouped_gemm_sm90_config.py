@@ -86,8 +86,8 @@ MID = TileConfig("mid", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2)
 # Prefill: many rows per expert, tensor-core bound; two MMA warpgroups on a
 # 128x256 tile (128 fp32 accumulators per thread), four 48 KB stages.  Raster
 # bands of 8 m-tiles: an expert's token rows can outgrow L2 (Mixtral T=16384:
-# 4096 rows, 32 MB; skewed, up to 9000) and were re-read from HBM for every
-# wave: ncu, Mixtral gate_up T=16384 skewed, 18.0 GB of HBM reads against 14.7
+# 4096 rows, 32 MB; skewed, up to 9000), re-read from HBM for every wave
+# without bands: ncu, Mixtral gate_up T=16384 skewed, 18.0 GB of HBM reads against 14.7
 # with bands; DeepSeek-V3 gate_up T=16384 skewed 53.9 against 45.2 GB and
 # 15.7 against 14.2 ms.
 PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_warps=2,
@@ -149,7 +149,7 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
         # ~60 GB/s: tiles that leave SMs idle (one short wave, or a short last
         # one) leave HBM idle too.  64-column tiles where they fill the SMs'
         # slots markedly better (Mixtral T=1: gate_up 3.4 waves of 128-column
-        # tiles, down half a wave; bench/RESULTS.md, "Issue 21")
+        # tiles, down half a wave; bench/notes/2026-12-04-decode16-n64-tiles.md)
         touched = min(num_experts, m)
         fill = [_slot_fill(tiles(cfg, touched), num_sms) for cfg in (DECODE16, DECODE16_N64)]
         return DECODE16_N64 if fill[1] > fill[0] + 0.05 else DECODE16
