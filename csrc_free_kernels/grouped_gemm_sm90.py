@@ -2,220 +2,28 @@
 
 ``out[r] = a[r] @ b[e]`` for the rows ``r`` of expert ``e`` (``offs`` read on
 the device), zeros for the rows past the last expert.  See
-:class:`GroupedGemmSm90` for the design and :func:`grouped_gemm` for the
-torch entry point.
+:class:`GroupedGemmSm90` for the design; its configurations are in
+:mod:`.grouped_gemm_sm90_config`, its torch entry points in
+:mod:`.grouped_gemm_sm90_launch`.
 """
 
 import dataclasses
 import enum
-import functools
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cp
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.experimental.primitives import cp_async_bulk_global_shared_cta
 from cutlass.tensor_utils import LayoutEnum
 
 import ts_pipeline
 
-from . import compile as kcompile
 from . import pdl
-from .sm90_epilogue import (accumulator_chunk, mma_operands, mma_stage, release_stage,
-                            stage_to_shared, store_copy)
+from .grouped_gemm_sm90_config import MAX_EXPERTS, SMEM_CAPACITY, TileConfig
+from .sm90_epilogue import (RaggedTileEpilogue, mma_operands, mma_stage, release_stage,
+                            stage_to_shared)
 from .tile_schedule import RaggedTileSchedule, TileScheduler
-
-MAX_EXPERTS = 512
-SMEM_CAPACITY = 227 * 1024
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """One compiled configuration of the kernel.
-
-    ``tile_m`` is the MMA tile's rows, 64 per MMA warpgroup; ``a_rows`` (<=
-    ``tile_m``, default ``tile_m``) the token rows a CTA loads and owns per
-    tile: with few rows per expert, a 16-row token box spares L2 the 48 rows
-    the tile would only discard (the MMA still runs 64 rows; the rows past
-    ``a_rows`` are never stored).  ``b_warps`` producer warps share the weight
-    tile, each loading ``tile_n / b_warps`` rows of it; ``multi_warp`` False
-    issues the same loads from one warp through the base ``PipelineTmaAsync``
-    (kept to measure what the multi-warp design earns).  ``cluster_m`` 2 pairs
-    CTAs on adjacent token tiles of one expert and n-tile, each loading half of
-    every weight part and multicasting it to both.
-
-    ``band_m`` (0: the whole expert) is the raster band: an expert's tiles
-    are taken ``band_m`` (cluster) m-tiles at a time across all its n-tiles,
-    so that the band's token rows stay in L2 while its weights stream past;
-    with whole experts, an expert holding more token rows than L2 re-reads
-    them from HBM for every wave.
-
-    ``pair_tiles`` (with ``cluster_m`` 2): the CTA pair takes two consecutive
-    ``tile_m``-row tiles of the schedule instead of one 2 x ``tile_m``-row
-    cluster tile, multicasting the weight tile when both tiles are of one
-    expert and n-tile and loading its own otherwise: the pair's weight sharing
-    without the idle spare half of a cluster tile when an expert's m-tiles
-    are odd.
-
-    ``pingpong``: the two MMA warpgroups take alternate tiles of the CTA's
-    walk, each a whole ``tile_m x tile_n`` tile, so that one's epilogue and
-    tile lookup run under the other's MMAs (each stage is consumed by one
-    warpgroup); otherwise both share every tile, 64 rows each.
-
-    ``store_warp`` (128-row tiles, not ``pingpong``; 16-bit output): the MMA
-    threads write the whole output tile to shared memory (``stmatrix``, rows
-    padded by 16 bytes) and go back to their mainloop; warp 3 stores it, a bulk
-    copy (``cp.async.bulk``) per row of the expert, and frees the buffer once
-    the copies have read it.  The tile's buffer costs the 128x256 tile one of
-    its four ring stages.
-    """
-
-    name: str
-    tile_m: int
-    tile_n: int
-    tile_k: int = 64
-    stages: int = 4
-    b_warps: int = 2
-    multi_warp: bool = True
-    a_rows: int = 0
-    cluster_m: int = 1
-    band_m: int = 0
-    pair_tiles: bool = False
-    pingpong: bool = False
-    store_warp: bool = False
-
-    def __hash__(self) -> int:
-        # on every call's path (the launcher cache): the name's cached str hash,
-        # not one over all eleven fields (equal configs share their name)
-        return hash(self.name)
-
-    @property
-    def mma_warpgroups(self) -> int:
-        return 2 if self.pingpong else self.tile_m // 64
-
-    @property
-    def stage_consumers(self) -> int:
-        """MMA warpgroups reading each stage of the ring."""
-        return 1 if self.pingpong else self.mma_warpgroups
-
-    @property
-    def rows(self) -> int:
-        """Token rows per CTA tile."""
-        return self.a_rows or self.tile_m
-
-
-# Decode: few rows per expert, the op streams expert weights from HBM; one MMA
-# warpgroup and a deep ring keep ~190 KB of weights in flight per SM.  The
-# 16-row variant loads only that many token rows per tile.
-DECODE = TileConfig("decode", tile_m=64, tile_n=128, tile_k=64, stages=8, b_warps=2)
-DECODE16 = dataclasses.replace(DECODE, name="decode16", a_rows=16)
-# ...on 64-column tiles (one weight warp; the SwiGLU kernel's two 32-row
-# parts), twelve 10 KB stages (16 KB of shared memory each): twice the
-# tiles, for decode GEMMs whose 128-column tiles leave SMs idle (Mixtral T=1
-# down: 64 tiles on 132 SMs, each streaming at its own limit; choose_config)
-DECODE16_N64 = TileConfig("decode16_n64", tile_m=64, tile_n=64, tile_k=64, stages=12,
-                          b_warps=1, a_rows=16)
-# ...on 64x256 tiles (five 40 KB stages) with CTA pairs on consecutive tiles,
-# for large experts: an expert holding more than 64 rows (skewed routing)
-# streams its weights once for the pair instead of once per m-tile
-DECODE_P2 = TileConfig("decode_p2", tile_m=64, tile_n=256, tile_k=64, stages=5, b_warps=2,
-                       cluster_m=2, pair_tiles=True)
-# Mid: 48 to 128 rows per expert, still weight-streaming: one 128-row tile
-# holds an expert's rows, so its weights stream once; 128 columns keep the
-# tile count up (six 32 KB stages)
-MID = TileConfig("mid", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2)
-# Prefill: many rows per expert, tensor-core bound; two MMA warpgroups on a
-# 128x256 tile (128 fp32 accumulators per thread), four 48 KB stages.  Raster
-# bands of 8 m-tiles: an expert's token rows can outgrow L2 (Mixtral T=16384:
-# 4096 rows, 32 MB; skewed, up to 9000) and were re-read from HBM for every
-# wave: ncu, Mixtral gate_up T=16384 skewed, 18.0 GB of HBM reads against 14.7
-# with bands; DeepSeek-V3 gate_up T=16384 skewed 53.9 against 45.2 GB and
-# 15.7 against 14.2 ms.
-PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_warps=2,
-                     band_m=8)
-# ...with CTA pairs sharing each weight tile through TMA multicast
-PREFILL_C2 = dataclasses.replace(PREFILL, name="prefill_c2", cluster_m=2)
-# ...or with CTA pairs on consecutive 128-row tiles
-PREFILL_P2 = dataclasses.replace(PREFILL_C2, name="prefill_p2", pair_tiles=True)
-# Prefill, ping-pong: each MMA warpgroup owns a whole 128x128 tile (128 fp32
-# accumulators per thread) and the two alternate, so that one's epilogue runs
-# under the other's MMAs; 32 KB stages.  With CTA pairs (256-row cluster
-# tiles) multicasting the weight tile, a CTA reads 24 KB of operands per
-# 2 MFLOP, as the 128x256 tile does (one weight warp: an N-major part's
-# per-CTA share must be 64 columns).
-PREFILL_PP = TileConfig("prefill_pp", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2,
-                        band_m=8, pingpong=True)
-PREFILL_PP_C2 = dataclasses.replace(PREFILL_PP, name="prefill_pp_c2", cluster_m=2, b_warps=1)
-CONFIGS = {c.name: c for c in (DECODE16, DECODE16_N64, DECODE, DECODE_P2, MID, PREFILL,
-                               PREFILL_C2, PREFILL_P2, PREFILL_PP, PREFILL_PP_C2)}
-
-
-def _slot_fill(tiles: int, num_sms: int) -> float:
-    """The share of the SMs' tile slots that ``tiles`` tiles keep busy over their waves."""
-    return tiles / max(-(-tiles // num_sms) * num_sms, 1)
-
-
-def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) -> TileConfig:
-    """Pick tiles from shapes only (no sync): rows per expert ``r = M / E``, N, K.
-
-    Measured on the H200 over the three models' GEMMs at T = 16..16384
-    (bench/RESULTS.md has the sweep):
-
-    - ``r < 6``: the op streams weights; a 16-row token box spares L2 the 48
-      rows a 64-row tile would discard (Mixtral gate_up T=16: 0.470 ms
-      against 0.511).  A box smaller than an expert's rows would stream its
-      weights twice, hence only for a few rows per expert.  64-column tiles
-      where 128-column ones fill the SMs poorly (a few touched experts: T = 1).
-    - ``r < 48``: the 64x128 tile, one token tile per expert; 64x256 with
-      CTA pairs (``decode_p2``) where an expert's weights are large (>= 24
-      MB, half of L2) and its n-tiles make four waves: skewed routing gives
-      hot experts several m-tiles, and a pair streams their weights once.
-      Against ``decode`` (harness, 2026-12-03, ms): DeepSeek-V3 T=1024
-      gate_up 3.554/3.886 against 3.638/4.233 (uniform/skewed), down
-      1.796/1.913 against 1.835/2.058; Mixtral gate_up T=128 0.434/0.444
-      against 0.451/0.484; Mixtral down T=128 (one wave of 64x256 tiles)
-      skewed 0.299 against 0.278, hence the wave rule.
-    - above: 128-row tiles: one per expert while ``r <= ~100`` (still
-      weight-streaming), tensor-core bound later.  128x256, unless that
-      leaves under four waves of tiles (128x128: Mixtral down T=1024, 0.514
-      against 0.608 ms), and with CTA pairs sharing weight tiles by multicast
-      once experts are large (Mixtral T=16384 gate_up 12.28 against 12.82 ms),
-      or pairs on consecutive tiles where an expert's weights are large
-      (>= 24 MB, half of L2) but its rows fewer: against 128x256 tiles alone,
-      DeepSeek-V3 T >= 4096 faster in 7 of 8 cases by 4-24 % (one 1 %
-      slower), Mixtral gate_up T=1024 and 4096 in 3 of 4 (one level); Qwen3
-      (6 MB per expert) up to 15 % slower (2026-12-02).
-    """
-    def tiles(cfg, experts=num_experts, m_tiles=1):
-        return -(-n // cfg.tile_n) * experts * m_tiles
-
-    def waves(cfg, m_tiles=1):
-        return tiles(cfg, m_tiles=m_tiles) / num_sms
-
-    rows = m / max(num_experts, 1)
-    if rows < 6:
-        # the touched experts' weights stream through the SMs, each at most
-        # ~60 GB/s: tiles that leave SMs idle (one short wave, or a short last
-        # one) leave HBM idle too.  64-column tiles where they fill the SMs'
-        # slots markedly better (Mixtral T=1: gate_up 3.4 waves of 128-column
-        # tiles, down half a wave; bench/RESULTS.md, "Issue 21")
-        touched = min(num_experts, m)
-        fill = [_slot_fill(tiles(cfg, touched), num_sms) for cfg in (DECODE16, DECODE16_N64)]
-        return DECODE16_N64 if fill[1] > fill[0] + 0.05 else DECODE16
-    large_experts = n * k * 2 >= 24 << 20
-
-    if rows < 48:
-        return DECODE_P2 if large_experts and waves(DECODE_P2) >= 4 else DECODE
-    if waves(PREFILL, max(round(rows / PREFILL.tile_m), 1)) < 4:
-        return MID
-    if rows >= 2048 or (rows >= 1024 and k >= 8192):
-        return PREFILL_C2
-    if large_experts:
-        return PREFILL_P2
-    return PREFILL
 
 
 class Warp(enum.IntEnum):
@@ -223,69 +31,62 @@ class Warp(enum.IntEnum):
 
     LOAD_A = 0     # TMA of the token tile; the task warp leader (arms each full barrier)
     LOAD_B = 1     # warps 1 .. b_warps: TMA of one weight part each
-    SCHEDULE = 3   # builds the tile schedule in shared memory; then idles, or stores
-                   # the output tiles (store_warp)
+    SCHEDULE = 3   # builds the tile schedule in shared memory, then idles
     MMA = 4        # warps 4..: the WGMMA warpgroups, then the epilogue
 
 
 class Barrier(enum.IntEnum):
-    """Named barriers among the MMA threads, and (``store_warp``) between them and
-    warp 3 (id 0 is the CTA-wide one)."""
+    """Named barriers among the MMA threads (id 0 is the CTA-wide one)."""
 
-    EPILOGUE = 1      # an epilogue sub-tile is in shared memory (a tile's MMA threads)
-    EPILOGUE_WG1 = 2  # the same for the second warpgroup of a ping-pong pair
-    # ping-pong: warpgroup 0 (1) may start its next tile's mainloop, the other
-    # one has passed all the ring waits of the tile before
-    TURN_WG0 = 3
-    TURN_WG1 = 4
-    # store_warp: the tile is in shared memory (MMA threads -> warp 3), and its
-    # buffer is free again (warp 3 -> MMA threads)
-    TILE_STAGED = 5
-    TILE_STORED = 6
+    EPILOGUE = 1   # an epilogue sub-tile is in shared memory
 
 
-class GroupedGemmSm90:
+class GroupedGemmSm90(RaggedTileEpilogue):
     """Persistent ragged grouped GEMM, ``C[rows of e] = A[rows of e] @ B[e]``.
 
-    Warp roles (one CTA per SM, ``128 * (1 + mma_warpgroups)`` threads):
+    Warp roles (:class:`Warp`; one CTA per SM, ``128 * (1 + mma_warpgroups)`` threads):
 
-    - warp 0: TMA producer of the token tile ``A[row0:row0+tile_m, k:k+tile_k]``;
-      the *task warp leader*: it arms each stage's full barrier once, with the
-      bytes of all the stage's loads.
-    - warps 1..b_warps: TMA producers of the expert-weight tile, each
-      ``tile_n / b_warps`` rows of ``B[e]`` (``multi_warp=False``: warp 0
-      issues these loads too).
-    - warp 3: builds the tile schedule in shared memory at start, then idles,
-      or with ``store_warp`` stores each output tile the MMA warpgroups staged
-      (bulk copies, a row each; named barriers ``TILE_STAGED`` and
-      ``TILE_STORED`` between the two roles).
-    - warpgroups 1..: WGMMA consumers (64 rows each of every tile, skipping
-      the MMAs of rows all past the expert's end, or with ``pingpong`` whole
-      tiles, alternately), then the epilogue: registers ->
-      stmatrix -> shared memory -> 16-byte predicated stores, so a tile never
-      writes a row of a neighbouring expert.  Ping-pong warpgroups take turns
-      through two named barriers: a warpgroup starts a tile's mainloop once
-      the other has passed its ring waits of the tile before.
+    - LOAD_A (warp 0): TMA producer of the token tile
+      ``A[row0:row0+tile_m, k:k+tile_k]``; the *task warp leader*: it arms each
+      stage's full barrier once, with the bytes of all the stage's loads.
+    - LOAD_B (warps 1..b_warps): TMA producers of the expert-weight tile, each
+      ``tile_n / b_warps`` rows of ``B[e]``.
+    - SCHEDULE (warp 3): builds the tile schedule in shared memory at start,
+      then idles.
+    - MMA (warpgroups 1..): WGMMA consumers, 64 rows each of every tile
+      (skipping the MMAs of rows all past the expert's end), then the
+      epilogue (:meth:`epilogue`): registers -> stmatrix -> shared memory ->
+      16-byte predicated stores, so a tile never writes a row of a
+      neighbouring expert.
 
-    Pipeline: TMA producers -> MMA warpgroups, ``TSPipelineTmaAsync``
-    (``PipelineTmaAsync`` for ``multi_warp=False``), ``stages`` stages of
-    ``(tile_m + tile_n) * tile_k * 2`` bytes: ``tile_m * tile_k * 2`` of tokens
-    plus ``b_warps`` parts of ``tile_n / b_warps * tile_k * 2`` of weights.
+    Pipeline: TMA producers -> MMA warpgroups, ``TSPipelineTmaAsync``,
+    ``stages`` stages of ``(tile_m + tile_n) * tile_k * 2`` bytes:
+    ``tile_m * tile_k * 2`` of tokens plus ``b_warps`` parts of
+    ``tile_n / b_warps * tile_k * 2`` of weights.
 
     Schedule: :class:`csrc_free_kernels.tile_schedule.RaggedTileSchedule`
-    (built by warp 3 from ``offs`` in shared memory; a ``WorkTile`` per step
-    for every role), with the configuration's rows, cluster, pairs and bands.
+    (built by the SCHEDULE warp from ``offs`` in shared memory; a ``WorkTile``
+    per step for every role), with the configuration's rows, cluster, pairs
+    and bands.
 
     PDL (:mod:`csrc_free_kernels.pdl`): every thread waits for the kernel
     ahead before its first global access.  With ``prefetch_weights`` the
     weight warps do not: the schedule is built from ``offs`` (read from L2)
     and the weight parts of the first ``stages`` stages are loaded while the
-    kernel ahead still runs; then they wait, and the token loads (warp 0,
+    kernel ahead still runs; then they wait, and the token loads (LOAD_A,
     which arms the stages) and the stores follow the wait as always.  For
     callers whose ``offs`` and ``b`` are complete when the kernel ahead lets
     its dependents launch (``ts_moe.ops``: after its own row gather, or when
-    told so).  Honoured with one CTA per cluster and multi-warp loads
-    (:meth:`prefetch_supported`); otherwise off.
+    told so).  Honoured with one CTA per cluster (:meth:`prefetch_supported`);
+    otherwise off.
+
+    Hooks for variants (subclasses): :meth:`b_part_coord` (where a weight part
+    lies), :meth:`extra_roles` (work for the producer warps that load
+    nothing), and the epilogue's, inherited from
+    :class:`csrc_free_kernels.sm90_epilogue.RaggedTileEpilogue`:
+    ``epilogue_fragment`` (the accumulators -> output values),
+    ``make_epi_smem_layout``, ``epilogue_buffers``, ``tile_stores`` and
+    ``epilogue`` (a tile's output).
     """
 
     def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32,
@@ -299,54 +100,25 @@ class GroupedGemmSm90:
         self.out_tile_n = config.tile_n
         self.num_mma_warpgroups = config.mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_warpgroups
-        self.threads = 128 + self.num_mma_threads
+        self.threads = 32 * Warp.MMA + self.num_mma_threads
         self.producer_regs = 40
         self.mma_regs = 232 if self.num_mma_warpgroups == 2 else 240
-        # the threads of one tile's MMAs and epilogue; ping-pong: one warpgroup,
-        # each with its own barrier and epilogue buffers
-        self.epi_threads = 128 * config.stage_consumers
-        self.epi_groups = self.num_mma_warpgroups // config.stage_consumers
-        self.epi_barriers = [cp.NamedBarrier(barrier_id=Barrier.EPILOGUE + g,
-                                             num_threads=self.epi_threads)
-                             for g in range(self.epi_groups)]
-        # ping-pong turns: a warpgroup waits on its own barrier and signals the
-        # other's (a ring wait is by phase parity, so a warpgroup must not wait
-        # on a stage more than one phase ahead of the ring: it would pass)
-        self.turn_barriers = [cp.NamedBarrier(barrier_id=Barrier.TURN_WG0 + g,
-                                              num_threads=2 * 128)
-                              for g in range(self.epi_groups if config.pingpong else 0)]
+        # the threads of one tile's MMAs and epilogue
+        self.epi_threads = self.num_mma_threads
+        self.epi_barrier = cp.NamedBarrier(barrier_id=Barrier.EPILOGUE,
+                                           num_threads=self.epi_threads)
         self.epi_stages = 2
-        if config.store_warp and (config.pingpong or config.tile_m != 128):
-            raise ValueError(f"store_warp stages the 128-row tile both MMA warpgroups share "
-                             f"(not 64-row or ping-pong tiles): {config}")
-        # store_warp: staged (MMA threads -> warp 3), stored (warp 3 -> MMA threads)
-        self.tile_barriers = [cp.NamedBarrier(barrier_id=b, num_threads=self.epi_threads + 32)
-                              for b in ((Barrier.TILE_STAGED, Barrier.TILE_STORED)
-                                        if config.store_warp else ())]
-        if config.pingpong and config.tile_m != 128:
-            raise ValueError(f"a ping-pong warpgroup owns a 128-row tile: {config}")
         if config.b_warps not in (1, 2) or config.tile_n % config.b_warps:
             raise ValueError(f"b_warps must be 1 or 2 and divide tile_n: {config}")
         self.schedule = RaggedTileSchedule(
             cta_rows=config.rows, cluster_m=config.cluster_m, pair_tiles=config.pair_tiles,
             band_m=config.band_m, max_experts=MAX_EXPERTS)
 
-    def staged_tile_layout(self):
-        """``store_warp``: the whole output tile in shared memory, row-major, rows
-        of ``staged_row`` elements (padded by 16 bytes: ``stmatrix`` without bank
-        conflicts, and each row one contiguous bulk copy), as ``(epi_m, epi_n,
-        sub-tiles)`` for the epilogue's sub-tile loop (sub-tile ``mi * n_subs +
-        ni``)."""
-        epi_m, epi_n = self.epi_tile[0], self.epi_tile[1]
-        m_subs, n_subs = self.cfg.tile_m // epi_m, self.out_tile_n // epi_n
-        return cute.make_layout((epi_m, epi_n, (n_subs, m_subs)),
-                                stride=(self.staged_row, 1, (epi_n, epi_m * self.staged_row)))
-
     @staticmethod
     def prefetch_supported(config: TileConfig) -> bool:
         """Whether ``prefetch_weights`` takes effect: PDL on, and the weight warps
-        own their CTA's weight loads alone (no multicast, not warp 0's)."""
-        return pdl.ENABLED and config.cluster_m == 1 and config.multi_warp
+        own their CTA's weight loads alone (no multicast)."""
+        return pdl.ENABLED and config.cluster_m == 1
 
     # ---------------------------------------------------------------- host
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -365,25 +137,15 @@ class GroupedGemmSm90:
                 raise ValueError(f"{cfg}: each CTA's share of an N-major weight part, "
                                  f"{share_n} columns, must be a multiple of 64")
         assert a_layout.is_k_major_a(), "tokens are read K-major"
-        if cfg.store_warp and (c_dtype.width != 16 or not c_layout.is_n_major_c()):
-            raise ValueError(f"{cfg}: store_warp stages 16-bit row-major output tiles, "
-                             f"got {c_dtype} ({c_layout})")
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, (cfg.stage_consumers, 1, 1), tiler_mn=(64, cfg.tile_n),
+            self.acc_dtype, (cfg.mma_warpgroups, 1, 1), tiler_mn=(64, cfg.tile_n),
         )
-        # sub-tiles of all the tile's rows (128: a row of each warpgroup's 64),
-        # or with ping-pong 64 rows, one of the warpgroup's two MMA row blocks
+        # sub-tiles of all the tile's rows (128: a row of each warpgroup's 64)
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
-            self.tile_shape_mnk, c_dtype,
-            is_cooperative=cfg.tile_m == 128 and not cfg.pingpong)
-        if cfg.store_warp:
-            self.staged_row = self.out_tile_n + 128 // c_dtype.width
-            self.epi_smem_layout = self.staged_tile_layout()
-        else:
-            self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
-                c_dtype, c_layout, self.epi_tile, self.epi_stages * self.epi_groups)
+            self.tile_shape_mnk, c_dtype, is_cooperative=cfg.tile_m == 128)
+        self.epi_smem_layout = self.make_epi_smem_layout(c_dtype, c_layout)
         self.a_bytes = cfg.rows * cfg.tile_k * a_dtype.width // 8
         self.b_part_bytes = self.b_part_n * cfg.tile_k * a_dtype.width // 8
         self.stage_bytes = self.a_bytes + cfg.b_warps * self.b_part_bytes
@@ -470,7 +232,7 @@ class GroupedGemmSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         sched = TileScheduler.create(self.schedule, cta_rank, bidx, grid)
-        if warp_idx == 0:
+        if warp_idx == Warp.LOAD_A:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
             if cutlass.const_expr(cfg.pair_tiles):
@@ -489,53 +251,42 @@ class GroupedGemmSm90:
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
-        if cutlass.const_expr(cfg.store_warp):
-            sC = storage.sC.get_tensor(epi_smem_layout)
-        else:
-            sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+        sC = self.epilogue_buffers(storage, epi_smem_layout)
 
+        last_b_warp = Warp.LOAD_B + cfg.b_warps - 1
         if warp_idx < Warp.MMA:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if cutlass.const_expr(early):
-                if warp_idx == Warp.LOAD_A or warp_idx > cfg.b_warps:
+                if warp_idx == Warp.LOAD_A or warp_idx > last_b_warp:
                     pdl.enter()  # the weight warps wait in produce()
-            if warp_idx <= (cfg.b_warps if cutlass.const_expr(cfg.multi_warp) else 0):
+            if warp_idx <= last_b_warp:
                 self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring,
                              warp_idx, sched, k_tiles, n_cols)
-            if cutlass.const_expr(cfg.store_warp):
-                if warp_idx == Warp.SCHEDULE:
-                    self.store_tiles(mC, sC, sched)
+            self.extra_roles(warp_idx, mC, sC, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             if cutlass.const_expr(early):
                 pdl.enter()
-            if cutlass.const_expr(cfg.pingpong):
-                group = (warp_idx - Warp.MMA) // 4
-                for g in cutlass.range_constexpr(self.epi_groups):
-                    if group == g:
-                        self.consume(tiled_mma, mC, sA, sB, sC, ring,
-                                     tidx - 128 * (Warp.MMA // 4 + g), sched, k_tiles, g)
-            else:
-                self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 128, sched, k_tiles, 0)
+            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 32 * Warp.MMA, sched, k_tiles)
+
+    def extra_roles(self, warp_idx, mC, sC, sched: TileScheduler):
+        """Work for the producer warpgroup's warps besides the loads, traced after
+        them: none here."""
 
     def make_ring(self, barriers, warp_idx):
         cluster_m = self.cfg.cluster_m
         # a stage is released by every consumer warp of every CTA whose
         # producer multicasts into it
         consumers = cp.CooperativeGroup(cp.Agent.Thread,
-                                        4 * self.cfg.stage_consumers * cluster_m)
-        common = dict(
+                                        4 * self.cfg.mma_warpgroups * cluster_m)
+        return ts_pipeline.TSPipelineTmaAsync.create(
             num_stages=self.stages,
             producer_group=cp.CooperativeGroup(cp.Agent.Thread),
             consumer_group=consumers,
             tx_count=self.stage_bytes,
             barrier_storage=barriers,
             cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)) if cluster_m > 1 else None,
-        )
-        if self.cfg.multi_warp:
-            return ts_pipeline.TSPipelineTmaAsync.create(**common,
-                                                         is_task_warp_leader=warp_idx == 0)
-        return cp.PipelineTmaAsync.create(**common)
+            is_task_warp_leader=warp_idx == Warp.LOAD_A)
 
     @cute.jit
     def produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring, warp_idx,
@@ -590,28 +341,22 @@ class GroupedGemmSm90:
                 for k in cutlass.range(k_tiles, unroll=1):
                     ring.producer_acquire(state)
                     bar = ring.producer_get_barrier(state)
-                    if warp_idx == 0:
+                    if warp_idx == Warp.LOAD_A:
                         cute.copy(tma_atom_a, tAgA[None, k], tAsA[None, state.index],
                                   tma_bar_ptr=bar)
-                    if cutlass.const_expr(cfg.multi_warp):
-                        if warp_idx > 0:
-                            self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
-                                        shared, warp_idx - 1, n_tile, n_cols, k, expert,
-                                        state.index, bar)
-                            if cutlass.const_expr(self.prefetch_weights):
-                                # the ring is full: wait for the kernel ahead
-                                issued += 1
-                                if issued == self.stages:
-                                    pdl.enter()
-                    else:
-                        for part in cutlass.range_constexpr(cfg.b_warps):
-                            self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
-                                        shared, part, n_tile, n_cols, k, expert,
-                                        state.index, bar)
+                    if warp_idx >= Warp.LOAD_B:
+                        self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
+                                    shared, warp_idx - Warp.LOAD_B, n_tile, n_cols, k, expert,
+                                    state.index, bar)
+                        if cutlass.const_expr(self.prefetch_weights):
+                            # the ring is full: wait for the kernel ahead
+                            issued += 1
+                            if issued == self.stages:
+                                pdl.enter()
                     state.advance()
             t += sched.step
         if cutlass.const_expr(self.prefetch_weights):
-            if warp_idx > 0 and issued < self.stages:
+            if warp_idx >= Warp.LOAD_B and issued < self.stages:
                 pdl.enter()  # fewer k-tiles than stages in the whole walk
         ring.producer_tail(state)
 
@@ -640,44 +385,32 @@ class GroupedGemmSm90:
         return n_tile * self.cfg.b_warps + part
 
     @cute.jit
-    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: TileScheduler, k_tiles,
-                group: cutlass.Constexpr):
-        """The MMAs and epilogue of the tiles of epilogue group ``group``: every
-        tile, or with ``pingpong`` every other tile of the CTA's walk (the
-        stages of the other group's tiles are skipped); ``ctid`` the thread's
-        index in its group."""
+    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: TileScheduler, k_tiles):
+        """The MMAs and epilogue of every tile of the CTA's walk; ``ctid`` the
+        thread's index among the MMA threads."""
         cfg = self.cfg
         tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
                                        self.acc_dtype)
 
         # epilogue: registers -> shared (stmatrix) -> global (16-byte predicated)
-        r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = stage_to_shared(
+        staged = stage_to_shared(
             tiled_mma, acc, sC, ctid, self.c_layout, self.c_dtype, self.acc_dtype)
-        s2g = self.make_store_copy()
-        thr_s2g = s2g.get_slice(ctid)
-        tSsC = thr_s2g.partition_S(sC)
-        # sub-tiles (mi, ni) of the output tile; the retiled accumulators hold
-        # a thread's values row block by row block (mode 1), each with all of
-        # its columns in mode 0, so sub-tile (mi, ni) is chunk mi * chunks_n + ni
-        m_subs = cfg.tile_m // self.epi_tile[0]
-        n_subs = self.out_tile_n // self.epi_tile[1]
-        chunks_n = cfg.tile_n // self.epi_tile[1]
-        assert cute.size(tRS_rAcc, mode=[1]) == m_subs and cute.size(tRS_rAcc, mode=[2]) == 1, \
-            (tRS_rAcc.layout, self.epi_tile)
-        epi_barrier = self.epi_barriers[group]
+        stores = self.tile_stores(sC, ctid)
+        m_subs, _, _ = self.epi_subtiles()
+        assert cute.size(staged.acc, mode=[1]) == m_subs and cute.size(staged.acc, mode=[2]) == 1, \
+            (staged.acc.layout, self.epi_tile)
         # the first tile row of this thread's warpgroup: with both warpgroups
         # on one tile (64 rows each), one whose rows are all past the
         # expert's end skips its MMAs, and the tensor cores run the other's
         # alone: a part-empty last m-tile costs about what its rows need
         wg_row0 = 0
-        if cutlass.const_expr(cfg.stage_consumers > 1):
+        if cutlass.const_expr(cfg.mma_warpgroups > 1):
             wg_row0 = cute.arch.make_warp_uniform(ctid // 128) * 64
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         lead, total_tiles = sched.lead, sched.total_tiles
         t = sched.first
-        turn = cutlass.Int32(0)  # the CTA's tiles so far
         epi_count = cutlass.Int32(0)
         while t - lead < total_tiles:
             expert, row0, seg_end, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
@@ -694,70 +427,23 @@ class GroupedGemmSm90:
                 if expert >= sched.num_experts:
                     run = t - lead < total_tiles  # true in the loop: run the stages
                     mma_rows = cutlass.Int32(0)
-            if turn % self.epi_groups == group:
-                if cutlass.const_expr(cfg.pingpong):
-                    if turn > 0:
-                        self.turn_barriers[group].arrive_and_wait()
-                acc.fill(0.0)
-                if run:
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.fence()
-                    for k in cutlass.range(k_tiles, unroll=1):
-                        ring.consumer_wait(read)
-                        if mma_rows > wg_row0:
-                            mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                        warpgroup.commit_group()
-                        # keep one k-tile of WGMMA in flight; free the one before it
-                        if k > 0:
-                            release_stage(ring, release, 1)
-                            release.advance()
-                        read.advance()
-                    release_stage(ring, release, 0)
-                    release.advance()
-                if cutlass.const_expr(cfg.pingpong):
-                    if t + sched.step - lead < total_tiles:  # the other's turn follows
-                        self.turn_barriers[1 - group].arrive()
-
-                if cutlass.const_expr(cfg.store_warp):
-                    if turn > 0:  # warp 3 has stored the tile before
-                        self.tile_barriers[1].arrive_and_wait()
-                else:
-                    # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
-                    gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
-                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                    cC = cute.local_tile(cute.make_identity_tensor(mC.shape),
-                                         (cfg.tile_m, self.out_tile_n), (0, n_tile))
-                for epi in cutlass.range_constexpr(m_subs * n_subs):
-                    mi, ni = divmod(epi, n_subs)
-                    # store_warp: the whole tile, sub-tile by sub-tile; otherwise a
-                    # sub-tile at a time through two buffers, stored right away
-                    buf = epi
-                    if cutlass.const_expr(not cfg.store_warp):
-                        buf = group * self.epi_stages + epi_count % self.epi_stages
-                    self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
-                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-                    if cutlass.const_expr(not cfg.store_warp):
-                        epi_barrier.arrive_and_wait()
-                        # (epi_m, epi_n) sub-tile of C and of its coordinates
-                        tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
-                        tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (mi, ni)))
-                        for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                            for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                                crd = tScC[0, i, j]
-                                if crd[0] < rows_valid and crd[1] < mC.shape[1]:
-                                    cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
-                        epi_count += 1
-                if cutlass.const_expr(cfg.store_warp):
-                    # stmatrix writes (generic proxy) before the bulk copies' reads
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.tile_barriers[0].arrive()  # for warp 3 to store
-            else:
-                if run:
-                    # the other warpgroup's tile: its stages are not ours
-                    for _ in cutlass.range(k_tiles, unroll=1):
-                        read.advance()
+            acc.fill(0.0)
+            if run:
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for k in cutlass.range(k_tiles, unroll=1):
+                    ring.consumer_wait(read)
+                    if mma_rows > wg_row0:
+                        mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
+                    warpgroup.commit_group()
+                    # keep one k-tile of WGMMA in flight; free the one before it
+                    if k > 0:
+                        release_stage(ring, release, 1)
                         release.advance()
-            turn += 1
+                    read.advance()
+                release_stage(ring, release, 0)
+                release.advance()
+            epi_count = self.epilogue(staged, stores, mC, row0, n_tile, rows_valid, epi_count)
             t += sched.step
 
     @cute.jit
@@ -771,71 +457,25 @@ class GroupedGemmSm90:
                 rows = cutlass.Int32(0)
         return rows
 
-    @cute.jit
-    def store_tiles(self, mC: cute.Tensor, sC: cute.Tensor, sched: TileScheduler):
-        """``store_warp``, warp 3: each tile of the CTA's walk, once the MMA threads
-        have staged it, stored a row per bulk copy (``cp.async.bulk``, lane ``i``
-        rows ``i, i + 32, ...``): the expert's rows only, up to N (16-byte
-        granules: the output's rows are padded to 16 bytes).  The buffer is
-        given back once the copies have read it; the writes complete before the
-        warp exits."""
-        cfg = self.cfg
-        lane = cute.arch.lane_idx()
-        n_cols = mC.shape[1]
-        granule = 128 // self.c_dtype.width  # elements per 16 bytes
-        lead, total_tiles = sched.lead, sched.total_tiles
-        t = sched.first
-        while t - lead < total_tiles:
-            _, row0, seg_end, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
-            rows = self.stored_rows(row0, seg_end, t, total_tiles)
-            n0 = n_tile * self.out_tile_n
-            cols = cutlass.min(n_cols - n0, self.out_tile_n)
-            nbytes = (cols + granule - 1) // granule * 16
-            self.tile_barriers[0].arrive_and_wait()  # the tile is in shared memory
-            for i in cutlass.range_constexpr(cfg.tile_m // 32):
-                r = lane + 32 * i
-                if r < rows:
-                    cp_async_bulk_global_shared_cta(
-                        mC.iterator + cute.crd2idx((row0 + r, n0), mC.layout),
-                        sC.iterator + r * self.staged_row, nbytes)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if t + sched.step - lead < total_tiles:
-                self.tile_barriers[1].arrive()  # the buffer is free
-            t += sched.step
-        cute.arch.cp_async_bulk_wait_group(0)
-
-    accumulator_chunk = staticmethod(accumulator_chunk)
-
-    @cute.jit
-    def epilogue_fragment(self, tRS_rAcc, chunk, tRS_rD, tRS_rOut):
-        """An output sub-tile in registers, from accumulator chunk ``chunk``: fp32
-        accumulators -> output dtype."""
-        self.accumulator_chunk(tRS_rAcc, chunk, tRS_rD)
-        tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
-
-    def make_store_copy(self):
-        """16-byte vectors, rows of the epilogue tile spread over a tile's MMA threads."""
-        return store_copy(self.c_dtype, self.epi_tile[1], self.epi_threads)
-
 
 class GroupedGemmSwigluSm90(GroupedGemmSm90):
     """``silu(A @ gate^T) * (A @ up^T)`` per expert, in one pass over the weights.
 
     ``B`` is the (E, 2I, H) ``gate_up`` weight (gate rows first).  A tile's
     weight stage has two parts loaded by two producer warps under the stage's
-    one full barrier: warp 1 the ``tile_n / 2`` gate rows, warp 2 the matching
-    up rows ``I`` further on; warp 0 loads the token tile and arms the barrier
-    with the bytes of all three.  The MMA warpgroups hold both accumulators
-    (gate in the first half of the tile's columns, up in the second), and the
-    epilogue applies ``silu(gate) * up`` in fp32 before the single rounding.
-    Everything else (schedule, ring, ragged stores) is the base kernel's.
+    one full barrier: the first LOAD_B warp the ``tile_n / 2`` gate rows, the
+    second the matching up rows ``I`` further on; LOAD_A loads the token tile
+    and arms the barrier with the bytes of all three.  The MMA warpgroups hold
+    both accumulators (gate in the first half of the tile's columns, up in the
+    second), and the epilogue applies ``silu(gate) * up`` in fp32 before the
+    single rounding.  Everything else (schedule, ring, ragged stores) is the
+    base kernel's.
     """
 
     def __init__(self, config: TileConfig, acc_dtype=cutlass.Float32,
                  prefetch_weights: bool = False):
-        if config.b_warps != 2 or not config.multi_warp:
-            config = dataclasses.replace(config, b_warps=2, multi_warp=True)
+        if config.b_warps != 2:
+            config = dataclasses.replace(config, b_warps=2)
         super().__init__(config, acc_dtype, prefetch_weights)
         self.out_tile_n = config.tile_n // 2
 
@@ -854,115 +494,3 @@ class GroupedGemmSwigluSm90(GroupedGemmSm90):
         # silu(g) = g / (1 + e^-g), in fp32
         silu = g * cute.math.rcp(1.0 + cute.math.exp2(g * (-1.4426950408889634)))
         tRS_rOut.store((silu * up.load()).to(self.c_dtype))
-
-
-# ------------------------------------------------------------------ torch side
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                  torch.float32: cutlass.Float32}
-
-
-def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
-    """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides
-    (``N' = N`` except for the SwiGLU kernel, whose output has half the
-    weight's columns): :func:`csrc_free_kernels.compile.fake_gemm_args`."""
-    return kcompile.fake_gemm_args(
-        a_dtype, c_dtype, b_n_major, own_n_out=issubclass(kernel_cls, GroupedGemmSwigluSm90))
-
-
-def _row_major(t: torch.Tensor) -> bool:
-    """Last dim contiguous: K-major tokens (M, K), N-major weights (E, K, N).  Its
-    stride must be 1 even where the dim has size 1: the compiled signature says so."""
-    return t.stride(-1) == 1
-
-
-def _k_major(a: torch.Tensor) -> torch.Tensor:
-    """The kernels read tokens K-major (activations always are in a MoE layer);
-    an M-major ``a`` is copied."""
-    return a if _row_major(a) else a.contiguous()
-
-
-@functools.cache
-def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
-                    kernel_cls=GroupedGemmSm90, prefetch_weights: bool = False):
-    """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
-    kernel = kernel_cls(config, prefetch_weights=prefetch_weights)
-    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a",
-           *(("prefetch_weights",) if kernel.prefetch_weights else ()))
-
-    def build():
-        ca, cc = _TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype]
-        return kernel, (*_fake_args(ca, cc, b_n_major, kernel_cls),
-                        cutlass.Int32(1), kcompile.fake_stream())
-
-    return kcompile.get_compiled(key, build)
-
-
-@functools.cache
-def _launcher(config: TileConfig, a_dtype, c_dtype, b_n_major: bool, kernel_cls,
-              device_index: int, prefetch_weights: bool = False):
-    """The compiled kernel and its grid (one CTA per SM, whole clusters): one
-    cache lookup per call."""
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return (compiled_kernel(config, a_dtype, c_dtype, b_n_major, kernel_cls, prefetch_weights),
-            sms // config.cluster_m * config.cluster_m)
-
-
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
-                 config: TileConfig | None = None, kernel_cls=GroupedGemmSm90,
-                 prefetch_weights: bool = False) -> torch.Tensor:
-    """Launch the kernel on the current stream; arguments already validated.
-
-    ``out``: (M, N) ((M, N / 2) for the SwiGLU kernel) with a 16-byte aligned
-    row stride; allocated here when omitted (then N must give aligned rows).
-    ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
-    ``prefetch_weights``: the caller vouches that the kernel launched last on
-    the stream did not write ``offs`` or ``b`` and lets its dependents launch
-    only once everything before it has completed (``ts_moe.ops.grouped_gemm``
-    says when), so the weights may start streaming before it ends
-    (:class:`GroupedGemmSm90`).
-    """
-    m, k = a.shape
-    num_experts, _, n = b.shape
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
-    a = _k_major(a)
-    if m == 0 or n == 0:
-        return out
-    if k == 0 or num_experts == 0:
-        return out.zero_()
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
-    cfg = config or choose_config(num_experts, n, k, m)
-    fn, ctas = _launcher(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device(),
-                         prefetch_weights)
-    fn(a, b, out, offs, ctas)
-    return out
-
-
-def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfig | None:
-    """The fused SwiGLU kernel's tiles for these shapes, or None where it cannot
-    run: a tile's gate and up parts must be whole, so I must be a multiple of
-    ``tile_n / 2`` (the caller then runs a plain GEMM and the activation apart)."""
-    cfg = choose_config(num_experts, two_inter, k, m)
-    return cfg if (two_inter // 2) % (cfg.tile_n // 2) == 0 else None
-
-
-def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
-                        out: torch.Tensor | None = None, config: TileConfig | None = None,
-                        prefetch_weights: bool = False) -> torch.Tensor:
-    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args.
-
-    ``config`` defaults to :func:`swiglu_config`; a ValueError where I is not
-    a multiple of its ``tile_n / 2``.  ``prefetch_weights``: as for
-    :func:`grouped_gemm`."""
-    m, k = a.shape
-    num_experts, two_i, _ = gate_up.shape
-    cfg = config or choose_config(num_experts, two_i, k, m)
-    if (two_i // 2) % (cfg.tile_n // 2):
-        raise ValueError(f"the fused SwiGLU kernel needs I = {two_i // 2} to be a multiple of "
-                         f"{cfg.tile_n // 2} (half of {cfg.name}'s tile_n)")
-    if out is None:
-        out = torch.empty(m, two_i // 2, dtype=a.dtype, device=a.device)
-    return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
-                        kernel_cls=GroupedGemmSwigluSm90, prefetch_weights=prefetch_weights)

@@ -23,7 +23,8 @@ this process keeps what it was built with (the launchers memoize their
 kernels), so a change reaches the kernels first used after it; set it before
 the first kernel call to have it everywhere, and never while a kernel builds.
 Either way is safe to mix in one stream: a PDL kernel waits for whatever ran
-before it.  Measured on and off: bench/RESULTS.md, "Issue 21".
+before it.  Measured on and off:
+bench/notes/2026-12-04-pdl-on-off.md.
 """
 
 import os

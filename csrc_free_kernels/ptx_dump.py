@@ -48,7 +48,7 @@ def _probe100(kind, cluster_v=2):
 
 
 def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
-          prefetch=False, **kw):
+          prefetch=False, store_warp=False, **kw):
     def build():
         import dataclasses
 
@@ -56,17 +56,23 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
         import cutlass.cute as cute
 
         from . import grouped_gemm_sm90 as g
+        from .grouped_gemm_sm90_config import CONFIGS
+        from .grouped_gemm_sm90_launch import _fake_args
 
-        cfg = dataclasses.replace(g.CONFIGS[config], **kw)
+        cfg = dataclasses.replace(CONFIGS[config], **kw)
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
         cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
+        if store_warp:
+            from . import grouped_gemm_sm90_store_warp as sw
+            cls = sw.GroupedGemmSwigluStoreWarpSm90 if swiglu else sw.GroupedGemmStoreWarpSm90
         return cls(cfg, prefetch_weights=prefetch), (
-            *g._fake_args(ab, c, b_n_major, cls), cutlass.Int32(1),
+            *_fake_args(ab, c, b_n_major, cls), cutlass.Int32(1),
             cute.runtime.make_fake_stream())
     build.config = (config, kw)  # for the PTX tests: the configuration built
     build.prefetch_weights = prefetch  # requested (GroupedGemmSm90 says if it took)
     build.swiglu = swiglu
+    build.store_warp = store_warp
     return build
 
 
@@ -76,11 +82,13 @@ def _gemm100(config, b_n_major=True, gather=True, swiglu=False, out="same"):
         import cutlass.cute as cute
 
         from . import grouped_gemm_sm100 as g
+        from .grouped_gemm_sm100_config import CONFIGS
+        from .grouped_gemm_sm100_launch import fake_args
 
-        cfg = g.CONFIGS[config]
+        cfg = CONFIGS[config]
         c = cutlass.Float32 if out == "float32" else cutlass.BFloat16
         return g.GroupedGemmSm100(cfg, gather=gather, b_n_major=b_n_major, swiglu=swiglu), (
-            *g.fake_args(cutlass.BFloat16, c, b_n_major, swiglu, gather), cutlass.Int32(2),
+            *fake_args(cutlass.BFloat16, c, b_n_major, swiglu, gather), cutlass.Int32(2),
             cute.runtime.make_fake_stream())
     build.config = (config, {"gather": gather, "swiglu": swiglu})
     return build
@@ -91,11 +99,13 @@ def _dw(config, dtype="bfloat16", out="same"):
         import cutlass
 
         from . import grouped_gemm_dw_sm90 as g
+        from .grouped_gemm_dw_sm90_config import CONFIGS
+        from .grouped_gemm_dw_sm90_launch import _fake_args
 
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
-        return g.GroupedGemmDwSm90(g.CONFIGS[config]), (
-            *g._fake_args(ab, c), cutlass.Int32(1), cutlass.cute.runtime.make_fake_stream())
+        return g.GroupedGemmDwSm90(CONFIGS[config]), (
+            *_fake_args(ab, c), cutlass.Int32(1), cutlass.cute.runtime.make_fake_stream())
     build.config = (config, {"dtype": dtype, "out": out})
     return build
 
@@ -105,9 +115,10 @@ def _swiglu_ew(backward, dtype="bfloat16"):
         import cutlass
 
         from . import swiglu_sm90 as s
+        from .swiglu_sm90_launch import fake_args
 
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
-        return s.SwigluElementwise(backward), s.fake_args(ab, backward)
+        return s.SwigluElementwise(backward), fake_args(ab, backward)
     build.config = {"backward": backward, "dtype": dtype}
     return build
 
@@ -117,10 +128,11 @@ def _route(from_logits, dtype="bfloat16", per_lane=8):
         import cutlass
 
         from . import route_sm90 as r
+        from .route_sm90_launch import route_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32",
                               "int64": "Int64", "int32": "Int32"}[dtype])
-        return r.RouteSlots(from_logits, per_lane), r.route_fake_args(c, from_logits)
+        return r.RouteSlots(from_logits, per_lane), route_fake_args(c, from_logits)
     build.config = {"from_logits": from_logits, "dtype": dtype, "per_lane": per_lane}
     return build
 
@@ -129,10 +141,11 @@ def _router(dtype="bfloat16"):
     def build():
         import cutlass
 
-        from . import route_sm90 as r
+        from . import router_sm90 as r
+        from .router_sm90_launch import router_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
-        return r.RouterLogits(), r.router_fake_args(c)
+        return r.RouterLogits(), router_fake_args(c)
     build.config = {"dtype": dtype}
     return build
 
@@ -141,10 +154,11 @@ def _topk(dtype="bfloat16", per_lane=8):
     def build():
         import cutlass
 
-        from . import route_sm90 as r
+        from . import router_sm90 as r
+        from .router_sm90_launch import topk_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32"}[dtype])
-        return r.RouteTopK(per_lane), r.topk_fake_args(c)
+        return r.RouteTopK(per_lane), topk_fake_args(c)
     build.config = {"dtype": dtype, "per_lane": per_lane}
     return build
 
@@ -154,8 +168,9 @@ def _rowsum(weighted, index="int64"):
         import cutlass
 
         from . import route_sm90 as r
+        from .route_sm90_launch import rowsum_fake_args
 
-        return r.WeightedRowSum(weighted), r.rowsum_fake_args(
+        return r.WeightedRowSum(weighted), rowsum_fake_args(
             cutlass.BFloat16, getattr(cutlass, index.capitalize()), weighted)
     build.config = {"weighted": weighted, "index": index}
     return build
@@ -172,7 +187,6 @@ BUILDS = {
     "probe100_umma_umma_1cta": _probe100("umma_umma", 1),
     "gemm_decode": _gemm("decode"),
     "gemm_decode_bk": _gemm("decode", b_n_major=False),
-    "gemm_decode_single_warp": _gemm("decode", multi_warp=False),
     "gemm_decode_fp16": _gemm("decode", dtype="float16"),
     "gemm_decode16": _gemm("decode16"),
     "gemm_decode16_bk": _gemm("decode16", b_n_major=False),
@@ -188,14 +202,9 @@ BUILDS = {
     "gemm_prefill_c2_bk": _gemm("prefill_c2", b_n_major=False),
     "gemm_prefill_p2": _gemm("prefill_p2"),
     "gemm_prefill_p2_bk": _gemm("prefill_p2", b_n_major=False),
-    "gemm_prefill_pp": _gemm("prefill_pp"),
-    "gemm_prefill_pp_bk": _gemm("prefill_pp", b_n_major=False),
-    "gemm_prefill_pp_c2": _gemm("prefill_pp_c2"),
-    "gemm_prefill_pp_c2_bk": _gemm("prefill_pp_c2", b_n_major=False),
     "gemm_mid": _gemm("mid"),
     "gemm_prefill": _gemm("prefill"),
     "gemm_prefill_bk": _gemm("prefill", b_n_major=False),
-    "gemm_prefill_single_warp": _gemm("prefill", multi_warp=False),
     "gemm_prefill_f32_out": _gemm("prefill", out="float32"),
     "gemm_prefill_whole_experts": _gemm("prefill", band_m=0),
     # the output tile staged whole, stored by warp 3 (store_warp: opt-in, A/B)
@@ -218,16 +227,12 @@ BUILDS = {
     "swiglu_decode_p2": _gemm("decode_p2", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
     "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
-    "swiglu_prefill_pp": _gemm("prefill_pp", b_n_major=False, swiglu=True),
     # k-grouped GEMM (weight gradient), sm_90a
     "dw_128x256": _dw("dw_128x256"),
     "dw_128x256_fp16": _dw("dw_128x256", dtype="float16"),
     "dw_128x256_f32_out": _dw("dw_128x256", out="float32"),
     "dw_128x128": _dw("dw_128x128"),
     "dw_128x128_f32_out": _dw("dw_128x128", out="float32"),
-    "dw_128x256_st": _dw("dw_128x256_st"),          # thread-store epilogue (A/B)
-    "dw_128x256_st_f32_out": _dw("dw_128x256_st", out="float32"),
-    "dw_128x128_st": _dw("dw_128x128_st"),
     # SwiGLU activation / gradient, elementwise, sm_90a
     "swiglu_ew_fwd": _swiglu_ew(False),
     "swiglu_ew_fwd_fp16": _swiglu_ew(False, "float16"),
