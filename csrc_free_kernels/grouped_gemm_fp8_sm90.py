@@ -32,8 +32,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import pdl
 from .grouped_gemm_fp8_sm90_config import RECIPES, SCALE_BLOCK
-from .grouped_gemm_sm90 import (SMEM_CAPACITY, GroupedGemmSm90, GroupedGemmSwigluSm90, TileConfig,
-                                Warp)
+from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90, Warp
+from .grouped_gemm_sm90_config import SMEM_CAPACITY, TileConfig
 from .sm90_epilogue import mma_operands, stage_to_shared
 from .tile_schedule import TileScheduler
 
@@ -294,15 +294,18 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             t += sched.step
         ring.producer_tail(state)
 
+    def tile_coords(self, tiled_mma, ctid):
+        """MMA thread ``ctid``'s ``(row, col)`` in the tile of each accumulator element
+        (compile-time integers for a Python ``ctid``: the CPU tests evaluate it so)."""
+        return tiled_mma.get_slice(ctid).partition_C(
+            cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+
     def fragment_scale_map(self, tiled_mma) -> FragmentScaleMap:
-        """The static map of :class:`FragmentScaleMap`, from MMA thread 0's partition of
-        the tile (trace time: the coordinates are compile-time integers)."""
-        cfg = self.cfg
-        coords = tiled_mma.get_slice(0).partition_C(
-            cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        """The static map of :class:`FragmentScaleMap`, from MMA thread 0's coordinates."""
+        coords = self.tile_coords(tiled_mma, 0)
         return FragmentScaleMap.from_coords(
             [tuple(coords[i]) for i in range(cute.size(coords))],
-            cfg.tile_n // self.scale_parts)
+            self.cfg.tile_n // self.scale_parts)
 
     def load_sfb(self, mSFB, expert, n_tile, n_cols, k):
         """Blockwise: the tile's weight scales of k-block ``k``, one per scale part."""
@@ -320,8 +323,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                                        self.acc_dtype)
         part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
         # this thread's (row, col) per accumulator element, and the static scale map
-        cC = tiled_mma.get_slice(ctid).partition_C(
-            cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        cC = self.tile_coords(tiled_mma, ctid)
         fmap = self.fragment_scale_map(tiled_mma)
         n_slots = len(fmap.row_rep)
         k_blocks = cute.size(tCrA, mode=[2])

@@ -17,7 +17,7 @@ on a GPU (no FP8 run yet).
 
 import dataclasses
 
-from .grouped_gemm_sm90 import TileConfig
+from .grouped_gemm_sm90_config import TileConfig
 
 RECIPES = ("blockwise", "rowwise", "tensorwise")
 # the blockwise recipe's scale block: 128 K (a ring stage) by 128 weight rows

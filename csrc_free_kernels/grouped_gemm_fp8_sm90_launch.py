@@ -42,7 +42,7 @@ from . import compile as kcompile
 from .grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90, GroupedGemmFp8SwigluSm90
 from .grouped_gemm_fp8_sm90_config import (RECIPES, SCALE_BLOCK, TileConfig, choose_config,
                                            swiglu_supported)
-from .grouped_gemm_sm90 import MAX_EXPERTS
+from .grouped_gemm_sm90_config import MAX_EXPERTS
 
 __all__ = ["scaled_grouped_gemm", "scaled_grouped_gemm_swiglu", "choose_config",
            "swiglu_supported", "fast_scale_a", "compiled_kernel"]
