@@ -35,6 +35,12 @@ SPECS.update({_name("fp8_mid", "blockwise", out=o): ("fp8_mid", "blockwise", Fal
 SPECS.update({_name(c, "blockwise", True, regs=168): (c, "blockwise", True, "bfloat16", 168)
               for c in ("fp8_decode", "fp8_mid")})
 
+GEMMS = sorted(SPECS)
+# the activation quantizer: each recipe, each input dtype
+QUANT_RECIPES = ("blockwise_1x128", "rowwise", "tensorwise")
+SPECS.update({f"quantize_{r}_{d}": (r, d) for r in QUANT_RECIPES
+              for d in ("bfloat16", "float16", "float32")})
+
 _BUILD = """
 import json, os, pathlib, sys
 import cutlass, cutlass.cute as cute
@@ -43,15 +49,21 @@ from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
 from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as L
 out, specs = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
 dump = pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"])
-for name, (config, recipe, swiglu, out_dtype, regs) in specs.items():
-    cls = K.GroupedGemmFp8SwigluSm90 if swiglu else K.GroupedGemmFp8Sm90
-    kernel = cls(C.CONFIGS[config], recipe)
-    if regs:
-        kernel.mma_regs = regs
-    c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-         "float32": cutlass.Float32}[out_dtype]
-    cute.compile(kernel, *L.fake_args(recipe, c, swiglu), cutlass.Int32(1),
-                 cute.runtime.make_fake_stream())
+from csrc_free_kernels import quantize_fp8_sm90 as Q
+from csrc_free_kernels import quantize_fp8_sm90_launch as QL
+DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+for name, spec in specs.items():
+    if name.startswith("quantize_"):
+        recipe, dtype = spec
+        cute.compile(Q.QuantizeFp8Sm90(recipe), *QL.fake_args(recipe, DTYPES[dtype]))
+    else:
+        config, recipe, swiglu, out_dtype, regs = spec
+        cls = K.GroupedGemmFp8SwigluSm90 if swiglu else K.GroupedGemmFp8Sm90
+        kernel = cls(C.CONFIGS[config], recipe)
+        if regs:
+            kernel.mma_regs = regs
+        cute.compile(kernel, *L.fake_args(recipe, DTYPES[out_dtype], swiglu), cutlass.Int32(1),
+                     cute.runtime.make_fake_stream())
     newest = max(dump.glob("*.ptx"), key=lambda p: p.stat().st_mtime_ns)
     newest.replace(out / f"{name}.ptx")
 """
@@ -84,9 +96,10 @@ def test_every_configuration_is_built(ptx):
 
     assert set(ptx) == set(SPECS)
     assert set(CONFIG_NAMES) == set(C.CONFIGS)
+    assert {SPECS[n][0] for n in GEMMS} == set(C.CONFIGS)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", GEMMS)
 def test_kernel_ptx(ptx, name):
     text = ptx[name]
     config, recipe, swiglu, out_dtype, _ = SPECS[name]
@@ -149,6 +162,28 @@ def test_ptxas_no_spills(ptx, name, tmp_path):
     # C7514: WGMMAs serialized (e.g. a second partial in flight); C7519/C7520: a fence
     # or warpgroup.arrive inserted by ptxas
     assert not re.search(r"C75\d\d", report), report
+
+
+@pytest.mark.parametrize("name", [n for n in SPECS if n.startswith("quantize_")])
+def test_quantize_ptx(ptx, name):
+    """One pass: 16-byte vector loads, satfinite e4m3 conversion, true division by the
+    scale; blockwise: a 16-lane butterfly (4 shuffles) per group, four groups a thread;
+    rowwise: warp butterflies and a CTA barrier; tensorwise: no reduction at all."""
+    text = ptx[name]
+    recipe, dtype = SPECS[name]
+    assert ".target sm_90a" in text and ".local" not in text
+    assert "cvt.rn.satfinite.e4m3x2.f32" in text
+    assert "div.rn.f32" in text
+    assert re.search(r"ld\.global(\.nc)?\.v4\.b32", text)
+    shuffles = len(re.findall(r"shfl\.sync\.bfly\.b32", text))
+    if recipe == "blockwise_1x128":
+        assert shuffles == 4 * 4
+        assert "bar.sync" not in text
+        assert re.search(r"st\.global\.v2\.b32", text)  # 8 e4m3 per thread and group
+    elif recipe == "rowwise":
+        assert shuffles == 2 * 5 and "bar.sync" in text
+    else:
+        assert shuffles == 0
 
 
 @pytest.mark.parametrize("shape, name", [
