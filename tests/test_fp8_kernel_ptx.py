@@ -209,7 +209,7 @@ def test_refused_configurations():
 
     from csrc_free_kernels import grouped_gemm_fp8_sm90 as K
     from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
-    from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as g
 
     with pytest.raises(ValueError, match="128 deep"):
         K.GroupedGemmFp8Sm90(g.DECODE)  # bf16's tile_k 64
