@@ -43,6 +43,7 @@ from .grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90, GroupedGemmFp8SwigluSm90
 from .grouped_gemm_fp8_sm90_config import (RECIPES, SCALE_BLOCK, TileConfig, choose_config,
                                            swiglu_supported)
 from .grouped_gemm_sm90_config import MAX_EXPERTS
+from .quantize_fp8_sm90_launch import one_row_view
 
 __all__ = ["scaled_grouped_gemm", "scaled_grouped_gemm_swiglu", "choose_config",
            "swiglu_supported", "fast_scale_a", "compiled_kernel"]
@@ -125,12 +126,24 @@ def _gather(a, scale_a, a_index, recipe):
     return rows, out
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` row-major with exactly the compact strides the compiled signature checks
+    (torch calls a tensor contiguous whatever the strides of its size-1 dims)."""
+    t = t.contiguous()
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    strides = tuple(reversed(strides))
+    return t if t.stride() == strides else t.as_strided(t.shape, strides)
+
+
 def _prepare_scales(scale_a, scale_b, recipe):
     if recipe == "blockwise":
-        return fast_scale_a(scale_a), scale_b
+        return fast_scale_a(scale_a), _compact(scale_b)
     if recipe == "tensorwise":
-        return scale_a.reshape(1), scale_b.contiguous()
-    return scale_a.contiguous(), scale_b.contiguous()
+        return _compact(scale_a.reshape(1)), _compact(scale_b)
+    return _compact(scale_a), _compact(scale_b)
 
 
 def _launch(a, b, scale_a, scale_b, offs, recipe, out_dtype, a_index, out, swiglu, config):
@@ -157,7 +170,8 @@ def _launch(a, b, scale_a, scale_b, offs, recipe, out_dtype, a_index, out, swigl
                                                    if recipe == "blockwise" else ""))
     scale_a, scale_b = _prepare_scales(scale_a, scale_b, recipe)
     fn = compiled_kernel(cfg, recipe, out.dtype, swiglu)
-    fn(a, b, out, offs, scale_a, scale_b, _ctas(cfg, a.get_device()))
+    fn(one_row_view(a), b, one_row_view(out), offs, scale_a, scale_b,
+       _ctas(cfg, a.get_device()))
     return out
 
 

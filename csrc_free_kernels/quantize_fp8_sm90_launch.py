@@ -56,12 +56,12 @@ def _max_ctas(device_index: int) -> int:
     return 8 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _one_row_ok(t: torch.Tensor) -> torch.Tensor:
-    """A one-row tensor may carry any row stride: give it one the compiled signature
-    accepts (never used)."""
+def one_row_view(t: torch.Tensor) -> torch.Tensor:
+    """A one-row (M, K) tensor may carry any row stride: the same memory with one the
+    compiled signatures accept (16-byte rows; never used to address)."""
     if t.shape[0] == 1 and t.stride(0) * t.element_size() % 16:
-        return t.as_strided(t.shape, (-(-t.shape[1] * t.element_size() // 16) * 16
-                                      // t.element_size(), 1))
+        per_row = 16 // t.element_size()
+        return t.as_strided(t.shape, (-(-t.shape[1] // per_row) * per_row, t.stride(1)))
     return t
 
 
@@ -101,9 +101,9 @@ def quantize(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"K must be a multiple of 16, got K = {k}")
     fn = compiled_kernel(recipe, x.dtype)
     if recipe == "tensorwise":  # the kernel writes no scale: the amax is its input
-        fn(_one_row_ok(x), _one_row_ok(q), amax, amax, _max_ctas(x.get_device()))
+        fn(one_row_view(x), one_row_view(q), amax, amax, _max_ctas(x.get_device()))
     else:
-        fn(_one_row_ok(x), _one_row_ok(q), scale, _unused(x.get_device()),
+        fn(one_row_view(x), one_row_view(q), scale, _unused(x.get_device()),
            _max_ctas(x.get_device()))
     return q, scale
 

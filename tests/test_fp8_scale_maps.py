@@ -247,7 +247,8 @@ def _scales(recipe, m_rows, k, num_experts, n, gen):
         return (torch.rand(m_rows, kb, generator=gen) + 0.5,
                 torch.rand(num_experts, nb, kb, generator=gen) + 0.5)
     if recipe == "rowwise":
-        return torch.rand(m_rows, generator=gen) + 0.5, torch.rand(num_experts, n, generator=gen) + 0.5
+        return (torch.rand(m_rows, generator=gen) + 0.5,
+                torch.rand(num_experts, n, generator=gen) + 0.5)
     return torch.rand(1, generator=gen) + 0.5, torch.rand(num_experts, generator=gen) + 0.5
 
 
