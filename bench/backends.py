@@ -270,29 +270,29 @@ def ts_moe(case: Case, device: torch.device) -> Bind:
     return lambda inp: lambda: op.grouped_gemm(inp.a, inp.b, inp.offs)
 
 
-def ts_moe_single_warp(case: Case, device: torch.device) -> Bind:
-    """``ts_moe:multi_warp=0`` under its own name: the config ``choose_config``
-    picks, but one warp issuing every TMA load: what the multi-warp producer earns."""
-    _require_cuda(device, "ts_moe_single_warp")
-    return ts_moe_variant("multi_warp=0")(case, device)
-
-
 def ts_moe_variant(spec: str) -> Factory:
     """``ts_moe:FIELD=VALUE:...``: the sm_90 kernel with fields of the config
     ``choose_config`` picks replaced (``config=NAME`` starts from a named
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
-    with the peers in one run."""
+    with the peers in one run.  ``store_warp=1`` runs the opt-in store-warp
+    kernel (``csrc_free_kernels.grouped_gemm_sm90_store_warp``)."""
     from csrc_free_kernels import grouped_gemm_sm90_config as sm90
+    from csrc_free_kernels.grouped_gemm_sm90 import GroupedGemmSm90
     from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
+    from csrc_free_kernels.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
 
     fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
-    base, changes = None, {}
+    base, changes, kernel_cls = None, {}, GroupedGemmSm90
     for item in spec.split(":"):
         key, sep, value = item.partition("=")
         if not sep or not value:
             raise ValueError(f"ts_moe variant {spec!r}: {item!r} is not FIELD=VALUE")
-        if key == "config":
+        if key == "store_warp":
+            if value not in ("0", "1"):
+                raise ValueError(f"ts_moe variant {spec!r}: store_warp is 0 or 1, got {value!r}")
+            kernel_cls = GroupedGemmStoreWarpSm90 if value == "1" else GroupedGemmSm90
+        elif key == "config":
             if value not in sm90.CONFIGS:
                 raise ValueError(f"ts_moe variant {spec!r}: no configuration {value!r}; "
                                  f"known: {', '.join(sm90.CONFIGS)}")
@@ -305,7 +305,7 @@ def ts_moe_variant(spec: str) -> Factory:
                 raise ValueError(f"ts_moe variant {spec!r}: {key}={value!r}: {exc}") from None
         else:
             raise ValueError(f"ts_moe variant {spec!r}: no TileConfig field {key!r}; known: "
-                             f"config, {', '.join(k for k in fields if k != 'name')}")
+                             f"config, store_warp, {', '.join(k for k in fields if k != 'name')}")
 
     def factory(case: Case, device: torch.device) -> Bind:
         _require_cuda(device, f"ts_moe:{spec}")
@@ -313,7 +313,8 @@ def ts_moe_variant(spec: str) -> Factory:
             raise Unavailable("the sm_90 kernel needs an sm_90 GPU")
         chosen = base or sm90.choose_config(case.E, case.N, case.K, case.M)
         config = dataclasses.replace(chosen, name=f"{chosen.name}:{spec}", **changes)
-        return lambda inp: lambda: grouped_gemm(inp.a, inp.b, inp.offs, config=config)
+        return lambda inp: lambda: grouped_gemm(inp.a, inp.b, inp.offs, config=config,
+                                                kernel_cls=kernel_cls)
 
     return factory
 
@@ -341,9 +342,7 @@ BACKENDS: dict[str, Factory] = {
     "cublas_grouped": cublas_grouped,
     "cublas_loop": cublas_loop,
     "ts_moe": ts_moe,
-    "ts_moe_single_warp": ts_moe_single_warp,
     "reference": reference,
 }
 # reference is slow (fp32); it is there for checking and on request
-DEFAULT_BACKENDS = ("torch_grouped_mm", "cublas_grouped", "cublas_loop", "ts_moe",
-                    "ts_moe_single_warp")
+DEFAULT_BACKENDS = ("torch_grouped_mm", "cublas_grouped", "cublas_loop", "ts_moe")

@@ -1,11 +1,28 @@
-"""CuTeDSL kernels (Python only, no C++/CUDA source), one module per family and arch.
+"""CuTeDSL kernels (Python only, no C++/CUDA source), by family and arch.
 
-- ``grouped_gemm_sm90``: ragged grouped GEMM, Hopper (WGMMA + TMA).
-- ``tile_schedule``: the ragged (expert, m-tile, n-tile) tile schedule every kernel walks.
+Each family has up to three modules, one job each: ``<family>_config``
+(configurations on :class:`kernel_config.KernelConfig`, and the heuristic that
+picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
+(the torch entry points: compile once, launch on the current stream).
+
+- ``grouped_gemm_sm90``: ragged grouped GEMM and fused SwiGLU, Hopper (WGMMA +
+  TMA); ``sm90_epilogue`` its epilogue pieces; ``grouped_gemm_sm90_store_warp``
+  its store-warp variant (opt-in, awaiting a GPU A/B).
+- ``grouped_gemm_dw_sm90``: the k-grouped GEMM (weight gradient), Hopper.
+- ``grouped_gemm_sm100``: ragged grouped GEMM, Blackwell (compile- and
+  model-verified only).
+- ``swiglu_sm90``: the SwiGLU activation and its gradient, elementwise.
+- ``route_sm90``: routing and slot order in one CTA, the combine, the row gather;
+  ``router_sm90``: the router logits GEMV and the routing on many CTAs (opt-in,
+  awaiting a GPU A/B).
+- ``tile_schedule``: the ragged (expert, m-tile, n-tile) tile schedule the GEMMs
+  walk, and its k-grouped sibling.
 - ``pipeline_probe_sm90`` / ``pipeline_probe_sm100``: small kernels that exercise
   ``ts_pipeline`` (the sm_100a ones are compile-verified only).
-- ``compile``: in-memory and on-disk cache of compiled kernels.
+- ``compile``: in-memory and on-disk cache of compiled kernels; ``pdl``:
+  programmatic dependent launch.
 - ``ptx_dump``: GPU-free compilation for one arch, keeping the PTX.
 
-Modules import ``cutlass`` when they are imported; this package does not.
+Variants measured and lost are not here: bench/notes/ records them.  Modules
+import ``cutlass`` when they are imported; this package does not.
 """

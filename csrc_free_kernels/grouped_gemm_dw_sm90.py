@@ -8,8 +8,6 @@ point in :mod:`.grouped_gemm_dw_sm90_launch`.
 """
 
 import enum
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -22,8 +20,8 @@ import ts_pipeline
 
 from .grouped_gemm_dw_sm90_config import MAX_EXPERTS, SMEM_CAPACITY, DwConfig
 from .sm90_epilogue import (accumulator_chunk, mma_operands, mma_stage, release_stage,
-                            stage_to_shared, store_copy)
-from .tile_schedule import RaggedTileSchedule, warp_segment_ends
+                            stage_to_shared)
+from .tile_schedule import KGroupedTileSchedule, KGroupedTileScheduler, RaggedTileSchedule
 
 
 class Warp(enum.IntEnum):
@@ -31,9 +29,9 @@ class Warp(enum.IntEnum):
 
     LOAD_A = 0     # TMA of the a^T tile; the task warp leader (arms each full barrier)
     LOAD_DY = 1    # warps 1 .. dy_warps: TMA of one dy part each
-    TABLE = 3      # builds the experts' row-end table in shared memory, then idles
+    SCHEDULE = 3   # builds the experts' row-end table in shared memory, then idles
     MMA = 4        # warps 4..: the WGMMA warpgroups, then the epilogue
-    EPI_STORE = 4  # the first MMA warp also issues the epilogue's TMA stores (tma_store)
+    EPI_STORE = 4  # the first MMA warp also issues the epilogue's TMA stores
 
 
 class Barrier(enum.IntEnum):
@@ -41,77 +39,6 @@ class Barrier(enum.IntEnum):
 
     EPILOGUE = 1   # an epilogue sub-tile is in shared memory; the next one's buffer is free
     TAIL = 2       # the rows past an expert's end are zeroed in the last stage
-
-
-class WorkUnit(NamedTuple):
-    """One output tile of one expert (DSL Int32 values)."""
-
-    expert: object
-    m_tile: object     # tile of K (output rows)
-    n_tile: object     # tile of N (output columns)
-    row_start: object  # the expert's token rows [row_start, row_end)
-    row_end: object
-
-
-@dataclass(frozen=True)
-class DwScheduler:
-    """The static schedule inside one CTA (frozen: the DSL passes it through
-    dynamic control flow as it is).
-
-    Work units are numbered expert by expert; within an expert band by band
-    (``band_n`` n-tiles), m-tile by m-tile within a band, the n-tile fastest.
-    CTA ``b`` of ``grid`` takes units ``b, b + grid, ...``: the unit count
-    ``E * m_tiles * n_tiles`` does not depend on ``offs``; the expert's rows
-    come from ``seg_end``, the table one warp builds from ``offs`` at start.
-    """
-
-    band_n: int
-    first: object
-    step: object
-    num_experts: object
-    m_tiles: object
-    n_tiles: object
-    num_units: object
-    seg_end: object   # (max_experts,) Int32 in shared memory: cummax(clamp(offs, 0, M))
-
-    @staticmethod
-    def create(band_n: int, block, grid, num_experts, m_tiles, n_tiles, seg_end) -> "DwScheduler":
-        return DwScheduler(band_n, first=block, step=grid, num_experts=num_experts,
-                           m_tiles=m_tiles, n_tiles=n_tiles,
-                           num_units=num_experts * m_tiles * n_tiles, seg_end=seg_end)
-
-    @cute.jit
-    def build(self, mOffs: cute.Tensor, m_rows: cutlass.Int32):
-        """One warp: ``seg_end = cummax(clamp(offs, 0, M))``, 32 experts per step."""
-        lane = cute.arch.lane_idx()
-        carry = cutlass.Int32(0)
-        for base in cutlass.range(0, self.num_experts, 32, unroll=1):
-            e = base + lane
-            end = warp_segment_ends(mOffs, self.num_experts, m_rows, base, lane, carry)
-            if e < self.num_experts:
-                self.seg_end[e] = end
-            carry = cute.arch.shuffle_sync(end, 31)
-
-    @staticmethod
-    def unit_coords(t, m_tiles, n_tiles, band_n: int):
-        """Unit ``t`` -> (expert, m_tile, n_tile): plain arithmetic, run by the
-        kernel on DSL integers and by the CPU tests on Python ints."""
-        per_expert = m_tiles * n_tiles
-        expert = t // per_expert
-        local = t - expert * per_expert
-        n0 = local // (band_n * m_tiles) * band_n  # first n-tile of the band
-        width = cutlass.min(n_tiles - n0, band_n)  # the last band may be narrower
-        rest = local - n0 * m_tiles
-        m_tile = rest // width
-        return expert, m_tile, n0 + rest - m_tile * width
-
-    @cute.jit
-    def work_unit(self, t: cutlass.Int32) -> WorkUnit:
-        expert, m_tile, n_tile = self.unit_coords(t, self.m_tiles, self.n_tiles, self.band_n)
-        row_start = cutlass.Int32(0)
-        if expert > 0:
-            row_start = self.seg_end[expert - 1]
-        return WorkUnit(expert, m_tile, n_tile, row_start, self.seg_end[expert])
 
 
 class GroupedGemmDwSm90:
@@ -128,14 +55,14 @@ class GroupedGemmDwSm90:
       bytes of all the stage's loads.
     - LOAD_DY (warps 1..dy_warps): TMA of ``tile_n / dy_warps`` columns each of
       ``dy[r:r+tile_k, n0:n0+tile_n]``.
-    - TABLE (warp 3): ``seg_end = cummax(clamp(offs, 0, M))`` into shared
+    - SCHEDULE (warp 3): ``seg_end = cummax(clamp(offs, 0, M))`` into shared
       memory at start (no host sync), then idles.
     - MMA (warpgroups 1..): WGMMA 64 x tile_n x 16 each (their 64 rows of the
       output tile), fp32 accumulators in registers; then the epilogue,
       ``tile_m x 32`` sub-tiles through shared-memory buffers: registers
-      -> stmatrix -> shared memory -> global memory, either by an asynchronous
-      TMA store (``tma_store``, below) or by 16-byte thread stores predicated
-      on the K and N edges.
+      -> stmatrix -> shared memory -> global memory by an asynchronous TMA
+      store (below; thread stores lost to it:
+      bench/notes/2026-12-04-dw-thread-store-epilogue.md).
 
     TMA-store epilogue: the output is a 3-D tensor map (K, N, E) over the
     (E, K, N) tensor (row strides any 16-byte multiple), so each box is
@@ -145,25 +72,30 @@ class GroupedGemmDwSm90:
     waits (``cp.async.bulk.wait_group.read B - 2``) until the store issued
     from buffer ``(i + 1) % B`` has read it; :attr:`Barrier.EPILOGUE`; then
     one thread of EPI_STORE issues the store of buffer ``i % B`` and commits
-    its bulk group.  The next sub-tile, and the next unit's stmatrix, write
+    its bulk group.  The next sub-tile, and the next tile's stmatrix, write
     only a buffer whose store has been waited for, so after the last
-    sub-tile's store the MMA warpgroups go straight on to the next unit's
+    sub-tile's store the MMA warpgroups go straight on to the next tile's
     WGMMAs while the store drains; EPI_STORE waits for all its stores before
     the CTA exits.
+
+    Schedule: :class:`csrc_free_kernels.tile_schedule.KGroupedTileSchedule`
+    (``E * m_tiles * n_tiles`` output tiles in raster bands of ``band_n``
+    n-tiles, a ``KWorkTile`` per step; the experts' row ends built by the
+    SCHEDULE warp from ``offs`` in shared memory).
 
     Pipeline: LOAD_A + LOAD_DY -> MMA, ``ts_pipeline.TSPipelineTmaAsync``,
     ``stages`` stages of ``(tile_m + tile_n) * tile_k * 2`` bytes (one a^T
     tile plus ``dy_warps`` dy parts), one full-barrier arrival (the leader's),
     one empty-barrier arrival per MMA warp.
 
-    Rows: a unit's chunks start at the expert's first row, at any alignment;
+    Rows: a tile's chunks start at the expert's first row, at any alignment;
     the last chunk may run past the expert's end into the next expert (or
     past M: zero-filled by the TMA).  After that chunk's full barrier the MMA
     threads zero its rows past the end in both operand tiles, fence them to
     the async proxy and meet at :attr:`Barrier.TAIL` before the WGMMA reads
-    the stage.  A unit without rows skips the mainloop and stores zeros.
+    the stage.  A tile without rows skips the mainloop and stores zeros.
 
-    Deterministic: each output tile is one unit, owned by one CTA, its rows
+    Deterministic: each output tile is owned by one CTA, its rows
     reduced in order; no atomics.
     """
 
@@ -184,6 +116,8 @@ class GroupedGemmDwSm90:
                                            num_threads=self.num_mma_threads)
         self.tail_barrier = cp.NamedBarrier(barrier_id=Barrier.TAIL,
                                             num_threads=self.num_mma_threads)
+        self.schedule = KGroupedTileSchedule(tile_m=config.tile_m, tile_n=config.tile_n,
+                                             band_n=config.band_n, max_experts=MAX_EXPERTS)
         self._validate_config()
 
     @property
@@ -206,21 +140,20 @@ class GroupedGemmDwSm90:
             raise ValueError(f"{cfg}: tile_n must be a multiple of 64 up to 256 (one WGMMA)")
         if cfg.tile_k % 16 or cfg.tile_k < 16:
             raise ValueError(f"{cfg}: tile_k must be a multiple of 16 (WGMMA k)")
-        if not 1 <= cfg.dy_warps <= Warp.TABLE - Warp.LOAD_DY:
-            raise ValueError(f"{cfg}: dy_warps must be 1..{Warp.TABLE - Warp.LOAD_DY} "
-                             f"(warps {Warp.LOAD_DY}..{Warp.TABLE - 1})")
+        if not 1 <= cfg.dy_warps <= Warp.SCHEDULE - Warp.LOAD_DY:
+            raise ValueError(f"{cfg}: dy_warps must be 1..{Warp.SCHEDULE - Warp.LOAD_DY} "
+                             f"(warps {Warp.LOAD_DY}..{Warp.SCHEDULE - 1})")
         if cfg.tile_n % (64 * cfg.dy_warps):
             raise ValueError(f"{cfg}: each dy part ({cfg.tile_n}/{cfg.dy_warps} columns) must "
                              f"be whole 64-column swizzle atoms")
         if cfg.band_n < 1:
             raise ValueError(f"{cfg}: band_n must be >= 1")
-        if cfg.tma_store and not (
-                Warp.MMA <= Warp.EPI_STORE < Warp.MMA + 4 * self.num_mma_warpgroups):
+        if not (Warp.MMA <= Warp.EPI_STORE < Warp.MMA + 4 * self.num_mma_warpgroups):
             raise ValueError(f"{cfg}: the TMA-store warp {int(Warp.EPI_STORE)} must be an MMA "
                              f"warp (it meets the others at the EPILOGUE barrier)")
         # warp counts: the producer roles fit below the MMA warps; arrival counts:
         # every MMA warp releases each stage it read, and nothing else does
-        if Warp.LOAD_DY + cfg.dy_warps > Warp.TABLE or self.threads > 1024:
+        if Warp.LOAD_DY + cfg.dy_warps > Warp.SCHEDULE or self.threads > 1024:
             raise ValueError(f"{cfg}: {self.threads} threads, dy warps {cfg.dy_warps}")
         if self.empty_arrivals != 4 * self.num_mma_warpgroups or self.full_arrivals != 1:
             raise ValueError(f"{cfg}: arrival counts {self.full_arrivals}/{self.empty_arrivals}")
@@ -245,12 +178,9 @@ class GroupedGemmDwSm90:
     epi_bytes = 32 * 1024  # the TMA store's buffers: 2 of fp32, 4 of 16-bit sub-tiles
 
     def epi_buffers(self, c_bits: int) -> int:
-        """Epilogue buffers: 2 for thread stores (the barrier after each
-        sub-tile frees the other); with the TMA store as many as fit in
-        :attr:`epi_bytes` (at least 2), so a store has ``buffers - 1``
-        sub-tiles' time to read its buffer before that is written again."""
-        if not self.cfg.tma_store:
-            return 2
+        """Epilogue buffers: as many as fit in :attr:`epi_bytes` (at least 2), so
+        a TMA store has ``buffers - 1`` sub-tiles' time to read its buffer before
+        that is written again."""
         return max(2, self.epi_bytes // (self.cfg.tile_m * self.epi_n * c_bits // 8))
 
     def stage_count(self, ab_bits: int, c_bits: int) -> int:
@@ -278,7 +208,7 @@ class GroupedGemmDwSm90:
         self.epi_stages = self.epi_buffers(c_dtype.width)
         self.epi_smem_layout = sm90_utils.make_smem_layout_epi(
             c_dtype, self.c_layout, self.epi_tile, self.epi_stages)
-        if cfg.tma_store and (self.epi_n * c_dtype.width // 8) % 16:
+        if (self.epi_n * c_dtype.width // 8) % 16:
             raise ValueError(f"{cfg}: a TMA box row of {self.epi_n} {c_dtype} is not a "
                              f"16-byte multiple")
         self.stage_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * ab_dtype.width // 8
@@ -315,11 +245,9 @@ class GroupedGemmDwSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mB, self.dy_part_layout,
             (self.dy_part_n, cfg.tile_k))
         # the TMA store: boxes of one epilogue buffer, (K, N, E) clipped per expert
-        tma_atom_c, mC_tma = None, None
-        if cutlass.const_expr(cfg.tma_store):
-            tma_atom_c, mC_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mC,
-                cute.slice_(self.epi_smem_layout, (None, None, 0)), self.epi_tile)
+        tma_atom_c, mC_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC,
+            cute.slice_(self.epi_smem_layout, (None, None, 0)), self.epi_tile)
 
         @cute.struct
         class SharedStorage:
@@ -330,7 +258,7 @@ class GroupedGemmDwSm90:
             sC: cute.struct.Align[
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            seg_end: cute.struct.MemRange[cutlass.Int32, MAX_EXPERTS]
+            seg_end: cute.struct.MemRange[cutlass.Int32, self.schedule.max_experts]
 
         self._validate_smem(SharedStorage.size_in_bytes())
         self.shared_storage = SharedStorage
@@ -354,17 +282,14 @@ class GroupedGemmDwSm90:
         if warp_idx == Warp.LOAD_A:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
-            if cutlass.const_expr(cfg.tma_store):
-                cpasync.prefetch_descriptor(tma_atom_c)
+            cpasync.prefetch_descriptor(tma_atom_c)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         k_rows, n_cols, num_experts = mC.shape
         m_rows = mA.shape[1]
-        sched = DwScheduler.create(
-            cfg.band_n, bidx, grid, num_experts,
-            (k_rows + cfg.tile_m - 1) // cfg.tile_m, (n_cols + cfg.tile_n - 1) // cfg.tile_n,
-            storage.seg_end.get_tensor(cute.make_layout(MAX_EXPERTS)))
-        if warp_idx == Warp.TABLE:
+        sched = KGroupedTileScheduler.create(self.schedule, bidx, grid).bind(
+            storage, num_experts, k_rows, n_cols)
+        if warp_idx == Warp.SCHEDULE:
             sched.build(mOffs, m_rows)
         cute.arch.sync_threads()  # the table, for every role
 
@@ -391,22 +316,22 @@ class GroupedGemmDwSm90:
 
     @cute.jit
     def produce(self, tma_atom_a, mA, tma_atom_b, mB, sA, sB, ring, warp_idx,
-                sched: DwScheduler):
-        """Every producer warp walks the same units and chunks; warp 0 loads a^T
-        and arms the barrier, warp 1 + p dy part p."""
+                sched: KGroupedTileScheduler):
+        """Every producer warp walks the same tiles and chunks; LOAD_A loads a^T
+        and arms the barrier, LOAD_DY + p dy part p."""
         cfg = self.cfg
         # (dy_part_n, tile_k, dy_warps, 1, stages): the dy parts of each stage
         sB_parts = cute.flat_divide(sB, (self.dy_part_n, cfg.tile_k))
         state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.stages)
         t = sched.first
-        while t < sched.num_units:
-            unit = sched.work_unit(t)
-            chunks = RaggedTileSchedule.ceil_div(unit.row_end - unit.row_start, cfg.tile_k)
+        while t < sched.total_tiles:
+            tile = sched.work_tile(t)
+            chunks = RaggedTileSchedule.ceil_div(tile.row_end - tile.row_start, cfg.tile_k)
             # (tile_m, tile_k, chunks) of a^T and (dy_part_n, tile_k, N parts, chunks) of
             # dy^T from the expert's first row (any alignment: TMA coordinates)
-            gA = cute.local_tile(cute.domain_offset((0, unit.row_start), mA),
-                                 (cfg.tile_m, cfg.tile_k), (unit.m_tile, None))
-            gB = cute.local_tile(cute.domain_offset((0, unit.row_start), mB),
+            gA = cute.local_tile(cute.domain_offset((0, tile.row_start), mA),
+                                 (cfg.tile_m, cfg.tile_k), (tile.m_tile, None))
+            gB = cute.local_tile(cute.domain_offset((0, tile.row_start), mB),
                                  (self.dy_part_n, cfg.tile_k), (None, None))
             tAsA, tAgA = cpasync.tma_partition(
                 tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
@@ -422,7 +347,7 @@ class GroupedGemmDwSm90:
                     cute.copy(tma_atom_a, tAgA[None, j], tAsA[None, state.index],
                               tma_bar_ptr=bar)
                 else:
-                    cute.copy(tma_atom_b, tBgB[None, unit.n_tile * cfg.dy_warps + part, j],
+                    cute.copy(tma_atom_b, tBgB[None, tile.n_tile * cfg.dy_warps + part, j],
                               tBsB[None, part, 0, state.index], tma_bar_ptr=bar)
                 state.advance()
             t += sched.step
@@ -447,21 +372,19 @@ class GroupedGemmDwSm90:
         self.tail_barrier.arrive_and_wait()
 
     @cute.jit
-    def consume(self, tiled_mma, tma_atom_c, mC_tma, mC, sA, sB, sC, ring, ctid, store_warp,
-                sched: DwScheduler):
+    def consume(self, tiled_mma, tma_atom_c, mC_tma, mC, sA, sB, sC, ring, ctid, epi_store_warp,
+                sched: KGroupedTileScheduler):
+        """The MMAs and epilogue of every tile of the CTA's walk; ``ctid`` the
+        thread's index among the MMA threads, ``epi_store_warp`` whether its warp
+        is EPI_STORE."""
         cfg = self.cfg
         tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
                                        self.acc_dtype)
 
-        # epilogue: registers -> shared (stmatrix) -> global (TMA store, or 16-byte
-        # predicated thread stores: the forward kernel's copies)
+        # epilogue: registers -> shared (stmatrix) -> global (TMA store)
         r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = stage_to_shared(
             tiled_mma, acc, sC, ctid, self.c_layout, self.c_dtype, self.acc_dtype)
-        s2g = store_copy(self.c_dtype, self.epi_tile[1], self.num_mma_threads)
-        thr_s2g = s2g.get_slice(ctid)
-        tSsC = thr_s2g.partition_S(sC)
         num_epi = cfg.tile_n // self.epi_tile[1]
-        k_rows, n_cols, _ = mC.shape
         # the epilogue buffers as TMA sources: (box, epi_stages)
         sC_boxes = cute.group_modes(sC, 0, 2)
 
@@ -469,9 +392,9 @@ class GroupedGemmDwSm90:
         release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
         epi_count = cutlass.Int32(0)
         t = sched.first
-        while t < sched.num_units:
-            unit = sched.work_unit(t)
-            rows = unit.row_end - unit.row_start
+        while t < sched.total_tiles:
+            tile = sched.work_tile(t)
+            rows = tile.row_end - tile.row_start
             chunks = RaggedTileSchedule.ceil_div(rows, cfg.tile_k)
             # token rows of the expert in its last chunk, 1..tile_k
             last_rows = rows - (chunks - 1) * cfg.tile_k
@@ -494,55 +417,33 @@ class GroupedGemmDwSm90:
                 release_stage(ring, release, 0)
                 release.advance()
 
-            if cutlass.const_expr(cfg.tma_store):
-                # (box, num_epi): the unit's sub-tiles of the output's tensor map
-                gC_boxes = cute.local_tile(mC_tma[None, None, unit.expert],
-                                           (cfg.tile_m, cfg.tile_n), (unit.m_tile, unit.n_tile))
-                tTsC, tTgC = cpasync.tma_partition(
-                    tma_atom_c, 0, cute.make_layout(1), sC_boxes,
-                    cute.group_modes(cute.local_tile(gC_boxes, self.epi_tile, (0, None)), 0, 2))
-                for epi in cutlass.range_constexpr(num_epi):
-                    buf = epi_count % self.epi_stages
-                    accumulator_chunk(tRS_rAcc, epi, tRS_rD)
-                    tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
-                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-                    # the stmatrix writes, for the TMA (async proxy) to read
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    if store_warp:
-                        # the store from the buffer the next sub-tile (or unit)
-                        # writes, epi_stages - 1 sub-tiles ago, has read it: the
-                        # later ones may still be pending
-                        cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
-                    self.epi_barrier.arrive_and_wait()
-                    if store_warp:
-                        # one lane issues and commits (this DSL's S2G copy elects
-                        # no lane of its own: the PTX test checks it)
-                        with cute.arch.elect_one():
-                            cute.copy(tma_atom_c, tTsC[None, buf], tTgC[None, epi])
-                            cute.arch.cp_async_bulk_commit_group()
-                    epi_count += 1
-            else:
-                # (tile_m, tile_n) of out[expert] at (m_tile, n_tile), and its coordinates
-                gC = cute.local_tile(mC[None, None, unit.expert], (cfg.tile_m, cfg.tile_n),
-                                     (unit.m_tile, unit.n_tile))
-                cC = cute.local_tile(cute.make_identity_tensor((k_rows, n_cols)),
-                                     (cfg.tile_m, cfg.tile_n), (unit.m_tile, unit.n_tile))
-                for epi in cutlass.range_constexpr(num_epi):
-                    buf = epi_count % self.epi_stages
-                    accumulator_chunk(tRS_rAcc, epi, tRS_rD)
-                    tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
-                    cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-                    self.epi_barrier.arrive_and_wait()
-                    tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (0, epi)))
-                    tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (0, epi)))
-                    for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                        for jj in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                            crd = tScC[0, i, jj]
-                            if crd[0] < k_rows and crd[1] < n_cols:
-                                cute.autovec_copy(tSsC[None, i, jj, buf], tSgC[None, i, jj])
-                    epi_count += 1
+            # (box, num_epi): the tile's sub-tiles of the output's tensor map
+            gC_boxes = cute.local_tile(mC_tma[None, None, tile.expert],
+                                       (cfg.tile_m, cfg.tile_n), (tile.m_tile, tile.n_tile))
+            tTsC, tTgC = cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1), sC_boxes,
+                cute.group_modes(cute.local_tile(gC_boxes, self.epi_tile, (0, None)), 0, 2))
+            for epi in cutlass.range_constexpr(num_epi):
+                buf = epi_count % self.epi_stages
+                accumulator_chunk(tRS_rAcc, epi, tRS_rD)
+                tRS_rOut.store(tRS_rD.load().to(self.c_dtype))
+                cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+                # the stmatrix writes, for the TMA (async proxy) to read
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if epi_store_warp:
+                    # the store from the buffer the next sub-tile (or tile)
+                    # writes, epi_stages - 1 sub-tiles ago, has read it: the
+                    # later ones may still be pending
+                    cute.arch.cp_async_bulk_wait_group(self.epi_stages - 2, read=True)
+                self.epi_barrier.arrive_and_wait()
+                if epi_store_warp:
+                    # one lane issues and commits (this DSL's S2G copy elects
+                    # no lane of its own: the PTX test checks it)
+                    with cute.arch.elect_one():
+                        cute.copy(tma_atom_c, tTsC[None, buf], tTgC[None, epi])
+                        cute.arch.cp_async_bulk_commit_group()
+                epi_count += 1
             t += sched.step
-        if cutlass.const_expr(cfg.tma_store):
-            if store_warp:
-                # every store done before the CTA (and its shared memory) goes
-                cute.arch.cp_async_bulk_wait_group(0)
+        if epi_store_warp:
+            # every store done before the CTA (and its shared memory) goes
+            cute.arch.cp_async_bulk_wait_group(0)

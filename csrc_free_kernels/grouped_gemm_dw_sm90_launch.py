@@ -11,7 +11,7 @@ import torch
 
 from . import compile as kcompile
 from .grouped_gemm_dw_sm90 import GroupedGemmDwSm90
-from .grouped_gemm_dw_sm90_config import MAX_EXPERTS, DwConfig, _units, choose_config
+from .grouped_gemm_dw_sm90_config import MAX_EXPERTS, DwConfig, choose_config, output_tiles
 from .grouped_gemm_sm90_launch import _TORCH_TO_CUTE
 
 __all__ = ["grouped_gemm_k", "choose_config", "MAX_EXPERTS"]
@@ -99,5 +99,5 @@ def grouped_gemm_k(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out: t
         return out.zero_()
     cfg = config or choose_config(num_experts, k, n, m)
     fn, sms = _launcher(cfg, a.dtype, out.dtype, a.get_device())
-    fn(a, dy, out, offs, min(sms, _units(cfg, num_experts, k, n)))
+    fn(a, dy, out, offs, min(sms, output_tiles(cfg, num_experts, k, n)))
     return out

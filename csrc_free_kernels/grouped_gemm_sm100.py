@@ -46,6 +46,7 @@ class Warp(enum.IntEnum):
 
 EPILOGUE_WARPS = 4
 GATHER_WARPS = 4
+LEADER_CTA = 0   # the pair's CTA whose MMA warp issues the pair's MMAs
 THREADS = 32 * (Warp.GATHER + GATHER_WARPS)
 
 
@@ -221,7 +222,7 @@ class GroupedGemmSm100:
         grid, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        is_leader = cta_rank == 0
+        is_leader = cta_rank == LEADER_CTA
         sched = TileScheduler.create(self.schedule, cta_rank, bidx, grid)
         if warp_idx == Warp.LOAD_B:
             cpasync.prefetch_descriptor(tma_atom_b)

@@ -4,23 +4,21 @@ on hardware here)."""
 
 from dataclasses import dataclass
 
+from .kernel_config import KernelConfig
+
 MAX_EXPERTS = 512
 
 
 @dataclass(frozen=True)
-class TileConfigSm100:
+class TileConfigSm100(KernelConfig):
     """One compiled configuration: ``tile_n`` output columns of the pair's 256-row
     MMA tile (each CTA holds ``tile_n / 2`` of the weight tile), ``tile_k`` per
     stage, ``stages`` (as many as fit, up to this), ``band_m`` as on Hopper."""
 
-    name: str
     tile_n: int
     tile_k: int = 64
     stages: int = 6
     band_m: int = 8
-
-    def __hash__(self) -> int:  # on every call's path: the name's cached hash
-        return hash(self.name)
 
 
 WIDE = TileConfigSm100("n256", tile_n=256)

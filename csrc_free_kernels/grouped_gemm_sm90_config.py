@@ -9,12 +9,14 @@ fused SwiGLU kernel.
 import dataclasses
 from dataclasses import dataclass
 
+from .kernel_config import KernelConfig
+
 MAX_EXPERTS = 512
 SMEM_CAPACITY = 227 * 1024
 
 
 @dataclass(frozen=True)
-class TileConfig:
+class TileConfig(KernelConfig):
     """One compiled configuration of the kernel.
 
     ``tile_m`` is the MMA tile's rows, 64 per MMA warpgroup; ``a_rows`` (<=
@@ -22,9 +24,7 @@ class TileConfig:
     tile: with few rows per expert, a 16-row token box spares L2 the 48 rows
     the tile would only discard (the MMA still runs 64 rows; the rows past
     ``a_rows`` are never stored).  ``b_warps`` producer warps share the weight
-    tile, each loading ``tile_n / b_warps`` rows of it; ``multi_warp`` False
-    issues the same loads from one warp through the base ``PipelineTmaAsync``
-    (kept to measure what the multi-warp design earns).  ``cluster_m`` 2 pairs
+    tile, each loading ``tile_n / b_warps`` rows of it.  ``cluster_m`` 2 pairs
     CTAs on adjacent token tiles of one expert and n-tile, each loading half of
     every weight part and multicasting it to both.
 
@@ -40,47 +40,22 @@ class TileConfig:
     expert and n-tile and loading its own otherwise: the pair's weight sharing
     without the idle spare half of a cluster tile when an expert's m-tiles
     are odd.
-
-    ``pingpong``: the two MMA warpgroups take alternate tiles of the CTA's
-    walk, each a whole ``tile_m x tile_n`` tile, so that one's epilogue and
-    tile lookup run under the other's MMAs (each stage is consumed by one
-    warpgroup); otherwise both share every tile, 64 rows each.
-
-    ``store_warp`` (128-row tiles, not ``pingpong``; 16-bit output): the MMA
-    threads write the whole output tile to shared memory (``stmatrix``, rows
-    padded by 16 bytes) and go back to their mainloop; warp 3 stores it, a bulk
-    copy (``cp.async.bulk``) per row of the expert, and frees the buffer once
-    the copies have read it.  The tile's buffer costs the 128x256 tile one of
-    its four ring stages.
     """
 
-    name: str
     tile_m: int
     tile_n: int
     tile_k: int = 64
     stages: int = 4
     b_warps: int = 2
-    multi_warp: bool = True
     a_rows: int = 0
     cluster_m: int = 1
     band_m: int = 0
     pair_tiles: bool = False
-    pingpong: bool = False
-    store_warp: bool = False
-
-    def __hash__(self) -> int:
-        # on every call's path (the launcher cache): the name's cached str hash,
-        # not one over all eleven fields (equal configs share their name)
-        return hash(self.name)
 
     @property
     def mma_warpgroups(self) -> int:
-        return 2 if self.pingpong else self.tile_m // 64
-
-    @property
-    def stage_consumers(self) -> int:
-        """MMA warpgroups reading each stage of the ring."""
-        return 1 if self.pingpong else self.mma_warpgroups
+        """MMA warpgroups, 64 rows of every tile each."""
+        return self.tile_m // 64
 
     @property
     def rows(self) -> int:
@@ -111,8 +86,8 @@ MID = TileConfig("mid", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2)
 # Prefill: many rows per expert, tensor-core bound; two MMA warpgroups on a
 # 128x256 tile (128 fp32 accumulators per thread), four 48 KB stages.  Raster
 # bands of 8 m-tiles: an expert's token rows can outgrow L2 (Mixtral T=16384:
-# 4096 rows, 32 MB; skewed, up to 9000) and were re-read from HBM for every
-# wave: ncu, Mixtral gate_up T=16384 skewed, 18.0 GB of HBM reads against 14.7
+# 4096 rows, 32 MB; skewed, up to 9000), re-read from HBM for every wave
+# without bands: ncu, Mixtral gate_up T=16384 skewed, 18.0 GB of HBM reads against 14.7
 # with bands; DeepSeek-V3 gate_up T=16384 skewed 53.9 against 45.2 GB and
 # 15.7 against 14.2 ms.
 PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_warps=2,
@@ -121,17 +96,9 @@ PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_w
 PREFILL_C2 = dataclasses.replace(PREFILL, name="prefill_c2", cluster_m=2)
 # ...or with CTA pairs on consecutive 128-row tiles
 PREFILL_P2 = dataclasses.replace(PREFILL_C2, name="prefill_p2", pair_tiles=True)
-# Prefill, ping-pong: each MMA warpgroup owns a whole 128x128 tile (128 fp32
-# accumulators per thread) and the two alternate, so that one's epilogue runs
-# under the other's MMAs; 32 KB stages.  With CTA pairs (256-row cluster
-# tiles) multicasting the weight tile, a CTA reads 24 KB of operands per
-# 2 MFLOP, as the 128x256 tile does (one weight warp: an N-major part's
-# per-CTA share must be 64 columns).
-PREFILL_PP = TileConfig("prefill_pp", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2,
-                        band_m=8, pingpong=True)
-PREFILL_PP_C2 = dataclasses.replace(PREFILL_PP, name="prefill_pp_c2", cluster_m=2, b_warps=1)
+# (Ping-pong warpgroups on 128x128 tiles lost to these: bench/notes/2026-12-04-pingpong-128x128.md.)
 CONFIGS = {c.name: c for c in (DECODE16, DECODE16_N64, DECODE, DECODE_P2, MID, PREFILL,
-                               PREFILL_C2, PREFILL_P2, PREFILL_PP, PREFILL_PP_C2)}
+                               PREFILL_C2, PREFILL_P2)}
 
 
 def _slot_fill(tiles: int, num_sms: int) -> float:
@@ -182,7 +149,7 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
         # ~60 GB/s: tiles that leave SMs idle (one short wave, or a short last
         # one) leave HBM idle too.  64-column tiles where they fill the SMs'
         # slots markedly better (Mixtral T=1: gate_up 3.4 waves of 128-column
-        # tiles, down half a wave; bench/RESULTS.md, "Issue 21")
+        # tiles, down half a wave; bench/notes/2026-12-04-decode16-n64-tiles.md)
         touched = min(num_experts, m)
         fill = [_slot_fill(tiles(cfg, touched), num_sms) for cfg in (DECODE16, DECODE16_N64)]
         return DECODE16_N64 if fill[1] > fill[0] + 0.05 else DECODE16

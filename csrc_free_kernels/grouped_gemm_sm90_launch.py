@@ -71,8 +71,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 
     ``out``: (M, N) ((M, N / 2) for the SwiGLU kernel) with a 16-byte aligned
     row stride; allocated here when omitted (then N must give aligned rows).
-    ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
-    ``prefetch_weights``: the caller vouches that the kernel launched last on
+    ``config`` (instead of :func:`choose_config`) and ``kernel_cls`` (a
+    :class:`GroupedGemmSm90`: the SwiGLU kernel, or a variant) are for tests
+    and benchmarks.  ``prefetch_weights``: the caller vouches that the kernel launched last on
     the stream did not write ``offs`` or ``b`` and lets its dependents launch
     only once everything before it has completed (``ts_moe.ops.grouped_gemm``
     says when), so the weights may start streaming before it ends
@@ -98,12 +99,14 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 
 def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
                         out: torch.Tensor | None = None, config: TileConfig | None = None,
-                        prefetch_weights: bool = False) -> torch.Tensor:
+                        prefetch_weights: bool = False,
+                        kernel_cls=GroupedGemmSwigluSm90) -> torch.Tensor:
     """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args.
 
     ``config`` defaults to :func:`swiglu_config`; a ValueError where I is not
     a multiple of its ``tile_n / 2``.  ``prefetch_weights``: as for
-    :func:`grouped_gemm`."""
+    :func:`grouped_gemm`; ``kernel_cls`` (a :class:`GroupedGemmSwigluSm90`)
+    is for tests and benchmarks of variants."""
     m, k = a.shape
     num_experts, two_i, _ = gate_up.shape
     cfg = config or choose_config(num_experts, two_i, k, m)
@@ -113,4 +116,4 @@ def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tens
     if out is None:
         out = torch.empty(m, two_i // 2, dtype=a.dtype, device=a.device)
     return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
-                        kernel_cls=GroupedGemmSwigluSm90, prefetch_weights=prefetch_weights)
+                        kernel_cls=kernel_cls, prefetch_weights=prefetch_weights)

@@ -5,11 +5,20 @@ kernels have never run; CI compiles them with ``CUTE_DSL_ARCH=sm_100a`` and
 reads the barrier instructions in their PTX.
 """
 
+import enum
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cp
 
 import ts_pipeline
+
+
+class Warp(enum.IntEnum):
+    """Warp roles of the probe's CTA (160 threads)."""
+
+    PRODUCER = 0   # warp 0 (umma_umma), or warps 0-3 (the async producers)
+    CONSUMER = 4   # the UMMA-side consumer
 
 
 class PipelineProbeSm100:
@@ -49,7 +58,7 @@ class PipelineProbeSm100:
 
         self.shared_storage = SharedStorage
         self.kernel(num_iters).launch(
-            grid=(self.cluster_v, 1, 1), block=(160, 1, 1),
+            grid=(self.cluster_v, 1, 1), block=(32 * (Warp.CONSUMER + 1), 1, 1),
             cluster=(self.cluster_v, 1, 1), stream=stream,
         )
 
@@ -81,13 +90,13 @@ class PipelineProbeSm100:
         pipe = self._make_pipeline(storage.barriers.data_ptr())
         producer_warps = 1 if self.kind == "umma_umma" else 4
 
-        if warp_idx < producer_warps:
+        if warp_idx < Warp.PRODUCER + producer_warps:
             state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.num_stages)
             for _ in cutlass.range(num_iters, unroll=1):
                 pipe.producer_acquire(state)
                 pipe.producer_commit(state)
                 state.advance()
-        if warp_idx == 4:
+        if warp_idx == Warp.CONSUMER:
             state = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.num_stages)
             for _ in cutlass.range(num_iters, unroll=1):
                 pipe.consumer_wait(state)

@@ -5,12 +5,21 @@ copies ``mX`` to ``mY`` through a shared-memory ring.  CI compiles it and reads
 its PTX; the GPU test checks that it moves every byte through many ring wraps.
 """
 
+import enum
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cp
 from cutlass.cute.nvgpu import cpasync
 
 import ts_pipeline
+
+
+class Warp(enum.IntEnum):
+    """Warp roles of the probe's CTA."""
+
+    PRODUCER = 0   # warps 0 .. P-1: one TMA box of each stage; warp 0 the task warp leader
+    CONSUMER = 4   # warps 4 .. 7: copy each stage out
 
 
 class PipelineProbeSm90:
@@ -45,7 +54,7 @@ class PipelineProbeSm90:
         self.dtype = cutlass.BFloat16
         self.stage_rows = self.P * rows
         self.stage_bytes = self.stage_rows * cols * self.dtype.width // 8
-        self.threads = 32 * (4 + self.consumer_warps)
+        self.threads = 32 * (Warp.CONSUMER + self.consumer_warps)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stages_per_cta: cutlass.Int32,
@@ -82,7 +91,7 @@ class PipelineProbeSm90:
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         sRing = storage.ring.get_tensor(ring_layout)
-        is_leader = warp_idx == 0 if self.leader_arms else cutlass.Boolean(False)
+        is_leader = warp_idx == Warp.PRODUCER if self.leader_arms else cutlass.Boolean(False)
         ring = self.pipelines.TSPipelineTmaAsync.create(
             num_stages=self.num_stages,
             producer_group=cp.CooperativeGroup(cp.Agent.Thread),
@@ -93,7 +102,7 @@ class PipelineProbeSm90:
         )
         first_box = bidx * stages_per_cta * self.P
 
-        if warp_idx < self.P:
+        if warp_idx < Warp.PRODUCER + self.P:
             # (rows, cols, boxes) -> TMA view (TMA, boxes); ring (TMA, P, stages)
             gX = cute.local_tile(mX, (self.rows, self.cols), (None, 0))
             tXsX, tXgX = cpasync.tma_partition(
@@ -105,15 +114,15 @@ class PipelineProbeSm90:
                 ring.producer_acquire(state)
                 cute.copy(
                     tma_atom,
-                    tXgX[None, first_box + s * self.P + warp_idx],
-                    tXsX[None, warp_idx, state.index],
+                    tXgX[None, first_box + s * self.P + warp_idx - Warp.PRODUCER],
+                    tXsX[None, warp_idx - Warp.PRODUCER, state.index],
                     tma_bar_ptr=ring.producer_get_barrier(state),
                 )
                 state.advance()
             ring.producer_tail(state)
 
-        if warp_idx >= 4:
-            ctid = tidx - 128
+        if warp_idx >= Warp.CONSUMER:
+            ctid = tidx - 32 * Warp.CONSUMER
             # the stage as one flat run of stage_rows * cols elements
             stage_elems = self.stage_rows * self.cols
             sFlat = cute.make_tensor(sRing.iterator, cute.make_layout(stage_elems * self.num_stages))

@@ -48,7 +48,7 @@ def _probe100(kind, cluster_v=2):
 
 
 def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
-          prefetch=False, **kw):
+          prefetch=False, store_warp=False, **kw):
     def build():
         import dataclasses
 
@@ -63,12 +63,16 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
         cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
+        if store_warp:
+            from . import grouped_gemm_sm90_store_warp as sw
+            cls = sw.GroupedGemmSwigluStoreWarpSm90 if swiglu else sw.GroupedGemmStoreWarpSm90
         return cls(cfg, prefetch_weights=prefetch), (
             *_fake_args(ab, c, b_n_major, cls), cutlass.Int32(1),
             cute.runtime.make_fake_stream())
     build.config = (config, kw)  # for the PTX tests: the configuration built
     build.prefetch_weights = prefetch  # requested (GroupedGemmSm90 says if it took)
     build.swiglu = swiglu
+    build.store_warp = store_warp
     return build
 
 
@@ -183,7 +187,6 @@ BUILDS = {
     "probe100_umma_umma_1cta": _probe100("umma_umma", 1),
     "gemm_decode": _gemm("decode"),
     "gemm_decode_bk": _gemm("decode", b_n_major=False),
-    "gemm_decode_single_warp": _gemm("decode", multi_warp=False),
     "gemm_decode_fp16": _gemm("decode", dtype="float16"),
     "gemm_decode16": _gemm("decode16"),
     "gemm_decode16_bk": _gemm("decode16", b_n_major=False),
@@ -199,14 +202,9 @@ BUILDS = {
     "gemm_prefill_c2_bk": _gemm("prefill_c2", b_n_major=False),
     "gemm_prefill_p2": _gemm("prefill_p2"),
     "gemm_prefill_p2_bk": _gemm("prefill_p2", b_n_major=False),
-    "gemm_prefill_pp": _gemm("prefill_pp"),
-    "gemm_prefill_pp_bk": _gemm("prefill_pp", b_n_major=False),
-    "gemm_prefill_pp_c2": _gemm("prefill_pp_c2"),
-    "gemm_prefill_pp_c2_bk": _gemm("prefill_pp_c2", b_n_major=False),
     "gemm_mid": _gemm("mid"),
     "gemm_prefill": _gemm("prefill"),
     "gemm_prefill_bk": _gemm("prefill", b_n_major=False),
-    "gemm_prefill_single_warp": _gemm("prefill", multi_warp=False),
     "gemm_prefill_f32_out": _gemm("prefill", out="float32"),
     "gemm_prefill_whole_experts": _gemm("prefill", band_m=0),
     # the output tile staged whole, stored by warp 3 (store_warp: opt-in, A/B)
@@ -229,16 +227,12 @@ BUILDS = {
     "swiglu_decode_p2": _gemm("decode_p2", b_n_major=False, swiglu=True),
     "swiglu_prefill_c2": _gemm("prefill_c2", b_n_major=False, swiglu=True),
     "swiglu_prefill_p2": _gemm("prefill_p2", b_n_major=False, swiglu=True),
-    "swiglu_prefill_pp": _gemm("prefill_pp", b_n_major=False, swiglu=True),
     # k-grouped GEMM (weight gradient), sm_90a
     "dw_128x256": _dw("dw_128x256"),
     "dw_128x256_fp16": _dw("dw_128x256", dtype="float16"),
     "dw_128x256_f32_out": _dw("dw_128x256", out="float32"),
     "dw_128x128": _dw("dw_128x128"),
     "dw_128x128_f32_out": _dw("dw_128x128", out="float32"),
-    "dw_128x256_st": _dw("dw_128x256_st"),          # thread-store epilogue (A/B)
-    "dw_128x256_st_f32_out": _dw("dw_128x256_st", out="float32"),
-    "dw_128x128_st": _dw("dw_128x128_st"),
     # SwiGLU activation / gradient, elementwise, sm_90a
     "swiglu_ew_fwd": _swiglu_ew(False),
     "swiglu_ew_fwd_fp16": _swiglu_ew(False, "float16"),

@@ -169,11 +169,10 @@ class RouteSlots(TokenRouting):
        ``token_index[pos] = s // k``, ``inverse[s] = pos``.
 
     Deterministic (no atomics); every phase is a few shuffles or a short scan
-    of shared memory per thread.  Outside the contract (as in the version
-    before): int64 ids beyond the int32 range are clamped to it (such ids tie
-    and keep slot order), and NaN logits choose other experts than torch's
-    ``topk`` would (every weight is NaN either way).  Measured: bench/RESULTS.md, "Issue 21,
-    third pass".
+    of shared memory per thread.  Outside the contract: int64 ids beyond the
+    int32 range are clamped to it (such ids tie and keep slot order), and NaN
+    logits choose other experts than torch's ``topk`` would (every weight is
+    NaN either way).  Measured: bench/notes/2026-12-04-route-slots-linear-scan.md.
     """
 
     def __init__(self, from_logits: bool, per_lane: int = MAX_EXPERTS // 32,

@@ -134,8 +134,8 @@ class RouteTopK(TokenRouting):
     are bit for bit those of :class:`RouteSlots`) and writes ``mWeights`` and
     ``mExperts``.  The slot order then comes from :class:`RouteSlots` on the
     ids (``from_logits=False``): two launches, where one CTA's top-k rounds
-    would keep one SM issue-bound for many tokens (bench/RESULTS.md, "Issue
-    21, fourth pass": about 900 warp instructions a token at E = 128).
+    would keep one SM issue-bound for many tokens (about 900 warp
+    instructions a token at E = 128: bench/notes/2026-12-04-routing-issue-bound.md).
     """
 
     def __init__(self, per_lane: int = MAX_EXPERTS // 32, warps: int = 4):

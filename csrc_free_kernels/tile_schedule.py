@@ -19,6 +19,11 @@ A cluster of ``cluster_m`` CTAs takes one tile of ``cluster_m * cta_rows`` rows
 :class:`RaggedTileSchedule` is the compile-time description (one per kernel
 configuration); :class:`TileScheduler` its device side inside one CTA, which
 hands out a :class:`WorkTile` per step.
+
+Its sibling for the k-grouped GEMM (the weight gradient, ``out[e] = a[rows of
+e]^T @ dy[rows of e]``), where the experts split the reduction instead of the
+output rows: :class:`KGroupedTileSchedule`, :class:`KGroupedTileScheduler`,
+:class:`KWorkTile`, the same ``create -> bind -> build -> work_tile`` steps.
 """
 
 import dataclasses
@@ -220,3 +225,99 @@ class TileScheduler:
         if cutlass.const_expr(not schedule.pair_tiles):
             row0 += self.cta_rank * schedule.cta_rows  # this CTA's part of a cluster tile
         return WorkTile(expert, row0, seg_end, n_tile)
+
+
+class KWorkTile(NamedTuple):
+    """One step of a CTA's walk in the k-grouped GEMM: an output tile of one
+    expert and the token rows it reduces over (DSL Int32 values)."""
+
+    expert: object
+    m_tile: object     # tile of K (output rows)
+    n_tile: object     # tile of N (output columns)
+    row_start: object  # the expert's token rows [row_start, row_end)
+    row_end: object
+
+
+@dataclass(frozen=True)
+class KGroupedTileSchedule:
+    """The k-grouped schedule's compile-time shape: output tiles of ``tile_m x
+    tile_n``, raster bands of ``band_n`` n-tiles, ``max_experts`` row ends in
+    shared memory.
+
+    Tiles are numbered expert by expert; within an expert band by band (``band_n``
+    n-tiles), m-tile by m-tile within a band, the n-tile fastest, so that the
+    CTAs running together share a few dy and a columns in L2.  The tile count
+    ``E * m_tiles * n_tiles`` does not depend on ``offs``: CTA ``b`` of ``grid``
+    takes tiles ``b, b + grid, ...``; only a tile's rows come from the table.
+    """
+
+    tile_m: int
+    tile_n: int
+    band_n: int
+    max_experts: int = 512
+
+    @staticmethod
+    def tile_coords(t, m_tiles, n_tiles, band_n: int):
+        """Tile ``t`` -> (expert, m_tile, n_tile): plain arithmetic, run by the
+        kernel on DSL integers and by the CPU tests on Python ints."""
+        per_expert = m_tiles * n_tiles
+        expert = t // per_expert
+        local = t - expert * per_expert
+        n0 = local // (band_n * m_tiles) * band_n  # first n-tile of the band
+        width = cutlass.min(n_tiles - n0, band_n)  # the last band may be narrower
+        rest = local - n0 * m_tiles
+        m_tile = rest // width
+        return expert, m_tile, n0 + rest - m_tile * width
+
+
+@dataclass(frozen=True)
+class KGroupedTileScheduler:
+    """The k-grouped schedule inside one CTA: its place in the walk
+    (:meth:`create`), then the problem and the row-end table in shared memory
+    (:meth:`bind`; the table is built by one warp, :meth:`build`).  The loop is
+    ``t = first; while t < total_tiles: ...; t += step``."""
+
+    schedule: KGroupedTileSchedule
+    first: object
+    step: object
+    seg_end: object = None      # (max_experts,) Int32: cummax(clamp(offs, 0, M))
+    num_experts: object = None
+    m_tiles: object = None
+    n_tiles: object = None
+    total_tiles: object = None
+
+    @staticmethod
+    def create(schedule: KGroupedTileSchedule, block, grid) -> "KGroupedTileScheduler":
+        return KGroupedTileScheduler(schedule, first=block, step=grid)
+
+    def bind(self, storage, num_experts, k_rows, n_cols) -> "KGroupedTileScheduler":
+        """With the table (``storage.seg_end``) and the problem: ``num_experts``
+        (K, N) outputs of ``k_rows x n_cols``."""
+        schedule = self.schedule
+        m_tiles = (k_rows + schedule.tile_m - 1) // schedule.tile_m
+        n_tiles = (n_cols + schedule.tile_n - 1) // schedule.tile_n
+        seg_end = storage.seg_end.get_tensor(cute.make_layout(schedule.max_experts))
+        return dataclasses.replace(self, seg_end=seg_end, num_experts=num_experts,
+                                   m_tiles=m_tiles, n_tiles=n_tiles,
+                                   total_tiles=num_experts * m_tiles * n_tiles)
+
+    @cute.jit
+    def build(self, mOffs: cute.Tensor, m_rows: cutlass.Int32):
+        """One warp: ``seg_end = cummax(clamp(offs, 0, M))``, 32 experts per step."""
+        lane = cute.arch.lane_idx()
+        carry = cutlass.Int32(0)
+        for base in cutlass.range(0, self.num_experts, 32, unroll=1):
+            e = base + lane
+            end = warp_segment_ends(mOffs, self.num_experts, m_rows, base, lane, carry)
+            if e < self.num_experts:
+                self.seg_end[e] = end
+            carry = cute.arch.shuffle_sync(end, 31)
+
+    @cute.jit
+    def work_tile(self, t: cutlass.Int32) -> KWorkTile:
+        expert, m_tile, n_tile = self.schedule.tile_coords(t, self.m_tiles, self.n_tiles,
+                                                           self.schedule.band_n)
+        row_start = cutlass.Int32(0)
+        if expert > 0:
+            row_start = self.seg_end[expert - 1]
+        return KWorkTile(expert, m_tile, n_tile, row_start, self.seg_end[expert])

@@ -17,17 +17,21 @@ import torch
 from csrc_free_kernels import grouped_gemm_sm90_config as sm90
 from csrc_free_kernels import route_sm90_launch as route_sm90
 from csrc_free_kernels import router_sm90_launch
+from csrc_free_kernels.grouped_gemm_sm90 import GroupedGemmSm90
 from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
+from csrc_free_kernels.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
 from ts_moe import routing
 from ts_moe.reference import grouped_gemm_reference
 
 
 def configs() -> list:
-    """Every named configuration, and the opt-in ``store_warp`` epilogue on each
-    one that takes it (128-row tiles shared by both warpgroups)."""
+    """(configuration, kernel class): every named configuration, and the opt-in
+    store-warp kernel on each one that takes it (128-row tiles shared by both
+    warpgroups)."""
     named = list(sm90.CONFIGS.values())
-    return named + [dataclasses.replace(c, name=f"{c.name}:sw", store_warp=True)
-                    for c in named if c.tile_m == 128 and not c.pingpong]
+    return [(c, GroupedGemmSm90) for c in named] + [
+        (dataclasses.replace(c, name=f"{c.name}:sw"), GroupedGemmStoreWarpSm90)
+        for c in named if c.tile_m == 128]
 
 
 def main() -> None:
@@ -36,8 +40,8 @@ def main() -> None:
     b = torch.randn(4, 128, 136, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([40, 40, 171, 290], dtype=torch.int32, device="cuda")
     ref = grouped_gemm_reference(a, b, offs, torch.float32)
-    for cfg in configs():
-        out = grouped_gemm(a, b, offs, config=cfg)
+    for cfg, kernel_cls in configs():
+        out = grouped_gemm(a, b, offs, config=cfg, kernel_cls=kernel_cls)
         torch.cuda.synchronize()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         print(f"{cfg.name}: rel err {err:.2e}")

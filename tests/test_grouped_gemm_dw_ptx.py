@@ -80,17 +80,15 @@ def test_kernel_ptx(ptx, name):
     assert ".local" not in text
     stores = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.global\.shared::cta\.tile\.bulk_group",
                         text)
-    if cfg.tma_store:
-        # one 3-D (N, K, expert) TMA store per 32-column epilogue sub-tile, no thread stores
-        assert stores == ["3"] * (cfg.tile_n // 32)
-        assert "st.global" not in text
-        buffers = dw().GroupedGemmDwSm90(cfg).epi_buffers(32 if kw["out"] == "float32" else 16)
-        assert buffers == (2 if kw["out"] == "float32" else 4)
-        _check_tma_store_order(text, mma_threads, buffers)
-    else:
-        # 16-byte stores of the output, predicated on the K and N edges
-        assert not stores and "cp.async.bulk.commit_group" not in text
-        assert "st.global.v4" in text
+    # one 3-D (N, K, expert) TMA store per 32-column epilogue sub-tile, no thread stores
+    assert stores == ["3"] * (cfg.tile_n // 32)
+    assert "st.global" not in text
+    buffers = dw().GroupedGemmDwSm90(cfg).epi_buffers(32 if kw["out"] == "float32" else 16)
+    assert buffers == (2 if kw["out"] == "float32" else 4)
+    _check_tma_store_order(text, mma_threads, buffers)
+    # the named barriers are the kernel's two, among all its MMA threads
+    assert set(re.findall(r"bar\.(?:sync|arrive)\s+(\d+), (\d+);", text)) == {
+        (str(int(b)), str(mma_threads)) for b in dw().Barrier}
 
 
 def _check_tma_store_order(text, mma_threads, buffers):
@@ -102,7 +100,7 @@ def _check_tma_store_order(text, mma_threads, buffers):
     epi_bar = f"bar.sync \t{int(dw().Barrier.EPILOGUE)}, {mma_threads};"
     store_re = r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta"
     stores = [m.start() for m in re.finditer(store_re, text)]
-    prev = text.index("wgmma.wait_group.sync.aligned \t0;")  # the end of a unit's mainloop
+    prev = text.index("wgmma.wait_group.sync.aligned \t0;")  # the end of a tile's mainloop
     for pos in stores:
         seg = text[prev:pos]
         last_write = max(seg.rfind("stmatrix"), seg.rfind("st.shared"))
@@ -132,16 +130,17 @@ def test_ptxas_no_spills(ptx, name, tmp_path):
 @pytest.mark.parametrize("m_tiles, n_tiles, band_n", [
     (32, 112, 8), (56, 16, 8), (3, 5, 2), (1, 1, 8), (4, 7, 3), (16, 6, 16)])
 def test_schedule_decode_is_a_bijection(m_tiles, n_tiles, band_n):
-    sched = dw().DwScheduler
+    from csrc_free_kernels.tile_schedule import KGroupedTileSchedule
+
     experts = 3
-    units = [sched.unit_coords(t, m_tiles, n_tiles, band_n)
+    tiles = [KGroupedTileSchedule.tile_coords(t, m_tiles, n_tiles, band_n)
              for t in range(experts * m_tiles * n_tiles)]
-    assert sorted(units) == [(e, m, n) for e in range(experts) for m in range(m_tiles)
+    assert sorted(tiles) == [(e, m, n) for e in range(experts) for m in range(m_tiles)
                              for n in range(n_tiles)]
     # expert-major; within a band of band_n n-tiles the n-tile is fastest
-    assert [u[0] for u in units] == sorted(u[0] for u in units)
+    assert [u[0] for u in tiles] == sorted(u[0] for u in tiles)
     if n_tiles >= band_n > 1 and m_tiles > 1:
-        assert units[:band_n + 1] == [(0, 0, n) for n in range(band_n)] + [(0, 1, 0)]
+        assert tiles[:band_n + 1] == [(0, 0, n) for n in range(band_n)] + [(0, 1, 0)]
 
 
 def test_configs_validate():
@@ -155,7 +154,7 @@ def test_configs_validate():
             g.GroupedGemmDwSm90(dataclasses.replace(c.WIDE, **bad))
 
 
-@pytest.mark.parametrize("config", ["dw_128x256", "dw_128x128", "dw_128x256_st", "dw_128x128_st"])
+@pytest.mark.parametrize("config", ["dw_128x256", "dw_128x128"])
 @pytest.mark.parametrize("c_bits", [16, 32])
 def test_stages_fit_shared_memory(config, c_bits):
     g = dw()
@@ -164,7 +163,7 @@ def test_stages_fit_shared_memory(config, c_bits):
     stages = kernel.stage_count(16, c_bits)
     assert stages == cfg.stages  # an fp32 epilogue still leaves every stage
     epi = kernel.epi_buffers(c_bits) * cfg.tile_m * 32 * c_bits // 8
-    assert epi == (kernel.epi_bytes if cfg.tma_store else 2 * cfg.tile_m * 32 * c_bits // 8)
+    assert epi == kernel.epi_bytes
     assert stages * cfg.stage_bytes + epi + 16 * stages + 4 * g.MAX_EXPERTS <= g.SMEM_CAPACITY
 
 
@@ -206,18 +205,13 @@ def test_shared_storage_layout(ptx, name):
 ])
 def test_choose_config(shape, name):
     cfg = dwc().choose_config(*shape)
-    assert cfg.name == name and cfg.tma_store
+    assert cfg.name == name
 
 
-def test_thread_store_configs_are_the_same_tiles():
-    import dataclasses
-
-    g, c = dw(), dwc()
-    for name in ("dw_128x256", "dw_128x128"):
-        tma, threads = c.CONFIGS[name], c.CONFIGS[name + "_st"]
-        assert tma.tma_store and not threads.tma_store
-        assert dataclasses.replace(threads, name=name, tma_store=True) == tma
-    # the TMA stores are issued by an MMA warp
+def test_store_warp_is_an_mma_warp():
+    """The TMA stores are issued by an MMA warp: it meets the others at the
+    EPILOGUE barrier before each store."""
+    g = dw()
     assert g.Warp.MMA <= g.Warp.EPI_STORE < g.Warp.MMA + 4
 
 

@@ -81,15 +81,13 @@ def test_model_shapes(model, gemm, tokens):
         assert rel_err(out[:end], torch._grouped_mm(a, b, offs=offs)[:end]) < 1e-2
 
 
-CONFIG_NAMES = ["decode16", "decode16_n64", "decode", "decode_p2", "mid", "prefill", "prefill_c2", "prefill_p2",
-                "prefill_pp", "prefill_pp_c2"]
-# raster bands of two m-tiles, so that the small cases below span several bands
+CONFIG_NAMES = ["decode16", "decode16_n64", "decode", "decode_p2", "mid", "prefill", "prefill_c2",
+                "prefill_p2"]
+# raster bands of two m-tiles, so that the small cases below span several bands;
+# ":sw": the opt-in store-warp kernel (csrc_free_kernels.grouped_gemm_sm90_store_warp)
 VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
             "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2),
-            "prefill_pp:band": dict(band_m=2), "prefill_pp_c2:band": dict(band_m=2),
-            # the output tile staged whole and stored by warp 3 (opt-in)
-            **{f"{c}:sw": dict(store_warp=True)
-               for c in ("mid", "prefill", "prefill_c2", "prefill_p2")}}
+            **{f"{c}:sw": {} for c in ("mid", "prefill", "prefill_c2", "prefill_p2")}}
 
 
 def config_named(name):
@@ -97,28 +95,37 @@ def config_named(name):
     return dataclasses.replace(ggc().CONFIGS[name.split(":")[0]], **VARIANTS.get(name, {}))
 
 
+def launch_kw(name, swiglu=False):
+    """The launch keywords of a CONFIG_NAMES or VARIANTS entry: its configuration,
+    and for ":sw" the store-warp kernel class."""
+    kw = {"config": config_named(name)}
+    if name.endswith(":sw"):
+        from csrc_free_kernels import grouped_gemm_sm90_store_warp as sw
+        kw["kernel_cls"] = (sw.GroupedGemmSwigluStoreWarpSm90 if swiglu
+                            else sw.GroupedGemmStoreWarpSm90)
+    return kw
+
+
 @pytest.mark.parametrize("config", CONFIG_NAMES + list(VARIANTS))
-@pytest.mark.parametrize("multi_warp", [True, False])
 @pytest.mark.parametrize("kmajor", [False, True])
-def test_configs_and_layouts(config, multi_warp, kmajor):
-    cfg = dataclasses.replace(config_named(config), multi_warp=multi_warp)
+def test_configs_and_layouts(config, kmajor):
     a, b, offs = make(1000, 256, 392, 6, counts=[0, 301, 1, 0, 500, 150], kmajor=kmajor)
-    check(a, b, offs, config=cfg)  # 48 tail rows, N and M not tile multiples
+    check(a, b, offs, **launch_kw(config))  # 48 tail rows, N and M not tile multiples
 
 
 @pytest.mark.parametrize("config", CONFIG_NAMES + list(VARIANTS))
 def test_routing_extremes(config):
-    cfg = config_named(config)
+    kw = launch_kw(config)
     k, n = 128, 256
-    check(*make(777, k, n, 8, counts=[0, 0, 0, 777, 0, 0, 0, 0]), config=cfg)  # one expert
-    check(*make(8, k, n, 8, counts=[1] * 8), config=cfg)  # one row per expert
-    check(*make(1, k, n, 8, counts=[0, 0, 1, 0, 0, 0, 0, 0]), config=cfg)  # one row
-    check(*make(64, k, n, 8, counts=[0] * 8), config=cfg)  # all empty: all zeros
+    check(*make(777, k, n, 8, counts=[0, 0, 0, 777, 0, 0, 0, 0]), **kw)  # one expert
+    check(*make(8, k, n, 8, counts=[1] * 8), **kw)  # one row per expert
+    check(*make(1, k, n, 8, counts=[0, 0, 1, 0, 0, 0, 0, 0]), **kw)  # one row
+    check(*make(64, k, n, 8, counts=[0] * 8), **kw)  # all empty: all zeros
     counts = torch.zeros(512, dtype=torch.long)
     counts[torch.randperm(512)[:5]] = torch.tensor([100, 3, 250, 1, 46])
-    check(*make(400, k, n, 512, counts=counts), config=cfg)  # E = 512, most empty
+    check(*make(400, k, n, 512, counts=counts), **kw)  # E = 512, most empty
     c = random_counts(3000, 64, skew=1.2)
-    check(*make(3000, k, n, 64, counts=c), config=cfg)  # skewed
+    check(*make(3000, k, n, 64, counts=c), **kw)  # skewed
 
 
 def test_operand_layouts_and_dtypes():
@@ -245,13 +252,12 @@ def test_swiglu_configs(config):
     """The fused gate/up + SwiGLU kernel in every configuration, ragged, poisoned output."""
     from ts_moe.reference import grouped_gemm_swiglu_reference
 
-    cfg = config_named(config)
     e, h, inter = 6, 256, 384  # I a multiple of every config's tile_n / 2
     a = torch.randn(1000, h, device="cuda", dtype=torch.bfloat16)
     gate_up = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h**-0.5
     offs = counts_to_offs([0, 301, 1, 0, 500, 150])  # 48 rows past the last expert
     out = torch.full((1000, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gg().grouped_gemm_swiglu(a, gate_up, offs, out=out, config=cfg)
+    gg().grouped_gemm_swiglu(a, gate_up, offs, out=out, **launch_kw(config, swiglu=True))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "unwritten (NaN) output elements"
     ref = grouped_gemm_swiglu_reference(a.float(), gate_up.float(), offs)
@@ -259,15 +265,13 @@ def test_swiglu_configs(config):
     assert (out[952:] == 0).all()
 
 
-@pytest.mark.parametrize("config", ["prefill", "prefill_pp", "prefill_pp_c2", "prefill:sw"])
+@pytest.mark.parametrize("config", ["prefill", "prefill:sw"])
 def test_long_walks(config):
-    """Many tiles per CTA, each with many more k-tiles than the ring has stages:
-    a ping-pong warpgroup skips the other's stages, far ahead of the ring (it
-    must wait its turn: a parity wait on a stage phases ahead would pass); with
-    store_warp, each staged tile waits for the one before to be stored."""
-    cfg = config_named(config)
-    check(*make(4096, 2048, 4096, 8), config=cfg)
-    check(*make(4096, 2048, 4096, 8, counts=[1000, 0, 37, 2000, 0, 900, 159, 0]), config=cfg)
+    """Many tiles per CTA, each with many more k-tiles than the ring has stages;
+    with the store warp, each staged tile waits for the one before to be stored."""
+    kw = launch_kw(config)
+    check(*make(4096, 2048, 4096, 8), **kw)
+    check(*make(4096, 2048, 4096, 8, counts=[1000, 0, 37, 2000, 0, 900, 159, 0]), **kw)
 
 
 @pytest.mark.parametrize("config", ["decode16", "decode16_n64", "decode", "mid", "prefill",

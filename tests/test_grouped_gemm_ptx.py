@@ -1,7 +1,6 @@
 """CPU: every grouped GEMM configuration compiles for sm_90a; its PTX has the
 instructions the design relies on."""
 
-import dataclasses
 import re
 
 import pytest
@@ -46,13 +45,22 @@ def test_waits_for_the_stream_before_global_memory(ptx, name):
         assert "ld.global.cg" not in ptx[name]
 
 
-def _prefetches(name):
-    """Whether build ``name`` streams weights before its wait (requested and taken)."""
+def _kernel_cls(name):
+    """The kernel class that build ``name`` compiles."""
     from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_store_warp as sw
 
     build = ptx_dump.BUILDS[name]
-    cls = g.GroupedGemmSwigluSm90 if build.swiglu else g.GroupedGemmSm90
-    return cls(_config(name), prefetch_weights=build.prefetch_weights).prefetch_weights
+    if build.store_warp:
+        return sw.GroupedGemmSwigluStoreWarpSm90 if build.swiglu else sw.GroupedGemmStoreWarpSm90
+    return g.GroupedGemmSwigluSm90 if build.swiglu else g.GroupedGemmSm90
+
+
+def _prefetches(name):
+    """Whether build ``name`` streams weights before its wait (requested and taken)."""
+    build = ptx_dump.BUILDS[name]
+    return _kernel_cls(name)(_config(name),
+                             prefetch_weights=build.prefetch_weights).prefetch_weights
 
 
 def test_prefetch_builds_exist():
@@ -63,17 +71,16 @@ def test_prefetch_builds_exist():
     assert all(_prefetches(n) == pdl.ENABLED for n in requested)
 
 
-def test_prefetch_needs_multi_warp_loads_and_no_cluster():
+def test_prefetch_needs_no_cluster():
     """The weight warps stream before the wait only where they own the weight
-    loads of their CTA alone; elsewhere the flag is off (a hint)."""
+    loads of their CTA alone (no multicast); elsewhere the flag is off (a hint)."""
     from csrc_free_kernels import grouped_gemm_sm90 as g
     from csrc_free_kernels import grouped_gemm_sm90_config as c
 
     assert g.GroupedGemmSm90(c.DECODE16, prefetch_weights=True).prefetch_weights
     assert g.GroupedGemmSwigluSm90(c.DECODE16_N64, prefetch_weights=True).prefetch_weights
     assert not g.GroupedGemmSm90(c.PREFILL_C2, prefetch_weights=True).prefetch_weights
-    single = dataclasses.replace(c.DECODE16, multi_warp=False)
-    assert not g.GroupedGemmSm90(single, prefetch_weights=True).prefetch_weights
+    assert not g.GroupedGemmSm90(c.PREFILL_P2, prefetch_weights=True).prefetch_weights
     assert not g.GroupedGemmSm90(c.DECODE16).prefetch_weights
 
 
@@ -92,18 +99,16 @@ def test_kernel_ptx(ptx, name):
     assert len(arms) == 1
     (value,) = re.findall(rf"mov\.b32\s+{re.escape(arms[0])},\s*(\d+);", text)
     assert int(value) == (cfg.rows + cfg.tile_n) * cfg.tile_k * 2
-    multi_warp = cfg.multi_warp
     body = text[text.index("setmaxnreg.dec"):]
     before_arm = body[:body.index("expect_tx")]
-    # one token-box site (2-D); weight parts (3-D: E is a mode), one site
-    # run by each weight warp, or every part unrolled in the one warp (an
-    # N-major part of 128 columns takes two 128-byte-wide boxes)
+    # one token-box site (2-D); weight parts (3-D: E is a mode), one site run
+    # by each weight warp (an N-major part of 128 columns takes two
+    # 128-byte-wide boxes), behind the branch on the warp's role
     token_loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", text)
     weight_loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global", text)
     assert len(token_loads) == 1
-    assert len(weight_loads) >= (1 if multi_warp else cfg.b_warps)
-    if multi_warp:
-        assert re.search(r"@%p\d+ bra", before_arm)
+    assert len(weight_loads) >= 1
+    assert re.search(r"@%p\d+ bra", before_arm)
     if cfg.cluster_m > 1:
         assert ".multicast::cluster" in text
         assert "barrier.cluster.arrive" in text
@@ -111,10 +116,13 @@ def test_kernel_ptx(ptx, name):
         assert ".multicast::cluster" not in text
     if name.startswith("swiglu"):
         assert "ex2.approx" in text  # silu in the epilogue
-    if cfg.store_warp:
-        # the tile staged whole; warp 3 stores it a row per bulk copy (lane i:
-        # rows i, i + 32, ...), waiting on the staged barrier and giving the
-        # buffer back on the other (288 threads: the tile's 256 and warp 3)
+    barriers = set(re.findall(r"bar\.(?:sync|arrive)\s+(\d+), \d+;", text))
+    if ptx_dump.BUILDS[name].store_warp:
+        from csrc_free_kernels.grouped_gemm_sm90_store_warp import StoreWarpBarrier
+
+        # the tile staged whole; the store warp stores it a row per bulk copy
+        # (lane i: rows i, i + 32, ...), waiting on the staged barrier and giving
+        # the buffer back on the other (288 threads: the tile's 256 and its 32)
         assert "st.global" not in text
         assert "stmatrix" in text and "fence.proxy.async.shared::cta" in text
         copies = re.findall(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group", text)
@@ -122,11 +130,18 @@ def test_kernel_ptx(ptx, name):
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", text)  # the buffer
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", text)  # the writes, at exit
         for op in ("sync", "arrive"):
-            for barrier in (5, 6):
-                assert re.search(rf"bar\.{op}\s+{barrier}, 288;", text), (op, barrier)
+            for barrier in StoreWarpBarrier:
+                assert re.search(rf"bar\.{op}\s+{int(barrier)}, 288;", text), (op, barrier)
+        assert barriers == {str(int(b)) for b in StoreWarpBarrier}
     else:
+        from csrc_free_kernels.grouped_gemm_sm90 import Barrier
+
         assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
         assert "stmatrix" in text or "f32_out" in name
+        # the epilogue's barrier, among the tile's MMA threads, and no other
+        assert barriers == {str(int(Barrier.EPILOGUE))}
+        assert re.search(rf"bar\.sync\s+{int(Barrier.EPILOGUE)}, {128 * cfg.mma_warpgroups};",
+                         text)
 
 
 @pytest.mark.parametrize("shape, name", [
@@ -180,18 +195,16 @@ def test_unsplittable_weight_tile_is_refused():
 
 
 def test_store_warp_configurations_are_checked():
-    import dataclasses
-
     import cutlass
     from cutlass.tensor_utils import LayoutEnum
 
-    from csrc_free_kernels import grouped_gemm_sm90 as g
     from csrc_free_kernels import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
 
-    for cfg in (c.PREFILL_PP, c.DECODE, c.DECODE16, c.DECODE_P2):
-        with pytest.raises(ValueError, match="not 64-row or ping-pong tiles"):
-            g.GroupedGemmSm90(dataclasses.replace(cfg, store_warp=True))
-    kernel = g.GroupedGemmSm90(dataclasses.replace(c.PREFILL, store_warp=True))
+    for cfg in (c.DECODE, c.DECODE16, c.DECODE_P2):
+        with pytest.raises(ValueError, match="not 64-row tiles"):
+            GroupedGemmStoreWarpSm90(cfg)
+    kernel = GroupedGemmStoreWarpSm90(c.PREFILL)
     with pytest.raises(ValueError, match="16-bit row-major output"):  # fp32: 128 KB a tile
         kernel._setup(cutlass.BFloat16, cutlass.Float32, LayoutEnum.ROW_MAJOR,
                       LayoutEnum.ROW_MAJOR, LayoutEnum.ROW_MAJOR)
