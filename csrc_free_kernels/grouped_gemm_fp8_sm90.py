@@ -92,9 +92,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     epilogue each accumulator is multiplied by ``sfa[row] * sfb[e, col]`` (or the two
     scalars).
 
-    Not supported here (refused): ping-pong (a whole 128 x 128 tile per warpgroup is 256
-    accumulator registers), ``store_warp``, ``pair_tiles``, single-warp loads, and the
-    weight prefetch under PDL.
+    Not supported here: ``pair_tiles`` (refused) and the weight prefetch under PDL.
     """
 
     def __init__(self, config: TileConfig, recipe: str = "blockwise", acc_dtype=cutlass.Float32):
@@ -102,9 +100,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
         if config.tile_k != SCALE_BLOCK:
             raise ValueError(f"FP8 tiles are {SCALE_BLOCK} deep (one scale block): {config}")
-        if config.pingpong or config.store_warp or config.pair_tiles or not config.multi_warp:
-            raise ValueError(f"the FP8 kernel runs cooperative multi-warp tiles only "
-                             f"(no pingpong, store_warp, pair_tiles): {config}")
+        if config.pair_tiles:
+            raise ValueError(f"the FP8 kernel runs cluster tiles, not pair_tiles: {config}")
         if config.tile_n > SCALE_BLOCK or SCALE_BLOCK % config.tile_n:
             raise ValueError(f"an FP8 tile's columns must lie in one {SCALE_BLOCK}-column "
                              f"scale block: {config}")
@@ -230,18 +227,18 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
-        sC = storage.sC.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+        sC = self.epilogue_buffers(storage, epi_smem_layout)
         sSFA = storage.sSFA.get_tensor(sfa_smem_layout)
 
         if warp_idx < Warp.MMA:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx <= cfg.b_warps:
+            if warp_idx <= Warp.LOAD_B + cfg.b_warps - 1:
                 self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_s, mSFA_tma, sA, sB, sSFA,
                              ring, warp_idx, sched, k_tiles, n_cols)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tiled_mma, mC, mSFA, mSFB, sA, sB, sC, sSFA, ring, tidx - 128, sched,
-                         k_tiles)
+            self.consume(tiled_mma, mC, mSFA, mSFB, sA, sB, sC, sSFA, ring,
+                         tidx - 32 * Warp.MMA, sched, k_tiles)
 
     @cute.jit
     def produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_s, mSFA, sA, sB, sSFA, ring,
@@ -328,16 +325,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         n_slots = len(fmap.row_rep)
         k_blocks = cute.size(tCrA, mode=[2])
 
-        r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = stage_to_shared(
+        staged = stage_to_shared(
             tiled_mma, acc, sC, ctid, self.c_layout, self.c_dtype, self.acc_dtype)
-        thr_s2g = self.make_store_copy().get_slice(ctid)
-        tSsC = thr_s2g.partition_S(sC)
-        m_subs = cfg.tile_m // self.epi_tile[0]
-        n_subs = self.out_tile_n // self.epi_tile[1]
-        chunks_n = cfg.tile_n // self.epi_tile[1]
-        epi_barrier = self.epi_barriers[0]
+        stores = self.tile_stores(sC, ctid)
         wg_row0 = 0
-        if cutlass.const_expr(cfg.stage_consumers > 1):
+        if cutlass.const_expr(cfg.mma_warpgroups > 1):
             wg_row0 = cute.arch.make_warp_uniform(ctid // 128) * 64
 
         read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
@@ -383,24 +375,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     self.scale_accumulators(acc, cC, fmap, mSFA, mSFB, expert, row0, n_tile,
                                             n_cols)
 
-            gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
-                                 (cfg.tile_m, self.out_tile_n), (0, n_tile))
-            cC_out = cute.local_tile(cute.make_identity_tensor(mC.shape),
-                                     (cfg.tile_m, self.out_tile_n), (0, n_tile))
-            for epi in cutlass.range_constexpr(m_subs * n_subs):
-                mi, ni = divmod(epi, n_subs)
-                buf = epi_count % self.epi_stages
-                self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
-                cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-                epi_barrier.arrive_and_wait()
-                tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
-                tScC = thr_s2g.partition_D(cute.local_tile(cC_out, self.epi_tile, (mi, ni)))
-                for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                    for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                        crd = tScC[0, i, j]
-                        if crd[0] < rows_valid and crd[1] < n_cols:
-                            cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
-                epi_count += 1
+            epi_count = self.epilogue(staged, stores, mC, row0, n_tile, rows_valid, epi_count)
             t += sched.step
 
     @cute.jit

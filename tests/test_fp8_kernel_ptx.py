@@ -213,8 +213,8 @@ def test_refused_configurations():
 
     with pytest.raises(ValueError, match="128 deep"):
         K.GroupedGemmFp8Sm90(g.DECODE)  # bf16's tile_k 64
-    with pytest.raises(ValueError, match="cooperative multi-warp"):
-        K.GroupedGemmFp8Sm90(dataclasses.replace(C.MID, pingpong=True))
+    with pytest.raises(ValueError, match="not pair_tiles"):
+        K.GroupedGemmFp8Sm90(dataclasses.replace(C.MID, cluster_m=2, pair_tiles=True))
     with pytest.raises(ValueError, match="one 128-column"):
         K.GroupedGemmFp8Sm90(dataclasses.replace(C.MID, tile_n=256))
     with pytest.raises(ValueError, match="recipe must be one of"):

@@ -199,7 +199,7 @@ def emulate(kernel, entry, recipe, a, b, sfa, sfb, offs, n_out):
                         elif recipe == "tensorwise":
                             acc *= float(sfa[0]) * float(sfb[e])
                         # a warpgroup whose rows are all past the expert's end skips
-                        for wg in range(cfg.stage_consumers):
+                        for wg in range(cfg.mma_warpgroups):
                             if rows_valid <= 64 * wg:
                                 acc[64 * wg:64 * (wg + 1)] = 0.0
                     if kernel.scale_parts == 2:  # SwiGLU: gate columns, then up
