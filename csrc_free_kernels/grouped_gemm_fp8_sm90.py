@@ -18,7 +18,8 @@ Scale layouts the kernel reads (``M`` token rows, ``KB = ceil(K / 128)``, ``E`` 
 
 The reason for two accumulators: the WGMMA's FP8 accumulation keeps about 14 bits
 (DeepSeek-V3 report, section 3.3), so the partial sums are moved into fp32 FFMAs every four
-k32 WGMMAs; see ``shared/notes/fp8.md``.
+k32 WGMMAs.  Register budgets and tile limits:
+``bench/notes/2026-12-05-fp8-sm90-register-budget.md``.
 """
 
 import dataclasses

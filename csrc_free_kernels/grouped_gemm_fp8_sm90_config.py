@@ -6,8 +6,9 @@ Every configuration is a :class:`~csrc_free_kernels.grouped_gemm_sm90.TileConfig
 ring stage is exactly one 128-K scale block of the blockwise recipe.
 
 The tiles follow the register budget of two accumulators per thread (the fp32 sum and the
-WGMMA's partial, see ``shared/notes/fp8.md`` section 4): 64 x 128 per MMA warpgroup at most
-(64 x 256 needs 255 registers and spills), so 128 x 128 with two warpgroups for many rows,
+WGMMA's partial; ``bench/notes/2026-12-05-fp8-sm90-register-budget.md``): 64 x 128 per MMA
+warpgroup at most (64 x 256 needs 255 registers and spills), so 128 x 128 with two
+warpgroups for many rows,
 and no ping-pong (a whole 128 x 128 tile per warpgroup is 256 accumulator registers).
 A tile's columns lie in one 128-column scale block of the weights (``tile_n <= 128``).
 
@@ -84,11 +85,13 @@ def choose_config(num_experts: int, n: int, k: int, m: int, *, recipe: str = "bl
     return PREFILL
 
 
-def swiglu_supported(two_i: int, recipe: str, config: TileConfig) -> bool:
-    """Whether the fused SwiGLU kernel runs with ``config``: a tile's gate and up parts
-    must be whole (``I`` a multiple of ``tile_n / 2``) and, blockwise, each part must lie
-    in one 128-row scale block of ``gate_up`` (``I`` a multiple of 128)."""
+def swiglu_supported(two_i: int, recipe: str, config: TileConfig | None = None) -> bool:
+    """Whether the fused SwiGLU kernel runs with ``config`` (None: with every
+    configuration :func:`choose_config` may pick): a tile's gate and up parts must be
+    whole (``I`` a multiple of ``tile_n / 2``) and, blockwise, each part must lie in one
+    128-row scale block of ``gate_up`` (``I`` a multiple of 128)."""
     inter = two_i // 2
-    if two_i % 2 or inter % (config.tile_n // 2):
+    half = max(c.tile_n for c in CONFIGS.values()) // 2 if config is None else config.tile_n // 2
+    if two_i % 2 or inter % half:
         return False
     return recipe != "blockwise" or inter % SCALE_BLOCK == 0

@@ -229,3 +229,6 @@ def test_swiglu_supported():
     assert C.swiglu_supported(2 * 704, "rowwise", C.MID)         # 704 % 64 == 0
     assert not C.swiglu_supported(2 * 720, "rowwise", C.MID)
     assert C.swiglu_supported(2 * 32, "tensorwise", C.DECODE16_N64)
+    # any configuration (the op layer's question before choosing tiles): I % 64
+    assert C.swiglu_supported(2 * 704, "rowwise") and not C.swiglu_supported(2 * 32, "rowwise")
+    assert not C.swiglu_supported(2 * 704, "blockwise")
