@@ -8,8 +8,8 @@ ring stage is exactly one 128-K scale block of the blockwise recipe.
 The tiles follow the register budget of two accumulators per thread (the fp32 sum and the
 WGMMA's partial; ``bench/notes/2026-12-05-fp8-sm90-register-budget.md``): 64 x 128 per MMA
 warpgroup at most (64 x 256 needs 255 registers and spills), so 128 x 128 with two
-warpgroups for many rows,
-and no ping-pong (a whole 128 x 128 tile per warpgroup is 256 accumulator registers).
+warpgroups for many rows, and no ping-pong (a whole 128 x 128 tile per warpgroup is 256
+accumulator registers).
 A tile's columns lie in one 128-column scale block of the weights (``tile_n <= 128``).
 
 The heuristic repeats the bf16 kernel's rules on the FP8 tiles; it has not been measured
