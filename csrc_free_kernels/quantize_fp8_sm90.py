@@ -17,6 +17,8 @@ See :class:`QuantizeFp8Sm90` for how the threads share the work.
 import cutlass
 import cutlass.cute as cute
 
+from . import pdl
+
 FP8_MAX = 448.0
 GROUP = 128   # blockwise group: elements of a row
 VEC = 8       # elements a thread loads at once (16 bytes of bf16)
@@ -37,6 +39,9 @@ class QuantizeFp8Sm90:
     threads striding the row's 16-byte vectors: the row's amax (warp butterflies, then
     across warps through shared memory), then the row again, quantized.  Tensorwise
     takes the whole tensor's amax as an input and skips the first sweep.
+
+    Launched with programmatic dependent launch (:mod:`csrc_free_kernels.pdl`), as the
+    forward kernels are: it waits for the stream ahead before touching memory.
     """
 
     def __init__(self, recipe: str, threads: int = 256, vecs: int = 4):
@@ -67,12 +72,14 @@ class QuantizeFp8Sm90:
             total = m  # rows
             grid = cutlass.min(m, max_ctas)
         self.kernel(gX, gQ, mScale, mAmax, k_vec, total).launch(
-            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream,
+            use_pdl=pdl.ENABLED)
 
     # -------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, gX: cute.Tensor, gQ: cute.Tensor, mScale: cute.Tensor,
                mAmax: cute.Tensor, k_vec: cutlass.Int32, total: cutlass.Int32):
+        pdl.enter()  # before the first global access
         if cutlass.const_expr(self.recipe == "blockwise_1x128"):
             self.blockwise(gX, gQ, mScale, k_vec, total)
         else:

@@ -172,6 +172,7 @@ def test_quantize_ptx(ptx, name):
     text = ptx[name]
     recipe, dtype = SPECS[name]
     assert ".target sm_90a" in text and ".local" not in text
+    assert_pdl_entry(text)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text
     assert "div.rn.f32" in text
     assert re.search(r"ld\.global(\.nc)?\.v4\.b32", text)
