@@ -38,9 +38,6 @@ from .grouped_gemm_sm90_config import SMEM_CAPACITY, TileConfig
 from .sm90_epilogue import mma_operands, stage_to_shared
 from .tile_schedule import TileScheduler
 
-# WGMMA k per instruction for 8-bit operands; a stage (one scale block) is four of them
-MMA_K = 32
-
 
 @dataclasses.dataclass(frozen=True)
 class FragmentScaleMap:
@@ -73,12 +70,12 @@ class FragmentScaleMap:
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
     """Persistent ragged grouped GEMM on e4m3 tokens and weights, fp32 accumulation.
 
-    The roles, ring, schedule and epilogue are the base kernel's (warp 0 loads the token
-    box and arms each stage, warps 1..b_warps the weight parts, warp 3 the schedule, one
-    or two MMA warpgroups); weights K-major only (``MmaF8Op`` reads both operands
+    The roles, ring, schedule and epilogue are the base kernel's (LOAD_A loads the token
+    box and arms each stage, the LOAD_B warps the weight parts, SCHEDULE builds the
+    schedule, one or two MMA warpgroups); weights K-major only (``MmaF8Op`` reads both operands
     K-major: the (E, K, N) transpose view of the (E, N, K) checkpoint stack).
 
-    ``recipe`` blockwise: warp 0 also loads the k-block's column of activation scales
+    ``recipe`` blockwise: LOAD_A also loads the k-block's column of activation scales
     (``rows`` fp32, one TMA box of the M-major ``sfa``) into the stage, so the scales ride
     under the stage's one armed byte count.  Per stage, an MMA warpgroup issues four k32
     WGMMAs into ``part`` (the first overwriting it), waits for them, reads its two rows'
@@ -244,8 +241,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     @cute.jit
     def produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_s, mSFA, sA, sB, sSFA, ring,
                 warp_idx, sched: TileScheduler, k_tiles, n_cols):
-        """Warp 0: each stage's token box (and, blockwise, its k-block of activation
-        scales), arming the stage with all its bytes; warps 1..b_warps: a weight part
+        """LOAD_A: each stage's token box (and, blockwise, its k-block of activation
+        scales), arming the stage with all its bytes; the LOAD_B warps: a weight part
         each (:meth:`GroupedGemmSm90.load_b`)."""
         cfg = self.cfg
         cta_rank, lead, total_tiles = sched.cta_rank, sched.lead, sched.total_tiles
