@@ -144,7 +144,7 @@ def test_cpu_smoke_run_writes_eager_and_graph_fields(cpu_machine, tmp_path, caps
     fields there, empty (no CUDA)."""
     pytest.importorskip("transformers", minversion="5")
     argv = ["--suite", "moe_block", "--T", "1,16", "--target-ms", "1",
-            "--out-dir", str(tmp_path)]
+            "--out-dir", str(tmp_path), "--results-md", str(tmp_path / "RESULTS.md")]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     assert "running 4 cases of cpu-mixtral, cpu-qwen3 at T=1,16 on the CPU" in captured.err
