@@ -162,7 +162,7 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     """Pick tiles from shapes only (no sync): rows per expert ``r = M / E``, N, K.
 
     Measured on the H200 over the three models' GEMMs at T = 16..16384
-    (bench/RESULTS.md has the sweep):
+    (the sweep: bench/notes/2026-12-02-tile-config-sweep.md):
 
     - ``r < 6``: the op streams weights; a 16-row token box spares L2 the 48
       rows a 64-row tile would discard (Mixtral gate_up T=16: 0.470 ms
@@ -201,7 +201,7 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
         # ~60 GB/s: tiles that leave SMs idle (one short wave, or a short last
         # one) leave HBM idle too.  64-column tiles where they fill the SMs'
         # slots markedly better (Mixtral T=1: gate_up 3.4 waves of 128-column
-        # tiles, down half a wave; bench/RESULTS.md, "Issue 21")
+        # tiles, down half a wave; bench/notes/2026-12-04-decode16-n64.md)
         touched = min(num_experts, m)
         fill = [_slot_fill(tiles(cfg, touched), num_sms) for cfg in (DECODE16, DECODE16_N64)]
         return DECODE16_N64 if fill[1] > fill[0] + 0.05 else DECODE16

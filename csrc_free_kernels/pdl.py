@@ -16,8 +16,8 @@ then does the kernel let its own dependents launch
 (``griddepcontrol.launch_dependents``).
 
 ``TS_MOE_PDL=0`` (read at import) compiles and launches without it; the
-compile keys carry :data:`ENABLED`.  Measured on and off: bench/RESULTS.md,
-"Issue 21".
+compile keys carry :data:`ENABLED`.  Measured on and off:
+bench/notes/2026-12-04-pdl.md.
 """
 
 import os

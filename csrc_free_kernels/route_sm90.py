@@ -284,8 +284,8 @@ class RouteSlots(TokenRouting):
     of shared memory per thread.  Outside the contract (as in the version
     before): int64 ids beyond the int32 range are clamped to it (such ids tie
     and keep slot order), and NaN logits choose other experts than torch's
-    ``topk`` would (every weight is NaN either way).  Measured: bench/RESULTS.md, "Issue 21,
-    third pass".
+    ``topk`` would (every weight is NaN either way).  Measured:
+    bench/notes/2026-12-04-routing-linear-scan.md.
     """
 
     def __init__(self, from_logits: bool, per_lane: int = MAX_EXPERTS // 32,
@@ -446,8 +446,8 @@ class RouteTopK(TokenRouting):
     are bit for bit those of :class:`RouteSlots`) and writes ``mWeights`` and
     ``mExperts``.  The slot order then comes from :class:`RouteSlots` on the
     ids (``from_logits=False``): two launches, where one CTA's top-k rounds
-    would keep one SM issue-bound for many tokens (bench/RESULTS.md, "Issue
-    21, fourth pass": about 900 warp instructions a token at E = 128).
+    would keep one SM issue-bound for many tokens (about 900 warp instructions
+    a token at E = 128: bench/notes/2026-12-04-routing-packed-topk.md).
     """
 
     def __init__(self, per_lane: int = MAX_EXPERTS // 32, warps: int = 4):
