@@ -212,8 +212,8 @@ def grouped_gemm_summary(result: dict) -> str:
                                    ("mid", f"{targets.STREAM_T} < T < {targets.LARGE_T}"),
                                    ("large", f"T >= {targets.LARGE_T}"))
              if regimes.get(regime)]
-    text = (f"**Grouped GEMM, {'K' if _kmajor(result) else 'N'}-major weights**: ts_moe "
-            f"against the fastest of {_peers(result)}: {'; '.join(parts)}")
+    text = (f"**Grouped GEMM, {'K' if _kmajor(result) else 'N'}-major weights**: ts_moe's "
+            f"speed against the fastest of {_peers(result)}: {'; '.join(parts)}")
     if tbps is not None and roof:
         text += (f"; at T <= {targets.STREAM_T} it streams the weights at up to {tbps:.2f} TB/s "
                  f"(the run's HBM read roof: {roof:.2f})")
@@ -224,9 +224,9 @@ def grouped_gemm_summary(result: dict) -> str:
 def layer_summary(result: dict) -> str:
     ts = _ts(result["cases"])
     Ts = sorted({r["T"] for r in ts})
-    return (f"**MoE layer, the experts half** (routing given), eager: ts_moe at "
-            f"{_span(r.get('vs_best_peer') for r in ts)} the speed of the fastest of "
-            f"{_peers(result)} (T = {Ts[0]} to {Ts[-1]})" if ts else
+    return (f"**MoE layer, the experts half** (routing given), eager, T = {Ts[0]} to "
+            f"{Ts[-1]}: ts_moe's speed against the fastest of {_peers(result)}: "
+            f"{_span(r.get('vs_best_peer') for r in ts)}" if ts else
             "**MoE layer**: no ts_moe case timed")
 
 
@@ -243,8 +243,8 @@ def block_summary(result: dict) -> str:
         parts.append(text)
     head = (f"**The whole MoE block, router to output**: at T = {small[0]['T']}, "
             f"{'; '.join(parts)}; " if small else "**The whole MoE block**: ")
-    text = head + (f"eager, {_span(r.get('vs_best_peer') for r in ts)} the speed of the "
-                   f"fastest of {_peers(result)}")
+    text = head + (f"eager, ts_moe's speed against the fastest of {_peers(result)}: "
+                   f"{_span(r.get('vs_best_peer') for r in ts)}")
     vs = _verdicts(result)
     return text + (f"; {_met(vs)} targets met" if vs else "")
 
@@ -257,7 +257,7 @@ def training_summary(result: dict) -> str:
         f"{step} {_span(r.get('vs_best_peer') for r in gemms if r.get('step') == step)}"
         for step in steps)
     layer = [r for r in ts if r["gemm"] == "layer"]
-    text = f"**Training**: per GEMM, ts_moe against the fastest peer: {per_step}"
+    text = f"**Training**: per GEMM, ts_moe's speed against the fastest peer: {per_step}"
     if layer:
         groups = report.case_groups(result["cases"])
         lower = 0
@@ -277,7 +277,7 @@ def training_summary(result: dict) -> str:
 
 def generic_summary(result: dict) -> str:
     ts = _ts(result["cases"])
-    return (f"**{result['suite']}**: ts_moe against the fastest peer "
+    return (f"**{result['suite']}**: ts_moe's speed against the fastest peer: "
             f"{_span(r.get('vs_best_peer') for r in ts)} over {len(ts)} cases")
 
 
@@ -292,7 +292,9 @@ SUMMARIES: dict[str, Callable[[dict], str]] = {
 def status_markdown(results_dir: Path = report.RESULTS_DIR) -> str:
     """The README's status section, between its markers."""
     current, _ = load_runs(results_dir)
-    lines = [STATUS_BEGIN, GENERATED, ""]
+    lines = [STATUS_BEGIN, GENERATED, "",
+             "A speed is the fastest other backend's time over ts_moe's in the same case and "
+             "run (> 1.00x: ts_moe is faster); a range spans the cases.", ""]
     for _, result in current:
         summary = SUMMARIES.get(result["suite"], generic_summary)(result)
         lines.append(f"- {summary} ({_when(result)}).")

@@ -85,7 +85,7 @@ def test_page_of_current_runs_and_others(tmp_path):
     assert "1.50x at T <= 128; 0.50x at T >= 4096" in gemm
     assert gemm.endswith("(NVIDIA H200, 2026-12-24, commit abcdef012345).")
     generic = next(line for line in lines if "**fp8**" in line)  # no summary of its own
-    assert "0.50-1.50x over 2 cases (NVIDIA H200, 2026-12-24, provenance unknown)" in generic
+    assert "peer: 0.50-1.50x over 2 cases (NVIDIA H200, 2026-12-24, provenance unknown)" in generic
 
 
 def test_committed_page_is_short_and_covers_every_current_run():
