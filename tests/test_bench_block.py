@@ -261,7 +261,7 @@ def test_block_suite_on_gpu_eager_and_graphed():
             assert r["graph_status"] == "ok" and 0 < r["graph_ms"], r
 
 
-# ------------------------------------------------------------ issue 21 targets
+# ------------------------------------------------------------ the decode-block targets
 def _block_rec(model, T, backend, ms, graph_ms=None, floor_ms=0.1, status="ok"):
     return {"model": model, "gemm": "block", "T": T, "routing": "router", "backend": backend,
             "status": status, "ms": ms, "graph_ms": graph_ms, "floor_ms": floor_ms,

@@ -137,7 +137,7 @@ def _rec(model, gemm, T, backend, ms, tbps, tflops=1.0, status="ok", flops=1e9, 
 
 
 def test_targets_rules():
-    """Issue 20's rules: the strictest peer's time over its ratio, never below the
+    """The forward targets' rules: the strictest peer's time over its ratio, never below the
     time at the cap of the bounding roof (HBM 4 TB/s, dense 500 TFLOP/s here)."""
     from bench import targets
 
