@@ -154,6 +154,10 @@ def section(path: Path, result: dict, root: Path = provenance.REPO) -> str:
         lines.append(f"- roofs measured in the run: HBM read {roofs['hbm_read_tbps']:.2f} TB/s, "
                      f"bf16 dense {roofs['bf16_dense_tflops']:.0f} TFLOP/s")
     lines.append(f"- every case and backend: `python -m bench report {rel}`")
+    png = Path(path).with_suffix(".png")
+    if png.exists():
+        lines.append(f"- plot: `{_rel(png, root)}` (redrawn by `python -m bench report {rel} "
+                     f"--plot-dir {_rel(png.parent, root)}`)")
     vs = _verdicts(result)
     if vs:
         lines += [f"- each target: `python -m bench targets {rel}`", "", targets_line(result, vs)]
