@@ -28,7 +28,7 @@ def test_quick_start_is_on_the_first_screen():
     assert block < FIRST_SCREEN - len(commands) - 1
     assert [c.split(" && ")[1] for c in commands] == ["python -m ts_moe demo",
                                                       "python -m pytest -q"]
-    assert all(line.startswith("## ") is False for line in lines[1:start])  # one paragraph
+    assert not any(line.startswith("## ") for line in lines[1:start])  # one paragraph first
     quick = "\n".join(lines[start:lines.index("## Use")])
     assert "11 minutes" in quick and "H200" in quick  # the time each command takes
     assert "CPU-only build" in quick
