@@ -8,9 +8,11 @@
     python -m bench --suite moe_block                # router + top-k + experts: eager
                                                      # (host + GPU) and CUDA-graph ms
     python -m bench --suite moe_block --quick --models qwen3 --backends ts_moe,hf_grouped_mm
-    python -m bench report bench/results/nvidia-h200-grouped_gemm.json
+    python -m bench --out-dir bench/results          # a run to commit (see below)
+    python -m bench report bench/results/nvidia-h200-grouped_gemm.json   # its tables
+    python -m bench report --readme                  # bench/RESULTS.md and the README's status
     python -m bench overhead                         # host time of one op call
-    python -m bench targets bench/results/nvidia-h200-grouped_gemm.json  # issue 4 targets
+    python -m bench targets bench/results/nvidia-h200-grouped_gemm.json  # prefill targets
     python -m bench targets bench/results/nvidia-h200-training.json      # training targets
     python -m bench targets bench/results/nvidia-h200-moe_block.json     # decode block targets
 
@@ -23,9 +25,14 @@ measured HBM roof).  ts_moe's per-stage NVTX ranges (route, permute, gate_up,
 down, combine) show in its eager calls under Nsight Systems.
 
 A run prints one progress line per case on stderr and the results table on
-stdout, then writes bench/results/<gpu>-<suite>.json, its plot
-(<gpu>-<suite>.png) and its section of bench/RESULTS.md.  Exit status 1 if
-any backend computed a wrong result.
+stdout, then writes <out-dir>/<gpu>-<suite>.json (with the run's provenance:
+commit, tree state, host, GPU, driver, package versions; :mod:`bench.provenance`)
+and its plot <gpu>-<suite>.png; ``--results-md FILE`` also writes its markdown
+section into FILE.  The default out-dir is outside the checkout
+(:func:`bench.report.default_out_dir`); a run meant to become the committed
+numbers names ``--out-dir bench/results``, and ``python -m bench report
+--readme`` then regenerates ``bench/RESULTS.md`` and the README's status from
+the committed JSON.  Exit status 1 if any backend computed a wrong result.
 
 The suites are sized for an H200.  On a machine without CUDA (or with
 ``--device cpu``) the run says so at once and runs the CPU smoke suite instead
@@ -33,7 +40,7 @@ The suites are sized for an H200.  On a machine without CUDA (or with
 ``--models`` or ``--T`` win): it checks the harness end to end in well under
 two minutes, but its times are of the plain-torch reference path, not of any
 kernel, so a CPU run saves nothing unless ``--out-dir`` or ``--results-md``
-says where (bench/RESULTS.md holds GPU runs).
+says where.
 """
 
 import argparse
@@ -45,7 +52,7 @@ from pathlib import Path
 import torch
 
 from . import cases as case_lib
-from . import moe_block, report
+from . import moe_block, pages, provenance, report
 from .roofs import measure_roofs
 from .runner import SUITES, TOLERANCE, Settings, run_suite
 
@@ -62,20 +69,13 @@ def _csv(kind):
 
 
 SUBCOMMANDS = {
-    "report": "python -m bench report RESULT.json: rebuild a run's RESULTS.md section and plot",
+    "report": "python -m bench report RESULT.json: a run's tables (and plot, --plot-dir); "
+              "--readme: bench/RESULTS.md and the README's status from bench/results/",
     "targets": "python -m bench targets RESULT.json: a grouped_gemm, training or moe_block "
                "run's targets, met or not",
     "overhead": "python -m bench overhead: host time of one op call (needs CUDA)",
 }
 CPU_TARGET_MS = 10.0  # timed work per backend and case in the CPU smoke suite
-
-
-def _rel(path: Path) -> str:
-    """A path of the checkout as the README writes it (relative to the repository root)."""
-    try:
-        return str(path.relative_to(report.BENCH_DIR.parent))
-    except ValueError:
-        return str(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,11 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-budget-gb", type=float, default=36.0,
                    help="memory for a case's rotated input copies")
     p.add_argument("--out-dir", type=Path,
-                   help=f"where the JSON and the plot go (default {_rel(report.RESULTS_DIR)}; "
-                        "on the CPU nothing is saved unless this or --results-md is given)")
+                   help=f"where the JSON and the plot go (default {report.default_out_dir()}, "
+                        "outside the checkout; bench/results for a run to commit; on the CPU "
+                        "nothing is saved unless this or --results-md is given)")
     p.add_argument("--results-md", type=Path,
-                   help=f"the markdown file the run's section goes into (default "
-                        f"{_rel(report.RESULTS_MD)}; on the CPU: RESULTS.md in --out-dir)")
+                   help="also write the run's markdown section into this file (on the CPU "
+                        "without --out-dir: the JSON goes next to it)")
     p.add_argument("--no-save", action="store_true", help="no JSON, markdown or plot")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--list", action="store_true", help="print the cases and backends, run nothing")
@@ -143,11 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_report_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench report",
-                                description="Rebuild the RESULTS.md section and the plot of a run.")
-    p.add_argument("json", type=Path)
-    p.add_argument("--results-md", type=Path, default=report.RESULTS_MD)
-    p.add_argument("--no-plots", action="store_true")
+    p = argparse.ArgumentParser(
+        prog="python -m bench report",
+        description="A run's markdown section (its facts, provenance and table) on stdout; "
+                    "writes only what is named. With --readme: regenerate bench/RESULTS.md "
+                    "and the README's status section from the committed runs in bench/results/.")
+    p.add_argument("json", type=Path, nargs="?", help="a run's JSON")
+    p.add_argument("--results-md", type=Path,
+                   help="write the run's section into this markdown file (replacing an "
+                        "earlier section of the same GPU and suite)")
+    p.add_argument("--plot-dir", type=Path, help="write the run's plot into this directory")
+    p.add_argument("--no-plots", action="store_true", help="(no plot is written without "
+                                                           "--plot-dir anyway)")
+    p.add_argument("--readme", action="store_true",
+                   help=f"write {report.RESULTS_MD.name} and the README's status section from "
+                        f"{report.RESULTS_DIR.parent.name}/{report.RESULTS_DIR.name}/*.json")
+    p.add_argument("--check", action="store_true",
+                   help="with --readme: write nothing; exit 1 if either file differs from "
+                        "what --readme writes")
     return p
 
 
@@ -282,18 +296,17 @@ def run(argv) -> int:
         print(cpu_notice(args, sel, len(cases)), file=sys.stderr, flush=True)
     if args.target_ms is None:
         args.target_ms = CPU_TARGET_MS if cpu else sel["suite"].default_target_ms
-    # where results go: the checkout's bench/results and bench/RESULTS.md hold GPU runs;
-    # a CPU run's times (of the reference path) go only where the user says
+    # where results go: a GPU run's to --out-dir (default outside the checkout); a CPU
+    # run's times (of the reference path) only where the user says
     save = not args.no_save
     if cpu:
         save = save and (args.out_dir is not None or args.results_md is not None)
-        if save:  # the one not named goes next to the one named
-            args.out_dir = args.out_dir or args.results_md.parent
-            args.results_md = args.results_md or args.out_dir / "RESULTS.md"
+        if save and args.out_dir is None:  # the JSON goes next to the named markdown
+            args.out_dir = args.results_md.parent
     else:
-        args.out_dir = args.out_dir or report.RESULTS_DIR
-        args.results_md = args.results_md or report.RESULTS_MD
+        args.out_dir = args.out_dir or report.default_out_dir()
     device = torch.device(args.device)
+    prov = provenance.collect(device)  # before the run: the code it starts from
     roofs = None
     if not args.no_roofs and device.type == "cuda":
         roofs = measure_roofs(device)
@@ -311,6 +324,7 @@ def run(argv) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "provenance": prov,
         "roofs": roofs,
         "command": shlex.join(["python", "-m", "bench", *argv]),
         "settings": {"target_ms": args.target_ms, "graphs": args.graphs,
@@ -321,8 +335,10 @@ def run(argv) -> int:
     print(report.render_text(records))
     if save:
         json_path = report.write_json(result, args.out_dir)
-        md_path = report.update_results_md(json_path, args.results_md)
-        print(f"wrote {json_path} and its section of {md_path}", file=sys.stderr)
+        print(f"wrote {json_path}", file=sys.stderr)
+        if args.results_md is not None:
+            md_path = report.update_results_md(json_path, args.results_md)
+            print(f"wrote its section of {md_path}", file=sys.stderr)
         if not args.no_plots:
             png = report.plot(result, args.out_dir)
             if png:
@@ -343,15 +359,54 @@ def load_run(path: Path, parser: argparse.ArgumentParser) -> dict:
     return result
 
 
+def readme_command(check: bool) -> int:
+    """``report --readme``: write (or, with ``check``, compare) bench/RESULTS.md and the
+    README's status section, generated from the committed runs."""
+    try:
+        written = pages.pages()
+    except ValueError as exc:  # the README lost its status markers
+        print(f"python -m bench report --readme: {exc}", file=sys.stderr)
+        return 2
+    stale = pages.stale_pages(written)
+    current, _ = pages.load_runs()
+    for path, result in current:
+        warning = provenance.staleness(result)
+        if warning:
+            print(f"{path.name}: {warning}", file=sys.stderr)
+    if check:
+        for path in stale:
+            print(f"{path} differs from what `python -m bench report --readme` writes",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(written[path])
+        print(f"wrote {path}", file=sys.stderr)
+    if not stale:
+        print("bench/RESULTS.md and the README's status are up to date", file=sys.stderr)
+    return 0
+
+
 def report_command(argv) -> int:
     parser = build_report_parser()
     args = parser.parse_args(argv)
+    if args.readme:
+        if args.json or args.results_md or args.plot_dir:
+            parser.error("--readme takes no run and no --results-md or --plot-dir")
+        return readme_command(args.check)
+    if args.check:
+        parser.error("--check goes with --readme")
+    if args.json is None:
+        parser.error("name a run's JSON (or --readme)")
     result = load_run(args.json, parser)
-    md_path = report.update_results_md(args.json, args.results_md)
     print(report.render_markdown(result))
-    print(f"updated {md_path}", file=sys.stderr)
-    if not args.no_plots:
-        png = report.plot(result, args.json.parent)
+    warning = provenance.staleness(result)
+    if warning:
+        print(warning, file=sys.stderr)
+    if args.results_md is not None:
+        print(f"wrote its section of {report.update_results_md(args.json, args.results_md)}",
+              file=sys.stderr)
+    if args.plot_dir is not None and not args.no_plots:
+        png = report.plot(result, args.plot_dir)
         if png:
             print(f"wrote {png}", file=sys.stderr)
     return 0

@@ -12,13 +12,17 @@ split sizes (dispatch and return: ``all_to_all_single`` twice) and its share of
 the call, the bytes it moves to other ranks per rank, and those bytes against
 the all-to-all bandwidth measured on a 256 MB buffer in the same run.  NVLink
 multicast stays off (``NCCL_NVLS_ENABLE=0``).  Rank 0 prints the table and
-writes ``<out-dir>/<gpu>-expert_parallel.json``.
+writes ``<out-dir>/<gpu>-x<W>-expert_parallel.json`` with the run's provenance
+(:mod:`bench.provenance`).  The default out-dir is outside the checkout
+(:func:`bench.report.default_out_dir`); a CPU run saves nothing unless
+``--out-dir`` is given.
 """
 
 import argparse
 import datetime
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import provenance, report
 from .cases import MODELS, SMOKE_MODELS
 
 EP_MODELS = ("mixtral-8x7b", "deepseek-v3")
@@ -49,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--T", type=_csv(int), default=None, help="tokens per rank")
     p.add_argument("--mode", choices=("exact", "capacity"), default="exact")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--out-dir", type=Path,
+                   help=f"where the JSON goes (default {report.default_out_dir()}; on the CPU "
+                        "nothing is saved unless this is given)")
     return p
 
 
@@ -127,12 +134,14 @@ def _rank_main(rank: int, world: int, init_file: str, args, out_file: str) -> No
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    argv_used = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv_used)
     world = args.world or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if world < 1 or (args.device == "cuda" and world > torch.cuda.device_count()):
         print(f"python -m bench.expert_parallel: --world {world} needs that many GPUs "
               f"({torch.cuda.device_count()} here)", file=sys.stderr)
         return 2
+    prov = provenance.collect(torch.device(args.device, 0) if args.device == "cuda" else None)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "records.json")
         mp.spawn(_rank_main, args=(world, os.path.join(d, "init"), args, out), nprocs=world)
@@ -140,17 +149,22 @@ def main(argv=None) -> int:
     gpu = (torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu")
     result = {"suite": "expert_parallel", "device": gpu, "world": world,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "command": " ".join(sys.argv), "cases": records}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    slug = gpu.lower().replace("nvidia ", "nvidia-").replace(" ", "-")
-    path = args.out_dir / f"{slug}-x{world}-expert_parallel.json"
-    path.write_text(json.dumps(result, indent=1))
+              "torch": torch.__version__, "cuda": torch.version.cuda, "provenance": prov,
+              "command": shlex.join(["python", "-m", "bench.expert_parallel", *argv_used]),
+              "cases": records}
     print(f"| model | T per rank | mode | ms | exchange ms | share | MB moved per rank | "
           f"exchange GB/s | all-to-all GB/s |\n|---|---|---|---|---|---|---|---|---|")
     for r in records:
         print(f"| {r['model']} | {r['T']} | {r['mode']} | {r['ms']:.3f} | {r['exchange_ms']:.3f} "
               f"| {r['exchange_share']:.0%} | {r['bytes_per_rank'] / 1e6:.1f} | "
               f"{r['exchange_gbps']:.0f} | {r['alltoall_gbps']:.0f} |")
+    if args.out_dir is None and args.device == "cpu":
+        print("not saved (a CPU run; --out-dir to save)", file=sys.stderr)
+        return 0
+    out_dir = args.out_dir or report.default_out_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{report.sanitize(gpu)}-x{world}-expert_parallel.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

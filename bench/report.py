@@ -1,18 +1,33 @@
-"""Results: the JSON file, the text and markdown tables, RESULTS.md sections, plots.
+"""Results: the JSON file, the text and markdown tables, a run's markdown section, plots.
 
 Everything here works from the result dict alone (what the JSON holds), so
 ``python -m bench report X.json`` regenerates the markdown and plots later.
+Nothing is written into the checkout unless a path in it is named:
+:func:`default_out_dir` is outside it.  ``bench/results/`` holds the committed
+runs that ``bench/RESULTS.md`` and the README's status are generated from
+(:mod:`bench.pages`).
 """
 
 import json
 import math
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from . import provenance
+
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
-RESULTS_MD = BENCH_DIR / "RESULTS.md"
+RESULTS_DIR = BENCH_DIR / "results"  # the committed runs
+RESULTS_MD = BENCH_DIR / "RESULTS.md"  # generated from them: python -m bench report --readme
+
+
+def default_out_dir() -> Path:
+    """Where a GPU run's JSON and plot go unless ``--out-dir`` says:
+    ``$XDG_CACHE_HOME/ts_moe/bench`` (default ``~/.cache/ts_moe/bench``), outside
+    the checkout."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "ts_moe" / "bench"
 
 COLUMNS = ("model", "gemm", "T", "routing", "backend", "ms", "TFLOP/s", "TB/s", "roof",
            "vs best peer", "status")
@@ -166,7 +181,7 @@ def render_markdown(result: dict) -> str:
         f"## {result['suite']} on {result['device']}",
         "",
         f"- date: {result['date']}",
-        f"- torch {result['torch']}, CUDA {result['cuda']}",
+        f"- {provenance.describe(result)}",
         f"- roofs (measured in the run): {roof_text}",
         f"- command: `{result['command']}`",
         "",
@@ -218,9 +233,9 @@ def load_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def update_results_md(json_path, md_path=RESULTS_MD) -> Path:
-    """Write the run's section into RESULTS.md, replacing the section of an
-    earlier run of the same GPU and suite, or appending it."""
+def update_results_md(json_path, md_path) -> Path:
+    """Write the run's section into the markdown file ``md_path``, replacing the
+    section of an earlier run of the same GPU and suite, or appending it."""
     result = load_json(json_path)
     stem = result_stem(result)
     begin, end = f"<!-- bench:{stem} begin -->", f"<!-- bench:{stem} end -->"

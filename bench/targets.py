@@ -1,6 +1,9 @@
 """``python -m bench targets RESULT.json``: the performance targets of a run, met or not.
 
-The forward targets (issue 20), per case of a grouped_gemm run, in either weight
+Each run is also checked for staleness: a warning on stderr when it is older
+than the last change to the kernels or the ops (:func:`bench.provenance.staleness`).
+
+The forward targets, per case of a grouped_gemm run, in either weight
 layout (``--weight-layout``; the JSON says which).  Each is a time: the
 strictest of ``peer ms / ratio`` over its peers, but never below the time at
 ``cap`` of the roof that bounds the case (HBM read or dense bf16, both
@@ -22,7 +25,7 @@ The training targets, per case of a training run (one verdict per case and peer)
 - the layer's ``fwd+bwd`` at T >= 4096: >= 1.25x ``hf_grouped_mm`` and >= 1.10x
   ``torch_layer``, and a peak memory no higher than that peer's.
 
-The decode-block targets (issue 21), per case of a moe_block run, for ``ts_moe``:
+The decode-block targets, per case of a moe_block run, for ``ts_moe``:
 
 - CUDA graph: Mixtral-8x7B and DeepSeek-V3 at T = 1 in <= 0.18 ms, Qwen3-30B-A3B
   in <= 30 us; T = 16 and 64 within 1.15x of the case's weight-streaming floor;
@@ -34,10 +37,11 @@ The decode-block targets (issue 21), per case of a moe_block run, for ``ts_moe``
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import report
+from . import provenance, report
 from .roofs import roof_fraction
 
 # the forward targets by T: (peers and the ratio over each, the roof cap)
@@ -282,6 +286,9 @@ def main(argv) -> int:
         parser.error(f"{args.json}: {exc}")
     except (KeyError, TypeError, AttributeError) as exc:
         parser.error(f"{args.json} is not a run's JSON ({type(exc).__name__}: {exc})")
+    warning = provenance.staleness(result)
+    if warning:
+        print(warning, file=sys.stderr)
     suite = result["suite"]
     if not vs:
         peers = {"training": "torch_grouped_mm, cublas_loop, hf_grouped_mm, torch_layer",

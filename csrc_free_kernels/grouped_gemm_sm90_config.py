@@ -110,7 +110,7 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     """Pick tiles from shapes only (no sync): rows per expert ``r = M / E``, N, K.
 
     Measured on the H200 over the three models' GEMMs at T = 16..16384
-    (bench/RESULTS.md has the sweep):
+    (bench/notes/2026-12-02-tile-config-sweep.md has the sweep):
 
     - ``r < 6``: the op streams weights; a 16-row token box spares L2 the 48
       rows a 64-row tile would discard (Mixtral gate_up T=16: 0.470 ms

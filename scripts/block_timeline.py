@@ -21,7 +21,7 @@ from bench.cases import traffic  # noqa: E402
 from bench.moe_block import shaped_inputs  # noqa: E402
 from ts_moe.moe import moe_forward  # noqa: E402
 
-HBM_BYTES_PER_US = 4.47e6  # the H200's measured HBM read roof (bench/RESULTS.md)
+HBM_BYTES_PER_US = 4.47e6  # H200 HBM read roof: bench/notes/2026-12-04-direct-store-epilogue.md
 
 
 def main(hidden: int, inter: int, experts: int, top_k: int, tokens: int = 1) -> None:

@@ -144,7 +144,7 @@ def test_cpu_smoke_run_writes_eager_and_graph_fields(cpu_machine, tmp_path, caps
     fields there, empty (no CUDA)."""
     pytest.importorskip("transformers", minversion="5")
     argv = ["--suite", "moe_block", "--T", "1,16", "--target-ms", "1",
-            "--out-dir", str(tmp_path)]
+            "--out-dir", str(tmp_path), "--results-md", str(tmp_path / "RESULTS.md")]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     assert "running 4 cases of cpu-mixtral, cpu-qwen3 at T=1,16 on the CPU" in captured.err
@@ -261,7 +261,7 @@ def test_block_suite_on_gpu_eager_and_graphed():
             assert r["graph_status"] == "ok" and 0 < r["graph_ms"], r
 
 
-# ------------------------------------------------------------ issue 21 targets
+# ------------------------------------------------------------ the decode-block targets
 def _block_rec(model, T, backend, ms, graph_ms=None, floor_ms=0.1, status="ok"):
     return {"model": model, "gemm": "block", "T": T, "routing": "router", "backend": backend,
             "status": status, "ms": ms, "graph_ms": graph_ms, "floor_ms": floor_ms,

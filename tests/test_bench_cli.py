@@ -1,12 +1,16 @@
-"""python -m bench: argument parsing, --list, and an end-to-end CPU run of a tiny model."""
+"""python -m bench: argument parsing, --list, an end-to-end CPU run of a tiny model, and
+where runs and reports write (nowhere in the checkout unless a path there is named)."""
 
 import json
+import subprocess
 
 import pytest
 import torch
 
 from bench import __main__ as cli
-from bench import cases
+from bench import cases, provenance, report
+
+REPO = provenance.REPO
 
 REQUIRED_CASE_KEYS = {"model", "gemm", "T", "routing", "backend", "ms", "tflops", "tbps",
                       "max_rel_err", "status"}
@@ -104,7 +108,8 @@ def test_cpu_run_writes_json_markdown_plot(tiny_model, tmp_path, capsys):
 
     path = tmp_path / "cpu-grouped_gemm-kmajor.json"  # a K-major run: its own stem
     data = json.loads(path.read_text())
-    assert set(data) >= {"device", "date", "torch", "cuda", "roofs", "command", "cases"}
+    assert set(data) >= {"device", "date", "torch", "cuda", "roofs", "command", "cases",
+                         "provenance"}
     assert data["device"] == "cpu" and data["roofs"] is None
     assert data["command"].startswith("python -m bench --device cpu --models tiny")
     assert len(data["cases"]) == 2 * 2 * 4  # gemms x T x backends
@@ -116,12 +121,72 @@ def test_cpu_run_writes_json_markdown_plot(tiny_model, tmp_path, capsys):
     assert (tmp_path / "cpu-grouped_gemm-kmajor.png").exists()
     assert "<!-- bench:cpu-grouped_gemm-kmajor begin -->" in md.read_text()
 
-    # report regenerates the section and the plot from the JSON alone
+    # report regenerates the section and the plot from the JSON alone, where named
     (tmp_path / "cpu-grouped_gemm-kmajor.png").unlink()
     assert cli.main(["report", str(path), "--results-md", str(md)]) == 0
+    assert not (tmp_path / "cpu-grouped_gemm-kmajor.png").exists()  # no --plot-dir
+    assert cli.main(["report", str(path), "--plot-dir", str(tmp_path)]) == 0
     assert (tmp_path / "cpu-grouped_gemm-kmajor.png").exists()
     assert md.read_text().count("begin -->") == 1
-    assert "| tiny | down | 32 | skewed | reference |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| tiny | down | 32 | skewed | reference |" in out
+    assert f"- {provenance.describe(data)}" in out
+
+
+def _git_head() -> str | None:
+    proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                          text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def test_cpu_smoke_run_records_its_provenance(cpu_machine, tmp_path):
+    """Commit, tree state, host, GPU (none), driver (none) and the package versions."""
+    from importlib.metadata import version
+
+    argv = ["--models", "cpu-qwen3", "--T", "16", "--gemms", "down", "--routing", "uniform",
+            "--backends", "reference", "--target-ms", "1", "--no-plots",
+            "--out-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    prov = json.loads((tmp_path / "cpu-grouped_gemm.json").read_text())["provenance"]
+    assert tuple(prov) == provenance.FIELDS
+    assert prov["commit"] == _git_head()
+    assert prov["dirty"] in ((True, False) if prov["commit"] else (None,))
+    assert prov["host"] and prov["gpu"] is None and prov["driver"] is None
+    assert prov["torch"] == torch.__version__ and prov["cuda"] == torch.version.cuda
+    assert prov["nvidia-cutlass-dsl"] == version("nvidia-cutlass-dsl")
+
+
+def _status() -> str:
+    return subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
+                          capture_output=True, text=True).stdout
+
+
+def test_report_writes_nothing_unless_told(capsys):
+    """``bench report`` of a committed run prints its section; the checkout is unchanged."""
+    before = _status()
+    run = REPO / "bench" / "results" / "nvidia-h200-moe_block.json"
+    assert cli.main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## moe_block on NVIDIA H200")
+    assert "provenance unknown: the JSON records no commit" in out
+    assert _status() == before
+
+
+def test_gpu_run_writes_outside_the_checkout(gpu_machine, tmp_path, monkeypatch, capsys):
+    """Without --out-dir a GPU run's JSON goes to the cache directory, not bench/results."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cli, "run_suite", lambda *a, **k: [])
+    monkeypatch.setattr(cli, "measure_roofs", lambda device: {"hbm_read_tbps": 4.0,
+                                                              "bf16_dense_tflops": 700.0})
+    monkeypatch.setattr(cli, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(cli.provenance, "collect", lambda device: {"commit": None})
+    before = _status()
+    assert cli.main(["--models", "qwen3", "--T", "16", "--no-plots"]) == 0
+    written = tmp_path / "ts_moe" / "bench" / "nvidia-h200-grouped_gemm.json"
+    assert json.loads(written.read_text())["provenance"] == {"commit": None}
+    assert f"wrote {written}" in capsys.readouterr().err
+    assert report.default_out_dir() == tmp_path / "ts_moe" / "bench"
+    assert _status() == before
 
 
 def test_wrong_result_sets_exit_status(tiny_model, tmp_path, monkeypatch):
@@ -280,8 +345,7 @@ def test_cpu_run_saves_where_named(cpu_machine, tmp_path, capsys):
             "--backends", "reference", "--target-ms", "1", "--no-plots"]
     assert cli.main([*argv, "--out-dir", str(tmp_path / "out")]) == 0
     assert "not saved" not in capsys.readouterr().err
-    assert (tmp_path / "out" / "cpu-grouped_gemm.json").is_file()
-    assert "bench:cpu-grouped_gemm begin" in (tmp_path / "out" / "RESULTS.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["cpu-grouped_gemm.json"]
     md = tmp_path / "md" / "R.md"
     md.parent.mkdir()
     assert cli.main([*argv, "--results-md", str(md)]) == 0

@@ -73,6 +73,9 @@ def test_json_round_trip_then_markdown(tmp_path):
     assert md.startswith("## grouped_gemm on NVIDIA H200")
     assert "HBM read 4.10 TB/s" in md and "750 TFLOP/s" in md
     assert "`python -m bench --models qwen3 --T 16,1024`" in md
+    # a JSON without provenance says so, and what it does record
+    assert ("- provenance unknown: the JSON records no commit, tree state, host, driver or "
+            "package versions (it records torch 2.13.0, CUDA 13.0)") in md
     table = [line for line in md.splitlines() if line.startswith("| qwen3")]
     assert len(table) == len(result["cases"])
     assert "| ts_moe | 0.0200 |" in md
@@ -134,7 +137,7 @@ def _rec(model, gemm, T, backend, ms, tbps, tflops=1.0, status="ok", flops=1e9, 
 
 
 def test_targets_rules():
-    """Issue 20's rules: the strictest peer's time over its ratio, never below the
+    """The forward targets' rules: the strictest peer's time over its ratio, never below the
     time at the cap of the bounding roof (HBM 4 TB/s, dense 500 TFLOP/s here)."""
     from bench import targets
 
@@ -187,3 +190,17 @@ def test_kmajor_runs_have_their_own_stem():
     assert report.result_stem(result) == "nvidia-h200-grouped_gemm-kmajor"
     result["cases"].append({"weight_layout": "nmajor"})
     assert report.result_stem(result) == "nvidia-h200-grouped_gemm"
+
+
+def test_provenance_is_described_field_by_field():
+    from bench import provenance
+
+    prov = {"commit": "0123456789abcdef0123", "dirty": True, "host": "h1", "gpu": "NVIDIA H200",
+            "driver": "570.1", "torch": "2.13.0", "cuda": "13.0",
+            "nvidia-cutlass-dsl": "4.8.1", "transformers": None}
+    text = provenance.describe({"provenance": prov})
+    assert text == ("commit 0123456789ab with uncommitted changes, host h1, GPU NVIDIA H200, "
+                    "driver 570.1, torch 2.13.0, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, "
+                    "transformers not installed")
+    clean = provenance.describe({"provenance": {**prov, "dirty": False, "commit": None}})
+    assert clean.startswith("commit unknown, host h1")

@@ -2,6 +2,8 @@
 dependencies, its arguments, the transformers-free tiny checkpoint, and the
 loader's device default and path errors."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,52 +32,135 @@ def test_demo_runs_without_transformers():
     proc = _demo("--no-compile", "--tokens", "8")
     assert proc.returncode == 0, proc.stderr
     assert "tiny checkpoint: 2 layers loaded, layer 1 -> (7, 64)" in proc.stdout
-    err = float(proc.stdout.split("relative error vs fp32 reference ")[1].split()[0])
-    assert err < 2e-2
-    assert "compiling" not in proc.stdout  # --no-compile
+    err = float(proc.stdout.split("relative error ")[1].split()[0])
+    assert err < demo_main.TOLERANCE
+    lines = proc.stdout.splitlines()
+    verdict = lines.index(next(line for line in lines if line.startswith(("PASS", "FAIL"))))
+    assert lines[verdict].startswith(f"PASS: the layer matches the fp32 reference "
+                                     f"({err:.2e} < 2e-02) (")
+    assert lines[verdict + 1:] == ["next:", *(f"  {command:24s} {what}"
+                                              for command, what in demo_main.NEXT_STEPS)]
+    assert "building" not in proc.stdout  # --no-compile
     assert "Failed to initialize NumPy" not in proc.stderr
 
 
 @pytest.fixture
 def cpu_demo(monkeypatch):
     """The demo in this process as on a machine without CUDA, with the sm_90a
-    build (a subprocess of ~20 s) replaced by a recorder."""
+    build (a child process of a minute) replaced by a recorder."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    from csrc_free_kernels import ptx_dump
-
     builds = []
 
-    def fake_dump(arch, names, out_dir, timeout=600):
-        builds.append((arch, list(names)))
-        return {n: "wgmma.mma_async cp.async.bulk.tensor expect_tx" for n in names}
+    def fake_build():
+        builds.append("child")
+        print("  [  0.0 s] grouped GEMM: 10 configurations")
 
-    monkeypatch.setattr(ptx_dump, "dump", fake_dump)
+    monkeypatch.setattr(demo_main, "build_in_child", fake_build)
     return builds
 
 
-def test_demo_compiles_the_kernels_unless_told_not_to(cpu_demo, capsys):
+def _verdict(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(("PASS", "FAIL")))
+
+
+def test_demo_builds_the_kernels_unless_told_not_to(cpu_demo, capsys):
     assert demo_main.main(["demo", "--tokens", "4"]) == 0
-    assert len(cpu_demo) == 1 and cpu_demo[0][0] == "sm_90a"
-    assert "swiglu_decode" in cpu_demo[0][1] and "gemm_decode" in cpu_demo[0][1]
-    assert "kernel configurations for sm_90a" in capsys.readouterr().out
+    assert cpu_demo == ["child"]
+    out = capsys.readouterr().out
+    assert "building the sm_90a kernels (no GPU needed" in out
+    assert "] grouped GEMM: 10 configurations" in out
+    assert re.fullmatch(r"PASS: the layer matches the fp32 reference \(\S+ < 2e-02\) and the "
+                        r"sm_90a kernels build \(\d+ s\)", _verdict(out))
     assert demo_main.main(["demo", "--tokens", "4", "--no-compile"]) == 0
-    assert len(cpu_demo) == 1  # not built again
-    assert "compiling" not in capsys.readouterr().out
+    assert cpu_demo == ["child"]  # not built again
+    out = capsys.readouterr().out
+    assert "building" not in out and "kernels build" not in _verdict(out)
 
 
 @pytest.mark.parametrize("wrong,shown", [
-    (lambda out: 2 * out, "by 1.00e+00 (relative)"),
-    (lambda out: torch.full_like(out, float("nan")), "by nan (relative)"),
+    (lambda out: 2 * out, "relative error 1.00e+00"),
+    (lambda out: torch.full_like(out, float("nan")), "relative error nan"),
 ])
 def test_demo_says_what_failed(cpu_demo, capsys, monkeypatch, wrong, shown):
     real = demo_main.moe_forward
     monkeypatch.setattr(demo_main, "moe_forward", lambda *a: wrong(real(*a)))
-    assert demo_main.main(["demo", "--tokens", "4", "--no-compile"]) == 1
-    err = capsys.readouterr().err
-    assert "FAILED" in err and "fp32 per-token reference" in err
-    assert f"tolerance {demo_main.TOLERANCE:.0e}" in err
-    assert shown in err
+    assert demo_main.main(["demo", "--tokens", "4"]) == 1
+    out = capsys.readouterr().out
+    assert _verdict(out) == (f"FAIL: the layer's output is wrong: {shown} against the fp32 "
+                             f"per-token reference, tolerance {demo_main.TOLERANCE:.0e}")
+    assert out.splitlines()[-2:] == ["next:", f"  {'python -m pytest -q':24s} the tests say "
+                                              "which op is wrong"]
     assert not cpu_demo  # failed before the build
+
+
+def test_a_failed_build_is_a_fail(monkeypatch, capsys):
+    """The child's progress lines pass through; its exit status and last words end the demo."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    child = ("-c", "import sys; print('  [  0.1 s] grouped GEMM: 10 configurations'); "
+                   "sys.exit('ValueError: no such tile')")
+    real = demo_main.build_in_child
+    monkeypatch.setattr(demo_main, "build_in_child", lambda: real(child))
+    assert demo_main.main(["demo", "--tokens", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "  [  0.1 s] grouped GEMM: 10 configurations\n" in out
+    assert "FAIL: the sm_90a build failed (exit status 1):\nValueError: no such tile" in out
+
+
+def test_verbose_shows_each_builds_ptx(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from csrc_free_kernels import ptx_dump
+
+    dumped = []
+
+    def fake_dump(arch, names, out_dir, timeout=600):
+        dumped.append((arch, list(names)))
+        return {n: "wgmma.mma_async cp.async.bulk.tensor expect_tx" for n in names}
+
+    monkeypatch.setattr(ptx_dump, "dump", fake_dump)
+    monkeypatch.setattr(demo_main, "build_in_child", lambda: pytest.fail("built twice"))
+    assert demo_main.main(["demo", "--tokens", "4", "--verbose"]) == 0
+    assert [arch for arch, _ in dumped] == ["sm_90a"] * 3  # a dump per family
+    names = [n for _, family in dumped for n in family]
+    assert "gemm_decode" in names and "swiglu_decode" in names and "dw_128x256" in names
+    assert not any(n.startswith("swiglu_ew") for n in names)
+    out = capsys.readouterr().out
+    assert " 1 wgmma, 1 TMA loads, 1 expect_tx" in out
+    assert _verdict(out).startswith("PASS")
+
+
+def test_compile_command_builds_each_family_in_its_own_process(tmp_path):
+    """``python -m ts_moe compile`` (here with one small family): a line per family with
+    the elapsed time, the arch set before the DSL is imported, no PTX tool, no cache."""
+    code = (
+        "import sys, torch; from functools import partial; import ts_moe.__main__ as m\n"
+        "def families():\n"
+        "    from csrc_free_kernels import swiglu_sm90 as act  # after the arch is set\n"
+        "    return [('SwiGLU', [partial(act.compiled_kernel, torch.bfloat16, False)])]\n"
+        "m.kernel_families = families\n"
+        "rc = m.main(['compile'])\n"
+        "import os; print(os.environ['CUTE_DSL_ARCH'],\n"
+        "                 'csrc_free_kernels.ptx_dump' in sys.modules)\n"
+        "sys.exit(rc)\n")
+    env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env.pop("CUTE_DSL_ARCH", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert re.fullmatch(r"  \[ +\d+\.\d s\] SwiGLU: 1 configurations", lines[0])
+    assert re.fullmatch(r"  \[ +\d+\.\d s\] 1 configurations built for sm_90a", lines[1])
+    assert lines[2] == "sm_90a False"
+    assert list(tmp_path.iterdir()) == []  # nothing cached
+
+
+def test_kernel_families_name_the_shipped_configurations():
+    families = dict(demo_main.kernel_families())
+    from csrc_free_kernels import grouped_gemm_dw_sm90 as dw
+    from csrc_free_kernels import grouped_gemm_sm90 as gemm
+
+    assert [b.args[0] for b in families["grouped GEMM"]] == list(gemm.CONFIGS.values())
+    assert len(families["grouped GEMM + SwiGLU"]) == len(gemm.CONFIGS)
+    assert len(families["k-grouped GEMM (weight gradient)"]) == len(dw.CONFIGS)
 
 
 @pytest.mark.parametrize("tokens", ["0", "-3", "many"])

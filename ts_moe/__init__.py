@@ -3,6 +3,13 @@
 ``import ts_moe`` registers ``torch.ops.ts_moe.*``.
 """
 
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("ts-moe")
+except PackageNotFoundError:  # a checkout on sys.path, not installed
+    __version__ = "0+unknown"
+
 from .ops import grouped_gemm, grouped_gemm_swiglu, use_router_kernel, use_sm100_kernel
 from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends
 from .routing import combine, permute, route, sort_slots

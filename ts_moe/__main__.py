@@ -1,30 +1,55 @@
-"""``python -m ts_moe demo``: the MoE layer end to end on whatever this machine has.
+"""``python -m ts_moe``: the demo, and the kernel build it runs without a GPU.
+
+    python -m ts_moe demo              # the MoE layer end to end; ends in PASS or FAIL
+    python -m ts_moe demo --verbose    # ... with each kernel build's PTX statistics
+    python -m ts_moe compile           # build the sm_90a kernels here, no GPU needed
+
+``demo``:
 
 1. writes the MoE tensors of a tiny random Mixtral checkpoint in the real
    sharded format (:func:`ts_moe.make_tiny_moe_checkpoint`: no optional extra
    needed), loads its experts with :func:`ts_moe.load_mixtral_experts` and
    runs a layer;
 2. runs a Mixtral-shaped layer (Mixtral-8x7B's E=8, top-2 and H:I ratio,
-   scaled down) and checks it against the per-token reference;
+   scaled down) and checks it against the fp32 per-token reference;
 3. on an sm_90 GPU that is the CuTeDSL kernel path, timed; elsewhere it says
-   so and runs the reference path, then compiles the kernels for sm_90a
-   (no GPU needed) to show that they build.
+   so, runs the reference path, then builds the kernels for sm_90a (``compile``,
+   in a process of its own: the DSL takes its target arch at import), a line
+   per kernel family;
+4. ends in ``PASS``, or ``FAIL`` with the error and the tolerance, then says
+   what to run next.
+
+Each subcommand is an entry of :data:`COMMANDS`: its help, its arguments, its run.
 """
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
-from . import MoE, load_mixtral_experts, make_tiny_moe_checkpoint
 from . import cache_cli
+from . import MoE, load_mixtral_experts, make_tiny_moe_checkpoint
 from .moe import moe_forward, moe_forward_reference
-from .ops import Path, cuda_path
-
+from .ops import Path as KernelPath, cuda_path
 
 TOLERANCE = 2e-2  # bf16 layer against the fp32 reference
+ARCH = "sm_90a"
+NEXT_STEPS = (
+    ("python -m pytest -q", "the tests (about 11 min on 2 CPU cores; "
+                            "pip install -e '.[dev,hf]' first)"),
+    ("python -m bench --help", "the benchmark harness, from a checkout (without a GPU: a "
+                               "CPU smoke suite)"),
+    ("README.md, \"Use\"", "the layer in your model, and the Hugging Face swap "
+                           "(ts_moe.integrations.transformers)"),
+)
 
 
 def _positive_int(text: str) -> int:
@@ -41,26 +66,138 @@ def _rel_err(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def demo(tokens: int, compile_kernels: bool) -> int:
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+# ------------------------------------------------------------------ compile
+
+def kernel_families() -> list[tuple[str, list[Callable[[], object]]]]:
+    """The kernel families the layer runs on sm_90, each as thunks that compile one
+    configuration through the path the op takes (bf16; the layer's K-major weights)."""
+    from csrc_free_kernels import grouped_gemm_dw_sm90 as dw
+    from csrc_free_kernels import grouped_gemm_sm90 as gemm
+    from csrc_free_kernels import swiglu_sm90 as act
+
+    bf16 = torch.bfloat16
+    return [
+        ("grouped GEMM", [partial(gemm.compiled_kernel, c, bf16, bf16, False)
+                          for c in gemm.CONFIGS.values()]),
+        ("grouped GEMM + SwiGLU", [partial(gemm.compiled_kernel, c, bf16, bf16, False,
+                                           gemm.GroupedGemmSwigluSm90)
+                                   for c in gemm.CONFIGS.values()]),
+        ("k-grouped GEMM (weight gradient)", [partial(dw.compiled_kernel, c, bf16, bf16)
+                                              for c in dw.CONFIGS.values()]),
+        ("SwiGLU activation and its gradient", [partial(act.compiled_kernel, bf16, backward)
+                                                for backward in (False, True)]),
+    ]
+
+
+def compile_kernels() -> int:
+    """Compile every family for :data:`ARCH` in this process, a line per family."""
+    if "cutlass" in sys.modules and os.environ.get("CUTE_DSL_ARCH") != ARCH:
+        print(f"python -m ts_moe compile: the DSL was imported for another arch; run it in "
+              f"a process of its own", file=sys.stderr)
+        return 2
+    os.environ["CUTE_DSL_ARCH"] = ARCH  # read once, when the DSL is imported
+    os.environ["TS_MOE_NO_DISK_CACHE"] = "1"  # build only: nothing written to the cache
+    start = time.perf_counter()
+    built = 0
+    for name, builds in kernel_families():
+        _say(f"  [{time.perf_counter() - start:5.1f} s] {name}: {len(builds)} configurations")
+        for build in builds:
+            try:
+                build()
+            except Exception as exc:  # say which build, then fail
+                what = getattr(build.args[0], "name", build.args[0]) if build.args else ""
+                print(f"{name} {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+        built += len(builds)
+    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} configurations built for {ARCH}")
+    return 0
+
+
+def _root() -> str:
+    """The directory this ts_moe package is in: the child imports the same code."""
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def build_in_child(args=("-m", "ts_moe", "compile")) -> str | None:
+    """``python -m ts_moe compile`` in a fresh process, its lines shown as they come;
+    None on success, else what went wrong."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [_root(), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with tempfile.TemporaryFile("w+") as stderr:  # a file: a full pipe would block the child
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True)
+        for line in proc.stdout:
+            _say(line.rstrip("\n"))
+        if proc.wait() == 0:
+            return None
+        stderr.seek(0)
+        err = stderr.read()
+    tail = "\n".join(err.strip().splitlines()[-15:])
+    return f"the {ARCH} build failed (exit status {proc.returncode}):\n{tail}"
+
+
+def build_with_ptx_stats() -> str | None:
+    """``--verbose``: each family built with its PTX kept, and each build's statistics."""
+    from csrc_free_kernels import ptx_dump
+
+    families = (("grouped GEMM", "gemm_"), ("grouped GEMM + SwiGLU", "swiglu_"),
+                ("k-grouped GEMM (weight gradient)", "dw_"))
+    start = time.perf_counter()
+    for family, prefix in families:
+        names = [n for n in ptx_dump.BUILDS
+                 if n.startswith(prefix) and not n.startswith("swiglu_ew")]
+        _say(f"  [{time.perf_counter() - start:5.1f} s] {family}: {len(names)} builds, PTX kept")
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                ptx = ptx_dump.dump(ARCH, names, d)
+            except RuntimeError as exc:
+                return str(exc)
+            for name in names:
+                text = ptx[name]
+                _say(f"      {name:30s} {text.count('wgmma.mma_async'):2d} wgmma, "
+                     f"{text.count('cp.async.bulk.tensor'):d} TMA loads, "
+                     f"{text.count('expect_tx')} expect_tx, {len(text) // 1024} KB PTX")
+    _say(f"  [{time.perf_counter() - start:5.1f} s] built for {ARCH}")
+    return None
+
+
+# ------------------------------------------------------------------ demo
+
+def _verdict(ok: bool, text: str) -> int:
+    _say(f"{'PASS' if ok else 'FAIL'}: {text}")
+    _say("next:")
+    steps = NEXT_STEPS if ok else (("python -m pytest -q", "the tests say which op is "
+                                                          "wrong"),)
+    for command, what in steps:
+        _say(f"  {command:24s} {what}")
+    return 0 if ok else 1
+
+
+def demo(tokens: int, build: bool, verbose: bool = False) -> int:
+    start = time.perf_counter()
     if torch.cuda.is_available():
         device = "cuda"
         index = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
         path = cuda_path(index, torch.bfloat16)[0]
-        print(f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}): bf16 grouped GEMMs "
-              f"run on the {path.value}.")
+        _say(f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}): bf16 grouped GEMMs "
+             f"run on the {path.value}.")
     else:
-        device, path = "cpu", Path.REFERENCE
-        print("No CUDA GPU found: running the plain-torch reference path on the CPU.")
-    kernels = path is Path.KERNEL_SM90
+        device, path = "cpu", KernelPath.REFERENCE
+        _say("No CUDA GPU found: running the plain-torch reference path on the CPU.")
+    kernels = path is KernelPath.KERNEL_SM90
 
     with tempfile.TemporaryDirectory() as ckpt:
         make_tiny_moe_checkpoint(ckpt, layers=2, hidden=64, intermediate=128, experts=4, top_k=2)
         layers = load_mixtral_experts(ckpt, device=device)
         layer = MoE.from_weights(layers[1], top_k=2)
         x = torch.randn(7, 64, device=device, dtype=layer.router.dtype)
-        print(f"tiny checkpoint: {len(layers)} layers loaded, layer 1 -> "
-              f"{tuple(layer(x).shape)} (E={layer.gate_up_proj.shape[0]}, top-2)")
+        _say(f"tiny checkpoint: {len(layers)} layers loaded, layer 1 -> "
+             f"{tuple(layer(x).shape)} (E={layer.gate_up_proj.shape[0]}, top-2)")
 
     # Mixtral-8x7B's shape scaled by 1/8 (H 4096 -> 512, I 14336 -> 1792)
     g = torch.Generator(device).manual_seed(0)
@@ -73,52 +210,70 @@ def demo(tokens: int, compile_kernels: bool) -> int:
     out = moe_forward(hidden, router, gate_up, down, k)
     ref = moe_forward_reference(hidden, router, gate_up, down, k)
     err = _rel_err(out, ref)
-    print(f"Mixtral-shaped layer T={tokens} H={h} I={inter} E={e} top-{k}: "
-          f"relative error vs fp32 reference {err:.2e}")
+    check = f"relative error {err:.2e} against the fp32 per-token reference, tolerance " \
+            f"{TOLERANCE:.0e}"
+    _say(f"Mixtral-shaped layer T={tokens} H={h} I={inter} E={e} top-{k}: {check}")
     if not err < TOLERANCE:
-        print(f"FAILED: the layer's output differs from the fp32 per-token reference by "
-              f"{err:.2e} (relative), over the bf16 tolerance {TOLERANCE:.0e}", file=sys.stderr)
-        return 1
+        return _verdict(False, f"the layer's output is wrong: {check}")
     if kernels:
         for _ in range(3):
             moe_forward(hidden, router, gate_up, down, k)
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         for _ in range(20):
             moe_forward(hidden, router, gate_up, down, k)
         torch.cuda.synchronize()
-        print(f"  {(time.perf_counter() - start) / 20 * 1e3:.3f} ms per layer call")
+        _say(f"  {(time.perf_counter() - t0) / 20 * 1e3:.3f} ms per layer call")
 
-    if compile_kernels and not kernels:
-        from csrc_free_kernels import ptx_dump
+    built = ""
+    if build and not kernels:
+        _say(f"building the {ARCH} kernels (no GPU needed; about a minute on 2 CPU cores):")
+        failed = build_with_ptx_stats() if verbose else build_in_child()
+        if failed:
+            return _verdict(False, failed)
+        built = f" and the {ARCH} kernels build"
+    return _verdict(True, f"the layer matches the fp32 reference ({err:.2e} < {TOLERANCE:.0e})"
+                          f"{built} ({time.perf_counter() - start:.0f} s)")
 
-        names = [n for n in ptx_dump.BUILDS if n.startswith(("gemm", "swiglu", "dw"))]
-        print(f"compiling {len(names)} kernel configurations for sm_90a (no GPU needed)...")
-        with tempfile.TemporaryDirectory() as d:
-            start = time.perf_counter()
-            ptx = ptx_dump.dump("sm_90a", names, d)
-            for name in names:
-                text = ptx[name]
-                print(f"  {name:26s} {text.count('wgmma.mma_async'):2d} wgmma, "
-                      f"{text.count('cp.async.bulk.tensor'):d} TMA loads, "
-                      f"{text.count('expect_tx')} expect_tx, {len(text) // 1024} KB PTX")
-            print(f"  built in {time.perf_counter() - start:.1f} s")
-    return 0
+
+# ------------------------------------------------------------------ commands
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=_positive_int, default=64,
+                   help="tokens through the Mixtral-shaped layer (default 64)")
+    p.add_argument("--no-compile", action="store_true",
+                   help=f"skip building the {ARCH} kernels on a machine without an sm_90 GPU")
+    p.add_argument("--verbose", action="store_true",
+                   help="build with the PTX kept and show each build's statistics")
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command("run the MoE layer end to end (CPU or GPU); ends in PASS or FAIL",
+                    _demo_arguments,
+                    lambda args: demo(args.tokens, not args.no_compile, args.verbose)),
+    "compile": Command(f"build every {ARCH} kernel configuration the layer runs, without a "
+                       f"GPU (nothing is cached)",
+                       lambda p: None, lambda args: compile_kernels()),
+    "cache": Command("show the compiled-kernel cache (--clear empties it)",
+                     cache_cli.add_arguments, lambda args: cache_cli.run(args.clear)),
+}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ts_moe")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run the MoE layer end to end (CPU or GPU)")
-    d.add_argument("--tokens", type=_positive_int, default=64,
-                   help="tokens through the Mixtral-shaped layer (default 64)")
-    d.add_argument("--no-compile", action="store_true",
-                   help="skip compiling the sm_90a kernels on a machine without one")
-    cache_cli.add_parser(sub)
+    for name, command in COMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help,
+                                             description=command.help))
     args = parser.parse_args(argv)
-    if args.command == "cache":
-        return cache_cli.run(args.clear)
-    return demo(args.tokens, not args.no_compile)
+    return COMMANDS[args.command].run(args)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@ import sys
 from csrc_free_kernels import kernel_cache
 
 
-def add_parser(sub) -> None:
-    c = sub.add_parser("cache", help="show the compiled-kernel cache (--clear empties it)")
+def add_arguments(c) -> None:
     c.add_argument("--clear", action="store_true",
                    help="remove the cached kernel objects (only ts_moe's own files)")
 

@@ -2,7 +2,7 @@
 
 At decode sizes an eager MoE block is bound by its host: six launches and the
 Python that checks and dispatches them cost 170-360 us per call on the H200's
-hosts, where the GPU needs 50-200 us (bench/RESULTS.md, "Issue 21").  So
+hosts, where the GPU needs 50-200 us (bench/notes/2026-12-04-decode-graphs.md).  So
 :func:`ts_moe.moe_forward` and :func:`ts_moe.experts_forward`, called eagerly
 with few tokens, replay a CUDA graph of themselves (:class:`DecodeGraphs`):
 
@@ -16,7 +16,7 @@ with few tokens, replay a CUDA graph of themselves (:class:`DecodeGraphs`):
 - a replay copies the per-call inputs into the graph's own input buffers,
   launches the graph on the current stream and returns fresh copies of its
   outputs: three launches, 42-51 us of host time per block call on the H200's
-  host (bench/RESULTS.md, "Issue 21, second pass"), whatever the block does
+  host (bench/notes/2026-12-04-decode-graphs.md), whatever the block does
   inside.  The graph reads the weights in place, so weights updated in place
   are seen; new weight tensors are a new signature;
 - graphs of one (device, stream) share one memory pool, one side stream to

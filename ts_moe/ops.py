@@ -580,7 +580,7 @@ ROUTER_KERNEL_MAX_READ = 32 << 20
 # T=64, 17 at DeepSeek-V3 T=64).  From this many tokens x logits per lane
 # (E / 32), with use_router_kernel, the routing runs a warp a token on many
 # CTAs and the slot order in a second launch (an estimate: Qwen3 from T=32,
-# DeepSeek-V3 from T=16, Mixtral from T=128; bench/RESULTS.md "fifth pass")
+# DeepSeek-V3 from T=16, Mixtral from T=128; bench/notes/2026-12-04-router-kernel.md)
 ROUTE_SPLIT_MIN_WORK = 128
 
 
@@ -592,8 +592,8 @@ def use_router_kernel(enabled: bool = True) -> bool:
     :func:`route_slots` of batches from ``ROUTE_SPLIT_MIN_WORK`` to the top-k on
     many CTAs (``route_sm90.RouteTopK``) and the slot order in a second launch
     (the same experts, weights and order, bit for bit).  Off by
-    default until it has been measured on the GPU (bench/RESULTS.md, "Issue 21,
-    fifth pass").  Returns the previous setting; takes effect on the next call
+    default until it has been measured on the GPU
+    (bench/notes/2026-12-04-router-kernel.md).  Returns the previous setting; takes effect on the next call
     (the layer's decode graphs key on it; a ``torch.compile(mode="reduce-overhead")``
     graph keeps the router it was recorded with: set this before compiling)."""
     global _router_kernel_opt_in
@@ -768,7 +768,7 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
 # ----------------------------------------------------------------- autograd
 # The swiglu op under autograd keeps its pre-activation h (M, 2I) from the
 # forward (True) or recomputes it in the backward (False): measured both, see
-# bench/RESULTS.md "training: keep or recompute h"
+# bench/notes/2026-12-04-swiglu-keep-h.md
 SWIGLU_KEEPS_H = True
 
 
