@@ -149,7 +149,7 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
         # ~60 GB/s: tiles that leave SMs idle (one short wave, or a short last
         # one) leave HBM idle too.  64-column tiles where they fill the SMs'
         # slots markedly better (Mixtral T=1: gate_up 3.4 waves of 128-column
-        # tiles, down half a wave; bench/notes/2026-12-04-decode16-n64-tiles.md)
+        # tiles, down half a wave; bench/notes/2026-12-04-decode16-n64.md)
         touched = min(num_experts, m)
         fill = [_slot_fill(tiles(cfg, touched), num_sms) for cfg in (DECODE16, DECODE16_N64)]
         return DECODE16_N64 if fill[1] > fill[0] + 0.05 else DECODE16

@@ -6,7 +6,7 @@ rows padded by 16 bytes) and go back to their mainloop; the SCHEDULE warp, idle
 after building the schedule, stores it, a bulk copy (``cp.async.bulk``) per row
 of the expert, and frees the buffer once the copies have read it.  What it
 trades (the 66 KB buffer costs the 128x256 tile a ring stage), what the CPU
-has checked and the A/B to run: bench/notes/2026-12-04-store-warp-awaiting-ab.md.
+has checked and the A/B to run: bench/notes/2026-12-04-store-warp-epilogue.md.
 
 :class:`StoreWarpEpilogue` replaces the kernel's epilogue; the kernel classes
 are :class:`GroupedGemmStoreWarpSm90` and :class:`GroupedGemmSwigluStoreWarpSm90`,

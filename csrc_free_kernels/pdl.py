@@ -24,7 +24,7 @@ kernels), so a change reaches the kernels first used after it; set it before
 the first kernel call to have it everywhere, and never while a kernel builds.
 Either way is safe to mix in one stream: a PDL kernel waits for whatever ran
 before it.  Measured on and off:
-bench/notes/2026-12-04-pdl-on-off.md.
+bench/notes/2026-12-04-pdl.md.
 """
 
 import os

@@ -172,7 +172,7 @@ class RouteSlots(TokenRouting):
     of shared memory per thread.  Outside the contract: int64 ids beyond the
     int32 range are clamped to it (such ids tie and keep slot order), and NaN
     logits choose other experts than torch's ``topk`` would (every weight is
-    NaN either way).  Measured: bench/notes/2026-12-04-route-slots-linear-scan.md.
+    NaN either way).  Measured: bench/notes/2026-12-04-routing-linear-scan.md.
     """
 
     def __init__(self, from_logits: bool, per_lane: int = MAX_EXPERTS // 32,
