@@ -275,16 +275,15 @@ class RouteSlots(TokenRouting):
        gives ``offs[e]`` = the number of slots with id ``<= e``.
     4. Slot ``s`` with id ``e < E`` goes to position ``offs[e - 1] + (slots of
        id e in earlier chunks) + (its rank in its chunk)``: a stable sort of
-       the ids.  Ids ``>= E`` (expert-parallel sentinels) sort after
-       ``offs[-1]`` by value, stably, by a scan of all the ids (rare); ids
-       ``< 0`` (invalid) likewise before expert 0, as torch's sort puts them.
+       the ids.  Ids outside ``[0, E)`` (dropped slots: ``-1`` or
+       expert-parallel sentinels) are read as ``E`` and sort after
+       ``offs[-1]`` in slot order, by a scan of all the ids (rare), as
+       ``ts_moe.reference.sort_slots`` orders them.
        ``token_index[pos] = s // k``, ``inverse[s] = pos``.
 
     Deterministic (no atomics); every phase is a few shuffles or a short scan
-    of shared memory per thread.  Outside the contract (as in the version
-    before): int64 ids beyond the int32 range are clamped to it (such ids tie
-    and keep slot order), and NaN logits choose other experts than torch's
-    ``topk`` would (every weight is NaN either way).  Measured: bench/RESULTS.md, "Issue 21,
+    of shared memory per thread.  Outside the contract: NaN logits choose
+    other experts than torch's ``topk`` would (every weight is NaN either way).  Measured: bench/RESULTS.md, "Issue 21,
     third pass".
     """
 
@@ -339,10 +338,12 @@ class RouteSlots(TokenRouting):
         else:
             for s in cutlass.range(tidx, slots, self.threads, unroll=1):
                 e = mExperts[s // top_k, s % top_k]
-                # the comparisons below are in 32 bits: clamp (ids are >= 0 and
-                # sentinels >= E in every caller)
-                e = cutlass.max(cutlass.min(e, 2**31 - 1), -(2**31))
-                ids[s] = cutlass.Int32(e)
+                # an id outside [0, E) is a dropped slot: all of them share the
+                # id E, so they sort after offs[-1] in slot order
+                eid = cutlass.Int32(num_experts)
+                if e >= 0 and e < num_experts:
+                    eid = cutlass.Int32(e)
+                ids[s] = eid
         chunks = (slots + 31) // 32
         for i in cutlass.range(tidx, num_experts * chunks, self.threads, unroll=1):
             hist[i % num_experts, i // num_experts] = 0

@@ -151,8 +151,9 @@ def test_sort_slots_matches_torch(dtype, tokens, experts, top_k):
 
 @pytest.mark.parametrize("fill", ["one_expert", "negative", "descending"])
 def test_sort_slots_extremes(fill):
-    """Every slot on one expert (32 chunks of one id), invalid negative ids (sorted
-    before expert 0, as torch sorts them), and ids in descending order."""
+    """Every slot on one expert (32 chunks of one id), negative ids (dropped slots:
+    after offs[-1], in slot order, as the reference orders them), and ids in
+    descending order."""
     tokens, experts, top_k = 512, 64, 2
     if fill == "one_expert":
         ids = torch.full((tokens, top_k), 63, device="cuda", dtype=torch.int64)

@@ -123,7 +123,9 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
 
     x: (T, H); experts, weights: (T, top_k) expert ids and their weights (as
     :func:`ts_moe.routing.route` returns them); gate_up_proj (E, 2I, H);
-    down_proj (E, H, I).  Returns (T, H) in ``x.dtype``.
+    down_proj (E, H, I).  Returns (T, H) in ``x.dtype``.  An id outside
+    ``[0, E)`` (``-1`` for a dropped slot, or an expert-parallel sentinel)
+    counts for no expert: its slot contributes zero (decided on the device).
 
     ``fused=True``: one ``grouped_gemm_swiglu`` for gate, up and the SwiGLU.
     ``fused=False``: ``grouped_gemm`` to (T*k, 2I) in fp32, ``silu(gate) * up``

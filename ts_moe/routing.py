@@ -194,13 +194,16 @@ def sort_slots(experts: torch.Tensor, num_experts: int) -> SlotOrder:
     ``offs`` comes from a binary search of the sorted ids (no bincount, whose
     CUDA kernel reads the maximum id on the host).
 
-    Ids must be non-negative.  Ids ``>= num_experts`` (expert-parallel
-    sentinels) are dropped: their slots sort after ``offs[-1]``, where the
-    grouped GEMMs write zeros.
+    Dropped slots: an id outside ``[0, num_experts)`` (``-1``, an
+    expert-parallel sentinel ``>= num_experts``) counts for no expert; its
+    slot sorts after ``offs[-1]`` (in slot order), where the grouped GEMMs
+    write zeros, so it contributes nothing.  Decided on the device: no sync.
     """
     check_experts(experts, num_experts)
     top_k = experts.shape[1]
-    sorted_ids, order = torch.sort(experts.reshape(-1), stable=True)
+    ids = experts.reshape(-1)
+    ids = ids.masked_fill((ids < 0) | (ids >= num_experts), num_experts)
+    sorted_ids, order = torch.sort(ids, stable=True)
     ids = torch.arange(num_experts, device=experts.device, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
     inverse = torch.empty_like(order).scatter_(
@@ -225,7 +228,7 @@ def permute_reference(x: torch.Tensor, experts: torch.Tensor, num_experts: int) 
     top_k = experts.shape[1]
     flat = experts.reshape(-1).tolist()
     slots = [s for e in range(num_experts) for s in range(len(flat)) if flat[s] == e]
-    slots += sorted((s for s in range(len(flat)) if flat[s] >= num_experts), key=lambda s: flat[s])
+    slots += [s for s in range(len(flat)) if not 0 <= flat[s] < num_experts]  # dropped
     counts = [sum(1 for v in flat if v == e) for e in range(num_experts)]
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     inverse = torch.empty(len(flat), dtype=torch.int64)
