@@ -283,7 +283,8 @@ def ts_moe_variant(spec: str) -> Factory:
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
     with the peers in one run."""
-    from csrc_free_kernels import grouped_gemm_sm90 as sm90
+    from csrc_free_kernels import grouped_gemm_sm90_config as sm90
+    from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
 
     fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
     base, changes = None, {}
@@ -312,7 +313,7 @@ def ts_moe_variant(spec: str) -> Factory:
             raise Unavailable("the sm_90 kernel needs an sm_90 GPU")
         chosen = base or sm90.choose_config(case.E, case.N, case.K, case.M)
         config = dataclasses.replace(chosen, name=f"{chosen.name}:{spec}", **changes)
-        return lambda inp: lambda: sm90.grouped_gemm(inp.a, inp.b, inp.offs, config=config)
+        return lambda inp: lambda: grouped_gemm(inp.a, inp.b, inp.offs, config=config)
 
     return factory
 

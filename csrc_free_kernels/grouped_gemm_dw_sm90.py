@@ -2,13 +2,12 @@
 
 ``out[e] = a[rows of e].T @ dy[rows of e]`` (fp32 accumulation) for every
 expert ``e``, the experts splitting the shared token dim ``M`` by ``offs``
-(read on the device).  See :class:`GroupedGemmDwSm90` for the design and
-:func:`grouped_gemm_k` for the torch entry point.
+(read on the device).  See :class:`GroupedGemmDwSm90` for the design; its
+configurations are in :mod:`.grouped_gemm_dw_sm90_config`, its torch entry
+point in :mod:`.grouped_gemm_dw_sm90_launch`.
 """
 
-import dataclasses
 import enum
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -16,84 +15,15 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cp
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 import ts_pipeline
 
-from . import compile as kcompile
-from .grouped_gemm_sm90 import _TORCH_TO_CUTE, MAX_EXPERTS, SMEM_CAPACITY
+from .grouped_gemm_dw_sm90_config import MAX_EXPERTS, SMEM_CAPACITY, DwConfig
 from .sm90_epilogue import (accumulator_chunk, mma_operands, mma_stage, release_stage,
                             stage_to_shared, store_copy)
 from .tile_schedule import RaggedTileSchedule, warp_segment_ends
-
-__all__ = ["DwConfig", "GroupedGemmDwSm90", "CONFIGS", "MAX_EXPERTS", "choose_config",
-           "grouped_gemm_k"]
-
-
-@dataclass(frozen=True)
-class DwConfig:
-    """One compiled configuration.
-
-    The output tile is ``tile_m`` rows of K (64 per MMA warpgroup) by ``tile_n``
-    columns of N; the reduction walks an expert's token rows ``tile_k`` at a
-    time.  ``dy_warps`` producer warps share the dy tile (``tile_n / dy_warps``
-    columns each, whole 64-column swizzle atoms).  ``band_n``: an expert's
-    work units are taken ``band_n`` n-tiles at a time across all its m-tiles
-    (n fastest), so that the CTAs running together share a few dy and a
-    columns in L2 rather than streaming all of N for one m-tile.
-    ``tma_store``: the epilogue hands each sub-tile in shared memory to an
-    asynchronous TMA store (one thread, bulk groups) and the MMA warpgroups go
-    on to the next unit's mainloop while it drains; off: 16-byte thread stores
-    from shared memory (the MMA threads wait for them).
-    """
-
-    name: str
-    tile_m: int = 128
-    tile_n: int = 256
-    tile_k: int = 64
-    stages: int = 4
-    dy_warps: int = 2
-    band_n: int = 8
-    tma_store: bool = True
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-    @property
-    def mma_warpgroups(self) -> int:
-        return self.tile_m // 64
-
-    @property
-    def stage_bytes(self) -> int:
-        """One stage of 16-bit operands: the a^T tile and the dy tile."""
-        return (self.tile_m + self.tile_n) * self.tile_k * 2
-
-
-# Large problems: two MMA warpgroups on 128x256 output tiles (128 fp32
-# accumulators per thread), four 48 KB stages
-WIDE = DwConfig("dw_128x256")
-# Few output tiles per SM (small K x N, or few experts): 128x128 tiles double
-# the work units; six 32 KB stages
-NARROW = DwConfig("dw_128x128", tile_n=128, stages=6, dy_warps=1, band_n=16)
-# the same tiles with the thread-store epilogue (A/B against the TMA store)
-WIDE_ST = dataclasses.replace(WIDE, name="dw_128x256_st", tma_store=False)
-NARROW_ST = dataclasses.replace(NARROW, name="dw_128x128_st", tma_store=False)
-CONFIGS = {c.name: c for c in (WIDE, NARROW, WIDE_ST, NARROW_ST)}
-
-
-def _units(cfg: DwConfig, num_experts: int, k: int, n: int) -> int:
-    return num_experts * -(-k // cfg.tile_m) * -(-n // cfg.tile_n)
-
-
-def choose_config(num_experts: int, k: int, n: int, m: int, num_sms: int = 132) -> DwConfig:
-    """Tiles from shapes only (no sync): 128x256 unless that leaves fewer than
-    four waves of work units (the units of big experts are long, so a few
-    units per SM leave SMs idle at the end), then 128x128.  Not yet tuned on
-    the GPU (``scripts/dw_bench.py`` compares both)."""
-    del m  # rows per expert do not change the unit count
-    return WIDE if _units(WIDE, num_experts, k, n) >= 4 * num_sms else NARROW
 
 
 class Warp(enum.IntEnum):
@@ -616,90 +546,3 @@ class GroupedGemmDwSm90:
             if store_warp:
                 # every store done before the CTA (and its shared memory) goes
                 cute.arch.cp_async_bulk_wait_group(0)
-
-
-# ------------------------------------------------------------------ torch side
-def _fake_args(ab_dtype, c_dtype):
-    """Symbolic (M, K) a, (M, N) dy, (E, K, N) out, (E,) offs: last dims
-    contiguous, other strides symbolic multiples of 16 bytes."""
-    m, k, n, e = kcompile.sym_dims(4)
-
-    def s(dtype):
-        return cute.sym_int64(divisibility=128 // dtype.width)
-
-    f = cute.runtime.make_fake_tensor
-    a = f(ab_dtype, (m, k), (s(ab_dtype), 1), assumed_align=16)
-    dy = f(ab_dtype, (m, n), (s(ab_dtype), 1), assumed_align=16)
-    out = f(c_dtype, (e, k, n), (s(c_dtype), s(c_dtype), 1), assumed_align=16)
-    offs = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    return a, dy, out, offs
-
-
-@functools.cache
-def compiled_kernel(config: DwConfig, ab_dtype, c_dtype):
-    """The compiled kernel (memoized: it is on every call's path)."""
-    key = ("GroupedGemmDwSm90", config, str(ab_dtype), str(c_dtype), "sm_90a")
-
-    def build():
-        return GroupedGemmDwSm90(config), (
-            *_fake_args(_TORCH_TO_CUTE[ab_dtype], _TORCH_TO_CUTE[c_dtype]),
-            cutlass.Int32(1), kcompile.fake_stream())
-
-    return kcompile.get_compiled(key, build)
-
-
-@functools.cache
-def _launcher(config: DwConfig, ab_dtype, c_dtype, device_index: int):
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return compiled_kernel(config, ab_dtype, c_dtype), sms
-
-
-def _check(a, dy, offs, out):
-    """Cheap layout checks (no sync): the layouts the compiled kernel takes."""
-    if a.dim() != 2 or dy.dim() != 2 or out.dim() != 3 or offs.dim() != 1:
-        raise ValueError("grouped_gemm_k: a (M, K), dy (M, N), offs (E,), out (E, K, N)")
-    m, k = a.shape
-    if dy.shape[0] != m or tuple(out.shape) != (offs.shape[0], k, dy.shape[1]):
-        raise ValueError(f"grouped_gemm_k: shapes a {tuple(a.shape)}, dy {tuple(dy.shape)}, "
-                         f"offs {tuple(offs.shape)}, out {tuple(out.shape)} do not agree")
-    if a.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != a.dtype:
-        raise ValueError(f"grouped_gemm_k: a and dy must be one of bf16/fp16, got "
-                         f"{a.dtype}, {dy.dtype}")
-    if out.dtype not in (a.dtype, torch.float32):
-        raise ValueError(f"grouped_gemm_k: out must be {a.dtype} or float32, got {out.dtype}")
-    if offs.dtype != torch.int32 or (offs.shape[0] > 1 and offs.stride(0) != 1):
-        raise ValueError("grouped_gemm_k: offs must be contiguous int32")
-    if offs.shape[0] > MAX_EXPERTS:
-        raise ValueError(f"grouped_gemm_k: at most {MAX_EXPERTS} experts, got {offs.shape[0]}")
-    devices = {t.device for t in (a, dy, offs, out)}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(f"grouped_gemm_k: all tensors on one CUDA device, got {devices}")
-    for name, t in (("a", a), ("dy", dy), ("out", out)):
-        align = 16 // t.element_size()
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(f"grouped_gemm_k: {name} must have a contiguous last dim")
-        if any(s % align for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"grouped_gemm_k: {name}: strides {t.stride()} must be "
-                             f"16-byte multiples and the data 16-byte aligned")
-
-
-def grouped_gemm_k(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-                   config: DwConfig | None = None) -> torch.Tensor:
-    """``out[e] = a[rows e].T @ dy[rows e]`` on the current stream; returns ``out``.
-
-    a (M, K), dy (M, N) bf16/fp16 with contiguous rows, offs (E,) int32 on the
-    device, out (E, K, N) of a's dtype or float32 (last dim contiguous, strides
-    16-byte multiples).  No host sync (CUDA-graph capturable); deterministic.
-    ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
-    """
-    _check(a, dy, offs, out)
-    m, k = a.shape
-    num_experts, _, n = out.shape
-    if num_experts == 0 or k == 0 or n == 0:
-        return out
-    if m == 0:
-        return out.zero_()
-    cfg = config or choose_config(num_experts, k, n, m)
-    fn, sms = _launcher(cfg, a.dtype, out.dtype, a.get_device())
-    fn(a, dy, out, offs, min(sms, _units(cfg, num_experts, k, n)))
-    return out

@@ -9,11 +9,12 @@ a measured result.  ``ts_moe`` runs it only on an explicit opt-in.
 Same op semantics as the Hopper kernel (``grouped_gemm_sm90``): ``offs`` read
 on the device, zeros past ``offs[-1]``, K and N tails, both weight layouts,
 plus a row index (``a_index``) through which the token rows are gathered.
-See :class:`GroupedGemmSm100`.
+See :class:`GroupedGemmSm100`; its configurations are in
+:mod:`.grouped_gemm_sm100_config`, its torch entry point in
+:mod:`.grouped_gemm_sm100_launch`.
 """
 
 import enum
-import functools
 from dataclasses import dataclass
 
 import cutlass
@@ -21,50 +22,16 @@ import cutlass.cute as cute
 import cutlass.pipeline as cp
 import cutlass.utils as cutlass_utils
 import cutlass.utils.blackwell_helpers as sm100_utils
-import torch
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 import ts_pipeline
 
-from . import compile as kcompile
+from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100
 from .tile_schedule import RaggedTileSchedule, TileScheduler
 
-MAX_EXPERTS = 512
 CTA_ROWS = 128          # token rows of one CTA; the pair's MMA tile is 256 rows
 SMEM_CAPACITY = 227 * 1024
 TMEM_COLUMNS = 512
-
-
-@dataclass(frozen=True)
-class TileConfigSm100:
-    """One compiled configuration: ``tile_n`` output columns of the pair's 256-row
-    MMA tile (each CTA holds ``tile_n / 2`` of the weight tile), ``tile_k`` per
-    stage, ``stages`` (as many as fit, up to this), ``band_m`` as on Hopper."""
-
-    name: str
-    tile_n: int
-    tile_k: int = 64
-    stages: int = 6
-    band_m: int = 8
-
-    def __hash__(self) -> int:  # on every call's path: the name's cached hash
-        return hash(self.name)
-
-
-WIDE = TileConfigSm100("n256", tile_n=256)
-NARROW = TileConfigSm100("n128", tile_n=128)
-CONFIGS = {c.name: c for c in (WIDE, NARROW)}
-
-
-def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 148) -> TileConfigSm100:
-    """256 columns, unless that leaves under two waves of pair tiles (then 128).
-
-    A first rule, from tile counts alone: never measured, as nothing here has
-    run on a Blackwell GPU."""
-    # at least one 256-row tile per expert holding rows, and at most M experts do
-    pair_tiles = max(-(-m // 256), min(num_experts, m), 1)
-    waves = -(-n // WIDE.tile_n) * pair_tiles / (num_sms // 2)
-    return WIDE if waves >= 2 else NARROW
 
 
 class Warp(enum.IntEnum):
@@ -528,71 +495,3 @@ class GroupedGemmSm100:
                 acc_pipe.consumer_release(read)
             read.advance()
             tile += sched.step
-
-
-# ------------------------------------------------------------------ torch side
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                  torch.float32: cutlass.Float32}
-
-
-def fake_args(a_dtype, c_dtype, b_n_major: bool, swiglu: bool = False, gather: bool = True):
-    """Symbolic (M, K), (E, K, N), (M', N'), (E,) and row-index tensors (``N' = N / 2``
-    for SwiGLU; gathering: M' rows, the index's length; else M' = M and the index
-    is a placeholder of any length)."""
-    return kcompile.fake_gemm_args(a_dtype, c_dtype, b_n_major, own_n_out=swiglu,
-                                   row_index=True, gather=gather)
-
-
-@functools.cache
-def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, gather: bool,
-                    swiglu: bool):
-    key = ("GroupedGemmSm100", config, str(a_dtype), str(c_dtype), b_n_major, gather, swiglu,
-           "sm_100a")
-
-    def build():
-        kernel = GroupedGemmSm100(config, gather=gather, b_n_major=b_n_major, swiglu=swiglu)
-        return kernel, (*fake_args(_TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype], b_n_major,
-                                   swiglu, gather), cutlass.Int32(2), kcompile.fake_stream())
-
-    return kcompile.get_compiled(key, build)
-
-
-@functools.cache
-def _num_ctas(device_index: int) -> int:
-    """One CTA per SM, whole pairs (cached: it is on every call's path)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count // 2 * 2
-
-
-def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfigSm100 | None:
-    """The fused SwiGLU tiles for these shapes, or None where I is not a multiple
-    of ``tile_n / 2`` (the caller then runs the GEMM and the activation apart)."""
-    cfg = choose_config(num_experts, two_inter, k, m)
-    return cfg if (two_inter // 2) % (cfg.tile_n // 2) == 0 else None
-
-
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *,
-                 a_index: torch.Tensor | None = None, swiglu: bool = False,
-                 config: TileConfigSm100 | None = None) -> torch.Tensor:
-    """Launch on the current stream; arguments validated by ``ts_moe.ops``, ``out``
-    allocated there ((M', N) or (M', N / 2) for SwiGLU, 16-byte rows), K a
-    multiple of 8, I a multiple of ``tile_n / 2`` for SwiGLU.  Never run on
-    hardware here (see the module docstring)."""
-    k = a.shape[1]
-    num_experts, _, n = b.shape
-    if k % 8:
-        raise ValueError(f"the sm_100 kernel gathers 16-byte chunks: K = {k} must be a "
-                         f"multiple of 8")
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"the sm_100 kernel supports up to {MAX_EXPERTS} experts, "
-                         f"got {num_experts}")
-    cfg = config or choose_config(num_experts, n, k, out.shape[0])
-    if swiglu and (n // 2) % (cfg.tile_n // 2):
-        raise ValueError(f"the fused SwiGLU kernel needs I = {n // 2} to be a multiple of "
-                         f"{cfg.tile_n // 2}")
-    if out.shape[0] == 0 or out.shape[1] == 0:
-        return out
-    index = a_index if a_index is not None else offs  # unread without gathering
-    fn = compiled_kernel(cfg, a.dtype, out.dtype, b.stride(-1) == 1, a_index is not None, swiglu)
-    fn(a if a.stride(-1) == 1 else a.contiguous(), b, out, offs, index,
-       _num_ctas(a.get_device()))
-    return out

@@ -56,13 +56,15 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
         import cutlass.cute as cute
 
         from . import grouped_gemm_sm90 as g
+        from .grouped_gemm_sm90_config import CONFIGS
+        from .grouped_gemm_sm90_launch import _fake_args
 
-        cfg = dataclasses.replace(g.CONFIGS[config], **kw)
+        cfg = dataclasses.replace(CONFIGS[config], **kw)
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
         cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
         return cls(cfg, prefetch_weights=prefetch), (
-            *g._fake_args(ab, c, b_n_major, cls), cutlass.Int32(1),
+            *_fake_args(ab, c, b_n_major, cls), cutlass.Int32(1),
             cute.runtime.make_fake_stream())
     build.config = (config, kw)  # for the PTX tests: the configuration built
     build.prefetch_weights = prefetch  # requested (GroupedGemmSm90 says if it took)
@@ -76,11 +78,13 @@ def _gemm100(config, b_n_major=True, gather=True, swiglu=False, out="same"):
         import cutlass.cute as cute
 
         from . import grouped_gemm_sm100 as g
+        from .grouped_gemm_sm100_config import CONFIGS
+        from .grouped_gemm_sm100_launch import fake_args
 
-        cfg = g.CONFIGS[config]
+        cfg = CONFIGS[config]
         c = cutlass.Float32 if out == "float32" else cutlass.BFloat16
         return g.GroupedGemmSm100(cfg, gather=gather, b_n_major=b_n_major, swiglu=swiglu), (
-            *g.fake_args(cutlass.BFloat16, c, b_n_major, swiglu, gather), cutlass.Int32(2),
+            *fake_args(cutlass.BFloat16, c, b_n_major, swiglu, gather), cutlass.Int32(2),
             cute.runtime.make_fake_stream())
     build.config = (config, {"gather": gather, "swiglu": swiglu})
     return build
@@ -91,11 +95,13 @@ def _dw(config, dtype="bfloat16", out="same"):
         import cutlass
 
         from . import grouped_gemm_dw_sm90 as g
+        from .grouped_gemm_dw_sm90_config import CONFIGS
+        from .grouped_gemm_dw_sm90_launch import _fake_args
 
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
-        return g.GroupedGemmDwSm90(g.CONFIGS[config]), (
-            *g._fake_args(ab, c), cutlass.Int32(1), cutlass.cute.runtime.make_fake_stream())
+        return g.GroupedGemmDwSm90(CONFIGS[config]), (
+            *_fake_args(ab, c), cutlass.Int32(1), cutlass.cute.runtime.make_fake_stream())
     build.config = (config, {"dtype": dtype, "out": out})
     return build
 
@@ -105,9 +111,10 @@ def _swiglu_ew(backward, dtype="bfloat16"):
         import cutlass
 
         from . import swiglu_sm90 as s
+        from .swiglu_sm90_launch import fake_args
 
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
-        return s.SwigluElementwise(backward), s.fake_args(ab, backward)
+        return s.SwigluElementwise(backward), fake_args(ab, backward)
     build.config = {"backward": backward, "dtype": dtype}
     return build
 
@@ -117,10 +124,11 @@ def _route(from_logits, dtype="bfloat16", per_lane=8):
         import cutlass
 
         from . import route_sm90 as r
+        from .route_sm90_launch import route_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32",
                               "int64": "Int64", "int32": "Int32"}[dtype])
-        return r.RouteSlots(from_logits, per_lane), r.route_fake_args(c, from_logits)
+        return r.RouteSlots(from_logits, per_lane), route_fake_args(c, from_logits)
     build.config = {"from_logits": from_logits, "dtype": dtype, "per_lane": per_lane}
     return build
 
@@ -129,10 +137,11 @@ def _router(dtype="bfloat16"):
     def build():
         import cutlass
 
-        from . import route_sm90 as r
+        from . import router_sm90 as r
+        from .router_sm90_launch import router_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
-        return r.RouterLogits(), r.router_fake_args(c)
+        return r.RouterLogits(), router_fake_args(c)
     build.config = {"dtype": dtype}
     return build
 
@@ -141,10 +150,11 @@ def _topk(dtype="bfloat16", per_lane=8):
     def build():
         import cutlass
 
-        from . import route_sm90 as r
+        from . import router_sm90 as r
+        from .router_sm90_launch import topk_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32"}[dtype])
-        return r.RouteTopK(per_lane), r.topk_fake_args(c)
+        return r.RouteTopK(per_lane), topk_fake_args(c)
     build.config = {"dtype": dtype, "per_lane": per_lane}
     return build
 
@@ -154,8 +164,9 @@ def _rowsum(weighted, index="int64"):
         import cutlass
 
         from . import route_sm90 as r
+        from .route_sm90_launch import rowsum_fake_args
 
-        return r.WeightedRowSum(weighted), r.rowsum_fake_args(
+        return r.WeightedRowSum(weighted), rowsum_fake_args(
             cutlass.BFloat16, getattr(cutlass, index.capitalize()), weighted)
     build.config = {"weighted": weighted, "index": index}
     return build

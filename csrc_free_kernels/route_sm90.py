@@ -1,14 +1,9 @@
 """The small kernels around the expert GEMMs of a MoE block (SIMT; built for sm_90a).
 
-- :class:`RouterLogits`: the router's ``logits = x @ w.T`` of a decode batch in
-  one launch with fp32 sums and one rounding (cuBLAS takes two for these
-  shapes: a split-K GEMM and its reduction).
 - :class:`RouteSlots`: Mixtral routing (softmax, top-k, renormalise) of a small
   batch and the expert order of its (token, k) slots, in one CTA and one launch,
   where ``torch`` takes a dozen (softmax, sort, slicing, a second sort,
   searchsorted, scatter, ...).  Or, from given expert ids, the slot order alone.
-  :class:`RouteTopK`: its routing alone, a warp a token on many CTAs (for
-  batches whose top-k rounds would keep one CTA busy).
 - :class:`WeightedRowSum`: ``out[t] = sum_j w[t, j] * src[index[t * k + j]]`` in
   fp32 with one rounding: the MoE combine in one pass (torch: a gather, a
   product and a sum over (T, k, H), then a cast), and, unweighted with ``k =
@@ -16,17 +11,15 @@
 
 All are deterministic (no atomics), read everything on the device (no host
 sync) and capture into CUDA graphs.  The plain-torch references are
-``ts_moe.routing.router_logits_reference``/``route``/
-``sort_slots``/``combine`` and ``ts_moe.reference.gather_rows``.
+``ts_moe.routing.route``/``sort_slots``/``combine`` and
+``ts_moe.reference.gather_rows``; the torch entry points are in
+:mod:`.route_sm90_launch`.  The opt-in router kernels (the logits GEMV, and
+the routing alone on many CTAs) are in :mod:`.router_sm90`.
 """
-
-import functools
 
 import cutlass
 import cutlass.cute as cute
-import torch
 
-from . import compile as kcompile
 from . import pdl
 
 LOG2E = 1.4426950408889634
@@ -35,111 +28,6 @@ LOG2E = 1.4426950408889634
 MAX_EXPERTS = 256
 MAX_SLOTS = 1024
 LANE_WIDTHS = (1, 2, 4, 8)  # builds of RouteSlots: up to 32, 64, 128, 256 experts
-# RouterLogits: a CTA's tile of experts x tokens (its grid's y dimension
-# bounds the tokens)
-ROUTER_EXPERTS_PER_CTA = 2
-ROUTER_TOKENS_PER_CTA = 8
-ROUTER_MAX_TOKENS = 65535 * ROUTER_TOKENS_PER_CTA
-
-
-class RouterLogits:
-    """``out[t, e] = sum_h x[t, h] * w[e, h]``: fp32 sums in a fixed order, one rounding.
-
-    The router GEMV of a decode batch, x (T, H) and w (E, H) bf16/fp16 with
-    16-byte rows, out (T, E) in their dtype.  Every CTA reads its experts' and
-    its tokens' rows (:func:`router_read_bytes`), so the rows of x are read
-    ``E / experts_per_cta`` times: a kernel for small T (larger batches are
-    cuBLAS's, on tensor cores; ``ts_moe.ops`` chooses).
-
-    CTA ``(b, g)`` computes experts ``b * experts_per_cta + i`` for tokens
-    ``g * tokens_per_cta + j``: a tile of ``experts_per_cta * tokens_per_cta``
-    dot products.  Its threads split H into 16-byte vectors (thread ``i``:
-    vectors ``i, i + threads, ...``); each loads a vector of each of its
-    experts' rows once and of each token's row once, and keeps the tile's
-    partial sums in registers.  Then each warp adds its lanes' sums by
-    butterfly shuffles, and thread ``i`` of the tile adds the warps' sums in
-    warp order and stores the result.  No roles, no pipeline: every thread
-    streams, and the grid of ``ceil(E / experts_per_cta) x ceil(T /
-    tokens_per_cta)`` CTAs spreads the weight rows over the SMs.
-    """
-
-    def __init__(self, experts_per_cta: int = ROUTER_EXPERTS_PER_CTA,
-                 tokens_per_cta: int = ROUTER_TOKENS_PER_CTA, warps: int = 8):
-        for name, value in (("experts_per_cta", experts_per_cta),
-                            ("tokens_per_cta", tokens_per_cta), ("warps", warps)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if experts_per_cta * tokens_per_cta > 32 * warps:
-            raise ValueError("the tile's dot products must not outnumber the CTA's threads")
-        self.experts_per_cta = experts_per_cta
-        self.tokens_per_cta = tokens_per_cta
-        self.warps = warps
-        self.threads = 32 * warps
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, stream):
-        """mX (T, H), mW (E, H): rows of 16-byte vectors; mOut (T, E)."""
-        vec = 128 // mX.element_type.width
-        gX = cute.zipped_divide(mX, (1, vec))
-        gW = cute.zipped_divide(mW, (1, vec))
-        n_vec = cute.size(mX, mode=[1]) // vec
-        tokens = cute.size(mOut, mode=[0])
-        experts = cute.size(mOut, mode=[1])
-        grid = ((experts + self.experts_per_cta - 1) // self.experts_per_cta,
-                (tokens + self.tokens_per_cta - 1) // self.tokens_per_cta, 1)
-        self.kernel(gX, gW, mOut, n_vec).launch(
-            grid=grid, block=(self.threads, 1, 1), stream=stream, use_pdl=pdl.ENABLED)
-
-    @cute.kernel
-    def kernel(self, gX: cute.Tensor, gW: cute.Tensor, mOut: cute.Tensor,
-               n_vec: cutlass.Int32):
-        pdl.enter()
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        b, g, _ = cute.arch.block_idx()
-        tokens, experts = mOut.shape
-        n_e, n_t = self.experts_per_cta, self.tokens_per_cta
-        e0 = b * n_e
-        t0 = g * n_t
-        frag = gX[(None, (0, 0))].shape
-        acc = cute.make_rmem_tensor((n_e * n_t,), cutlass.Float32)
-        acc.fill(0.0)
-        w_vecs = [cute.make_rmem_tensor(frag, cutlass.Float32) for _ in range(n_e)]
-        x_vec = cute.make_rmem_tensor(frag, cutlass.Float32)
-        for c in cutlass.range(tidx, n_vec, self.threads, unroll=2):
-            for i in cutlass.range_constexpr(n_e):  # the experts' vectors, then each token's
-                w_vecs[i].fill(0.0)
-                if e0 + i < experts:
-                    w_vecs[i].store(gW[(None, (e0 + i, c))].load().to(cutlass.Float32))
-            for j in cutlass.range_constexpr(n_t):
-                if t0 + j < tokens:
-                    x_vec.store(gX[(None, (t0 + j, c))].load().to(cutlass.Float32))
-                    for i in cutlass.range_constexpr(n_e):
-                        s = acc[i * n_t + j]
-                        for v in cutlass.range_constexpr(cute.size(frag)):
-                            s += w_vecs[i][v] * x_vec[v]
-                        acc[i * n_t + j] = s
-
-        smem = cutlass.utils.SmemAllocator()
-        partial = smem.allocate_tensor(cutlass.Float32,
-                                       cute.make_layout((n_e * n_t, self.warps)), 16)
-        for d in cutlass.range_constexpr(n_e * n_t):
-            if e0 + d // n_t < experts and t0 + d % n_t < tokens:  # uniform in the CTA
-                s = acc[d]
-                for r in cutlass.range_constexpr(5):
-                    s += cute.arch.shuffle_sync_bfly(s, 1 << r)
-                if lane == 0:
-                    partial[d, warp] = s
-        cute.arch.sync_threads()
-        if tidx < n_e * n_t:
-            e = e0 + tidx // n_t
-            t = t0 + tidx % n_t
-            if e < experts and t < tokens:
-                total = cutlass.Float32(0.0)
-                for w in cutlass.range_constexpr(self.warps):
-                    total += partial[tidx, w]
-                mOut[t, e] = total.to(mOut.element_type)
 
 
 class TokenRouting:
@@ -439,50 +327,6 @@ def _ordered_key(bits: cutlass.Int32) -> cutlass.Int32:
     return key
 
 
-class RouteTopK(TokenRouting):
-    """:class:`RouteSlots`'s routing phase alone, on ``ceil(T / warps)`` CTAs.
-
-    Warp ``w`` of CTA ``b`` routes token ``b * warps + w`` (softmax, top-k,
-    renormalise: :meth:`TokenRouting.route_token`, so the experts and weights
-    are bit for bit those of :class:`RouteSlots`) and writes ``mWeights`` and
-    ``mExperts``.  The slot order then comes from :class:`RouteSlots` on the
-    ids (``from_logits=False``): two launches, where one CTA's top-k rounds
-    would keep one SM issue-bound for many tokens (bench/RESULTS.md, "Issue
-    21, fourth pass": about 900 warp instructions a token at E = 128).
-    """
-
-    def __init__(self, per_lane: int = MAX_EXPERTS // 32, warps: int = 4):
-        super().__init__(per_lane)
-        if not 1 <= warps <= 32:
-            raise ValueError(f"warps must be in [1, 32] (a CTA's threads), got {warps}")
-        self.warps = warps
-        self.threads = 32 * warps
-
-    @cute.jit
-    def __call__(self, mLogits: cute.Tensor, mWeights: cute.Tensor, mExperts: cute.Tensor,
-                 stream):
-        """mLogits (T, E) float, mWeights (T, k) fp32, mExperts (T, k) int64 (outputs)."""
-        tokens = cute.size(mExperts, mode=[0])
-        self.kernel(mLogits, mWeights, mExperts).launch(
-            grid=((tokens + self.warps - 1) // self.warps, 1, 1), block=(self.threads, 1, 1),
-            stream=stream, use_pdl=pdl.ENABLED)
-
-    @cute.kernel
-    def kernel(self, mLogits: cute.Tensor, mWeights: cute.Tensor, mExperts: cute.Tensor):
-        pdl.enter()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        b, _, _ = cute.arch.block_idx()
-        tokens, top_k = mExperts.shape
-        vals = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
-        keys = cute.make_rmem_tensor((self.per_lane,), cutlass.Int32)
-        chosen = cute.make_rmem_tensor((self.per_lane,), cutlass.Int32)
-        t = b * self.warps + warp
-        if t < tokens:
-            self.route_token(mLogits, mWeights, mExperts, None, vals, keys, chosen, t, lane,
-                             top_k, mLogits.shape[1])
-
-
 class WeightedRowSum:
     """``out[t] = sum_j w[t, j] * src[index[t * k + j]]``, fp32 sums, one rounding.
 
@@ -538,205 +382,3 @@ class WeightedRowSum:
                 if row >= 0 and row < m_rows:
                     frag.store(gSrc[(None, (cutlass.Int32(row), col))].load())
                 gOut[(None, (t, col))].store(frag.load())
-
-
-# ------------------------------------------------------------------ torch side
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                  torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
-                  torch.int64: cutlass.Int64}
-
-
-def _compact(dtype, *shape):
-    return cute.runtime.make_fake_compact_tensor(
-        dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
-        assumed_align=dtype.width // 8)
-
-
-def _rows(dtype, n, h):
-    """(n, h) rows of 16-byte vectors with a free row stride."""
-    return cute.runtime.make_fake_tensor(
-        dtype, (n, h), (cute.sym_int64(divisibility=128 // dtype.width), 1), assumed_align=16)
-
-
-def router_fake_args(dtype) -> tuple:
-    """x (T, H) and w (E, H) rows with free 16-byte strides; out (T, E) compact."""
-    t, e, h = kcompile.sym_dims(3)
-    return _rows(dtype, t, h), _rows(dtype, e, h), _compact(dtype, t, e), kcompile.fake_stream()
-
-
-def route_fake_args(dtype, from_logits: bool) -> tuple:
-    """Symbolic T, E, k, and T k (checked against each other on the host);
-    ``dtype``: the logits' (``from_logits``) or the input ids'."""
-    t, e, k, s = kcompile.sym_dims(4)
-    experts = _compact(cutlass.Int64 if from_logits else dtype, t, k)
-    logits = _compact(dtype, t, e) if from_logits else None
-    weights = _compact(cutlass.Float32, t, k) if from_logits else None
-    return (logits, weights, experts, _compact(cutlass.Int32, s), _compact(cutlass.Int32, e),
-            _compact(cutlass.Int64, s), kcompile.fake_stream())
-
-
-def topk_fake_args(dtype) -> tuple:
-    """Symbolic T, E, k: logits (T, E) of ``dtype``, weights and experts (T, k)."""
-    t, e, k = kcompile.sym_dims(3)
-    return (_compact(dtype, t, e), _compact(cutlass.Float32, t, k), _compact(cutlass.Int64, t, k),
-            kcompile.fake_stream())
-
-
-def rowsum_fake_args(dtype, index_dtype, weighted: bool) -> tuple:
-    """(M, H) source and (T, H) output rows with free 16-byte strides; (R,) index;
-    (T, k) weights when ``weighted`` (else R = T)."""
-    m, h, t = kcompile.sym_dims(3)
-    r, k = kcompile.sym_dims(2) if weighted else (t, None)
-    weights = _compact(cutlass.Float32, t, k) if weighted else None
-    return (_rows(dtype, m, h), _compact(index_dtype, r), weights, _rows(dtype, t, h),
-            kcompile.fake_stream())
-
-
-def lane_width(num_experts: int) -> int:
-    """The :class:`RouteSlots` build for ``num_experts``: logits per lane."""
-    return next(w for w in LANE_WIDTHS if 32 * w >= num_experts)
-
-
-@functools.cache
-def _router_kernel(dtype: torch.dtype):
-    key = ("RouterLogits", str(dtype), "sm_90a")
-    return kcompile.get_compiled(key, lambda: (RouterLogits(),
-                                               router_fake_args(_TORCH_TO_CUTE[dtype])))
-
-
-@functools.cache
-def _route_kernel(from_logits: bool, dtype: torch.dtype, per_lane: int = 1):
-    key = ("RouteSlots", from_logits, str(dtype), per_lane, "sm_90a")
-
-    def build():
-        return (RouteSlots(from_logits, per_lane),
-                route_fake_args(_TORCH_TO_CUTE[dtype], from_logits))
-
-    return kcompile.get_compiled(key, build)
-
-
-@functools.cache
-def _topk_kernel(dtype: torch.dtype, per_lane: int):
-    key = ("RouteTopK", str(dtype), per_lane, "sm_90a")
-    return kcompile.get_compiled(key, lambda: (RouteTopK(per_lane),
-                                               topk_fake_args(_TORCH_TO_CUTE[dtype])))
-
-
-@functools.cache
-def _rowsum_kernel(weighted: bool, dtype: torch.dtype, index_dtype: torch.dtype):
-    key = ("WeightedRowSum", weighted, str(dtype), str(index_dtype), "sm_90a")
-
-    def build():
-        return WeightedRowSum(weighted), rowsum_fake_args(
-            _TORCH_TO_CUTE[dtype], _TORCH_TO_CUTE[index_dtype], weighted)
-
-    return kcompile.get_compiled(key, build)
-
-
-def fits(slots: int, num_experts: int) -> bool:
-    """Whether :func:`route_slots` / :func:`sort_slots` take a batch of this size."""
-    return 0 < slots <= MAX_SLOTS and 0 < num_experts <= MAX_EXPERTS
-
-
-def _check_fits(slots: int, num_experts: int) -> None:
-    """The one CTA holds every slot and expert in shared memory: a batch past
-    that would run off its tables (the ops check :func:`fits` and take the torch
-    path instead; this guards the module's own entries)."""
-    if not fits(slots, num_experts):
-        raise ValueError(f"the routing kernel takes 1 to {MAX_SLOTS} slots and 1 to "
-                         f"{MAX_EXPERTS} experts, got {slots} slots and {num_experts} experts")
-
-
-def _check_top_k(top_k: int, num_experts: int) -> None:
-    """Each top-k round takes a new expert."""
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
-
-
-def router_read_bytes(tokens: int, experts: int, hidden: int) -> int:
-    """The bytes :class:`RouterLogits`'s CTAs read (from L2 and HBM): each its
-    experts' rows and its tokens' rows, of 16-bit elements."""
-    ctas_e = -(-experts // ROUTER_EXPERTS_PER_CTA)
-    ctas_t = -(-tokens // ROUTER_TOKENS_PER_CTA)
-    rows = (min(experts, ROUTER_EXPERTS_PER_CTA) + min(tokens, ROUTER_TOKENS_PER_CTA))
-    return ctas_e * ctas_t * rows * hidden * 2
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` (T, E) in x's dtype: x (T, H) and weight (E, H) bf16/fp16
-    with 16-byte rows (H a multiple of 8, row strides too), ``out`` (T, E)
-    contiguous or None; on the current stream."""
-    tokens, hidden = x.shape
-    if not 0 < tokens <= ROUTER_MAX_TOKENS:
-        raise ValueError(f"the router kernel takes 1 to {ROUTER_MAX_TOKENS} tokens, "
-                         f"got {tokens}")
-    if hidden % 8 or weight.shape[1] != hidden:
-        raise ValueError(f"x (T, H) and weight (E, H) need one H, a multiple of 8: got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    if out is None:
-        out = torch.empty(tokens, weight.shape[0], dtype=x.dtype, device=x.device)
-    if weight.shape[0]:
-        _router_kernel(x.dtype)(x, weight, out)
-    return out
-
-
-def route_slots(logits: torch.Tensor, top_k: int):
-    """(weights, experts, token_index, offs, inverse) of a batch that :func:`fits`;
-    ``logits`` (T, E) contiguous, on the current stream.  ``ts_moe.route`` and
-    ``ts_moe.sort_slots`` in one launch."""
-    tokens, num_experts = logits.shape
-    _check_fits(tokens * top_k, num_experts)
-    _check_top_k(top_k, num_experts)
-    dev = logits.device
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
-    experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
-    token_index = torch.empty(tokens * top_k, dtype=torch.int32, device=dev)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    inverse = torch.empty(tokens * top_k, dtype=torch.int64, device=dev)
-    _route_kernel(True, logits.dtype, lane_width(num_experts))(
-        logits, weights, experts, token_index, offs, inverse)
-    return weights, experts, token_index, offs, inverse
-
-
-def route_topk(logits: torch.Tensor, top_k: int, weights: torch.Tensor | None = None,
-               experts: torch.Tensor | None = None):
-    """(weights (T, k) fp32, experts (T, k) int64): ``ts_moe.route`` of ``logits``
-    (T, E) contiguous, E <= MAX_EXPERTS, a warp a token on many CTAs; the
-    experts and weights of :func:`route_slots`, bit for bit.  ``weights`` and
-    ``experts``: contiguous outputs to write, or None."""
-    tokens, num_experts = logits.shape
-    if not 0 < num_experts <= MAX_EXPERTS:
-        raise ValueError(f"the routing kernel takes 1 to {MAX_EXPERTS} experts, "
-                         f"got {num_experts}")
-    _check_top_k(top_k, num_experts)
-    dev = logits.device
-    if weights is None:
-        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
-    if experts is None:
-        experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
-    if tokens:
-        _topk_kernel(logits.dtype, lane_width(num_experts))(logits, weights, experts)
-    return weights, experts
-
-
-def sort_slots(experts: torch.Tensor, num_experts: int):
-    """(token_index, offs, inverse) of ``experts`` (T, k) int32/int64 contiguous,
-    a batch that :func:`fits`: ``ts_moe.sort_slots`` in one launch."""
-    slots = experts.numel()
-    _check_fits(slots, num_experts)
-    dev = experts.device
-    token_index = torch.empty(slots, dtype=torch.int32, device=dev)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    inverse = torch.empty(slots, dtype=torch.int64, device=dev)
-    _route_kernel(False, experts.dtype)(None, None, experts, token_index, offs, inverse)
-    return token_index, offs, inverse
-
-
-def weighted_row_sum(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None,
-                     out: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * src[index[t * k + j]]`` (``weights`` None:
-    ``out[t] = src[index[t]]``); rows 16-byte aligned, H a multiple of 8."""
-    if out.shape[0] and out.shape[1]:
-        _rowsum_kernel(weights is not None, src.dtype, index.dtype)(src, index, weights, out)
-    return out

@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
-    from csrc_free_kernels import grouped_gemm_dw_sm90 as g
+    from csrc_free_kernels import grouped_gemm_dw_sm90_config as g
+    from csrc_free_kernels.grouped_gemm_dw_sm90_launch import grouped_gemm_k
 
     out_dtype = getattr(torch, args.out_dtype)
     print(f"{'M':>7} {'K':>5} {'N':>6} {'E':>4}  {'kernel':<18} {'ms':>8} {'TFLOP/s':>8} "
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
         out = torch.empty(e, k, n, device="cuda", dtype=out_dtype)
         chosen = g.choose_config(e, k, n, m).name
         for name, cfg in g.CONFIGS.items():
-            ms = time_ms(lambda: g.grouped_gemm_k(a, dy, ends, out, config=cfg), args.iters)
+            ms = time_ms(lambda: grouped_gemm_k(a, dy, ends, out, config=cfg), args.iters)
             diff = f"{rel(out, theirs):9.2e}" if theirs is not None else ""
             label = name + (" *" if name == chosen else "")
             print(f"{m:7d} {k:5d} {n:6d} {e:4d}  {label:<18} {ms:8.3f} "

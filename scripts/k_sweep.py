@@ -78,14 +78,15 @@ def main(argv=None) -> int:
         print("scripts/k_sweep.py: needs a CUDA GPU (sm_90); torch sees none here",
               file=sys.stderr)
         return 2
-    from csrc_free_kernels import grouped_gemm_sm90 as sm90
+    from csrc_free_kernels import grouped_gemm_sm90_config as sm90
+    from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
 
     if args.config not in sm90.CONFIGS:
         p.error(f"--config {args.config!r}: known: {', '.join(sm90.CONFIGS)}")
     ks = args.k
     config = sm90.CONFIGS[args.config]
     fns = {"torch_grouped_mm": lambda a, b, o: torch._grouped_mm(a, b, offs=o),
-           f"ts_moe {config.name}": lambda a, b, o: sm90.grouped_gemm(a, b, o, config=config)}
+           f"ts_moe {config.name}": lambda a, b, o: grouped_gemm(a, b, o, config=config)}
     times = {name: [] for name in fns}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for k in ks:

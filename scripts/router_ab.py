@@ -6,7 +6,7 @@ alone and inside the decode block.
 
 For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3; the suite's
 cases and inputs, ``bench.moe_block.suite_inputs``) and token count: the logits
-alone, ``F.linear`` then ``csrc_free_kernels.route_sm90.router_logits``; the
+alone, ``F.linear`` then ``csrc_free_kernels.router_sm90_launch.router_logits``; the
 routing alone, the one-CTA ``route_slots`` then ``route_topk`` + ``sort_slots``
 (two launches; twenty calls per CUDA graph each); and the block
 (``bench.moe_block.stages_graph_ms``) with
@@ -38,25 +38,26 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("scripts/router_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
         return 2
-    from csrc_free_kernels import route_sm90
+    from csrc_free_kernels import route_sm90_launch as route_sm90
+    from csrc_free_kernels import router_sm90_launch
 
     dev = torch.device("cuda")
     print("| model | T | F.linear | router kernel | route_slots | route_topk + sort_slots "
           "| block, kernels off | on | off again |\n|---|---|---|---|---|---|---|---|---|")
     for model, tokens, inp in suite_inputs(map(int, args.T.split(",")), dev):
         exact = inp.x.double() @ inp.router.double().t()
-        got = route_sm90.router_logits(inp.x, inp.router).double()
+        got = router_sm90_launch.router_logits(inp.x, inp.router).double()
         worst = ((got - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
         if worst > 1e-2:
             print(f"{model.name} T={tokens}: router kernel off by {worst:.3g} (rel. per row)",
                   file=sys.stderr)
             return 1
         row = [measure([lambda: fn(inp.x, inp.router)] * 20, dev, graph=True, target_ms=20).ms
-               for fn in (F.linear, route_sm90.router_logits)]
+               for fn in (F.linear, router_sm90_launch.router_logits)]
         logits = F.linear(inp.x, inp.router)
 
         def split():
-            _, ids = route_sm90.route_topk(logits, inp.top_k)
+            _, ids = router_sm90_launch.route_topk(logits, inp.top_k)
             return route_sm90.sort_slots(ids, model.experts)
 
         if route_sm90.fits(tokens * inp.top_k, model.experts):  # the one-CTA kernel's slots

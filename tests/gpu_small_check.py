@@ -14,8 +14,10 @@ import dataclasses
 
 import torch
 
-from csrc_free_kernels import grouped_gemm_sm90 as sm90
-from csrc_free_kernels import route_sm90
+from csrc_free_kernels import grouped_gemm_sm90_config as sm90
+from csrc_free_kernels import route_sm90_launch as route_sm90
+from csrc_free_kernels import router_sm90_launch
+from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
 from ts_moe import routing
 from ts_moe.reference import grouped_gemm_reference
 
@@ -35,7 +37,7 @@ def main() -> None:
     offs = torch.tensor([40, 40, 171, 290], dtype=torch.int32, device="cuda")
     ref = grouped_gemm_reference(a, b, offs, torch.float32)
     for cfg in configs():
-        out = sm90.grouped_gemm(a, b, offs, config=cfg)
+        out = grouped_gemm(a, b, offs, config=cfg)
         torch.cuda.synchronize()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         print(f"{cfg.name}: rel err {err:.2e}")
@@ -48,11 +50,11 @@ def route_kernels() -> None:
     two), each kernel against the torch functions; one line ``route kernels ok``."""
     buf = torch.randn(9, 264 + 8, device="cuda", dtype=torch.bfloat16)
     x, w = buf[:, 8:], torch.randn(33, 264, device="cuda", dtype=torch.bfloat16)
-    logits = route_sm90.router_logits(x, w)
+    logits = router_sm90_launch.router_logits(x, w)
     exact = x.double() @ w.double().t()
     assert ((logits.double() - exact).norm() / exact.norm()).item() < 1e-2
     ids_ref = routing.route(logits, 3)[1]
-    weights, ids = route_sm90.route_topk(logits, 3)
+    weights, ids = router_sm90_launch.route_topk(logits, 3)
     assert torch.equal(ids, ids_ref)
     w1, ids1, token_index, offs, inverse = route_sm90.route_slots(logits, 3)
     assert torch.equal(ids1, ids_ref) and torch.equal(w1, weights)

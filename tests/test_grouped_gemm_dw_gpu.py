@@ -12,8 +12,13 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 
 def dw():
-    from csrc_free_kernels import grouped_gemm_dw_sm90
-    return grouped_gemm_dw_sm90
+    from csrc_free_kernels import grouped_gemm_dw_sm90_launch
+    return grouped_gemm_dw_sm90_launch
+
+
+def dwc():
+    from csrc_free_kernels import grouped_gemm_dw_sm90_config
+    return grouped_gemm_dw_sm90_config
 
 
 def make(m, k, n, counts, dtype=torch.bfloat16):
@@ -64,7 +69,7 @@ CONFIGS = ["dw_128x256", "dw_128x128", "dw_128x256_st", "dw_128x128_st"]
 
 
 def test_configs_cover_the_module():
-    assert set(CONFIGS) == set(dw().CONFIGS)
+    assert set(CONFIGS) == set(dwc().CONFIGS)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -74,13 +79,13 @@ def test_ragged(config, dtype, out_dtype):
     # empty experts, a 1-row expert, unaligned starts (301, 302, 802), 48 rows
     # past offs[-1]; K and N multiples of 8 but not of the tiles
     a, dy, offs = make(1000, 264, 392, [0, 301, 1, 0, 500, 150], dtype)
-    out = check(a, dy, offs, out_dtype, config=dw().CONFIGS[config])
+    out = check(a, dy, offs, out_dtype, config=dwc().CONFIGS[config])
     assert out.dtype == (out_dtype or dtype)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_routing_extremes(config):
-    cfg = dw().CONFIGS[config]
+    cfg = dwc().CONFIGS[config]
     k, n = 136, 264
     check(*make(777, k, n, [0, 0, 0, 777, 0, 0, 0, 0]), config=cfg)   # one expert
     check(*make(8, k, n, [1] * 8), config=cfg)                         # 1 row each
@@ -114,7 +119,7 @@ def test_unaligned_starts_every_residue():
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_strided_operands_and_padded_out(config, out_dtype):
-    cfg = dw().CONFIGS[config]
+    cfg = dwc().CONFIGS[config]
     a, dy, offs = make(600, 264, 392, [100, 0, 333, 167])
     wide_a = torch.randn(600, 320, device="cuda", dtype=a.dtype)[:, :264].copy_(a)
     wide_dy = torch.randn(600, 400, device="cuda", dtype=a.dtype)[:, :392].copy_(dy)
@@ -139,7 +144,7 @@ def test_large():
 
 def test_deterministic():
     a, dy, offs = make(20000, 1024, 768, random_counts(20000, 16, skew=1.0))
-    for cfg in dw().CONFIGS.values():
+    for cfg in dwc().CONFIGS.values():
         first = run_poisoned(a, dy, offs, config=cfg).clone()
         second = run_poisoned(a, dy, offs, config=cfg)
         assert torch.equal(first, second)

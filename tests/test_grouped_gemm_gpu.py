@@ -24,8 +24,13 @@ MODELS = {  # E, H, I, top-k
 
 
 def gg():
-    from csrc_free_kernels import grouped_gemm_sm90
-    return grouped_gemm_sm90
+    from csrc_free_kernels import grouped_gemm_sm90_launch
+    return grouped_gemm_sm90_launch
+
+
+def ggc():
+    from csrc_free_kernels import grouped_gemm_sm90_config
+    return grouped_gemm_sm90_config
 
 
 def make(m, k, n, e, counts=None, kmajor=False, dtype=torch.bfloat16):
@@ -89,7 +94,7 @@ VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
 
 def config_named(name):
     """A configuration of CONFIG_NAMES, or a VARIANTS entry."""
-    return dataclasses.replace(gg().CONFIGS[name.split(":")[0]], **VARIANTS.get(name, {}))
+    return dataclasses.replace(ggc().CONFIGS[name.split(":")[0]], **VARIANTS.get(name, {}))
 
 
 @pytest.mark.parametrize("config", CONFIG_NAMES + list(VARIANTS))
@@ -273,7 +278,7 @@ def test_prefetch_weights_behind_a_pdl_kernel(config):
     tokens must still be read after it: they are NaN until it writes them, at
     every step, with fresh data each time."""
     swiglu = config.startswith("swiglu:")
-    cfg = gg().CONFIGS[config.split(":")[-1]]
+    cfg = ggc().CONFIGS[config.split(":")[-1]]
     e, m, k1, k = 8, 256, 4096, 512
     n = 2 * 384 if swiglu else 384
     offs = counts_to_offs([0, 40, 1, 100, 0, 64, 3, 48])

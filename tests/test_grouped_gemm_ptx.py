@@ -19,18 +19,18 @@ def _config(name):
     """The TileConfig that build ``name`` compiles."""
     import dataclasses
 
-    from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as c
 
     config, overrides = ptx_dump.BUILDS[name].config
-    return dataclasses.replace(g.CONFIGS[config], **overrides)
+    return dataclasses.replace(c.CONFIGS[config], **overrides)
 
 
 def test_every_configuration_is_built(ptx):
-    from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as c
 
     assert set(BUILDS) <= set(ptx)
     built = {_config(n).name for n in BUILDS}
-    assert built == set(g.CONFIGS)
+    assert built == set(c.CONFIGS)
     assert any(n.startswith("swiglu") for n in BUILDS)
 
 
@@ -67,13 +67,14 @@ def test_prefetch_needs_multi_warp_loads_and_no_cluster():
     """The weight warps stream before the wait only where they own the weight
     loads of their CTA alone; elsewhere the flag is off (a hint)."""
     from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as c
 
-    assert g.GroupedGemmSm90(g.DECODE16, prefetch_weights=True).prefetch_weights
-    assert g.GroupedGemmSwigluSm90(g.DECODE16_N64, prefetch_weights=True).prefetch_weights
-    assert not g.GroupedGemmSm90(g.PREFILL_C2, prefetch_weights=True).prefetch_weights
-    single = dataclasses.replace(g.DECODE16, multi_warp=False)
+    assert g.GroupedGemmSm90(c.DECODE16, prefetch_weights=True).prefetch_weights
+    assert g.GroupedGemmSwigluSm90(c.DECODE16_N64, prefetch_weights=True).prefetch_weights
+    assert not g.GroupedGemmSm90(c.PREFILL_C2, prefetch_weights=True).prefetch_weights
+    single = dataclasses.replace(c.DECODE16, multi_warp=False)
     assert not g.GroupedGemmSm90(single, prefetch_weights=True).prefetch_weights
-    assert not g.GroupedGemmSm90(g.DECODE16).prefetch_weights
+    assert not g.GroupedGemmSm90(c.DECODE16).prefetch_weights
 
 
 @pytest.mark.parametrize("name", BUILDS)
@@ -146,18 +147,19 @@ def test_kernel_ptx(ptx, name):
     ((8, 28672, 4096, 32768), "prefill_c2"),     # Mixtral gate_up T=16384
 ])
 def test_choose_config(shape, name):
-    from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as c
 
-    assert g.choose_config(*shape).name == name
+    assert c.choose_config(*shape).name == name
 
 
 def test_pair_tiles_need_a_cluster_pair():
     import dataclasses
 
     from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as c
 
     with pytest.raises(ValueError, match="pair_tiles needs cluster_m 2"):
-        g.GroupedGemmSm90(dataclasses.replace(g.PREFILL, pair_tiles=True))
+        g.GroupedGemmSm90(dataclasses.replace(c.PREFILL, pair_tiles=True))
 
 
 def test_unsplittable_weight_tile_is_refused():
@@ -167,10 +169,11 @@ def test_unsplittable_weight_tile_is_refused():
     from cutlass.tensor_utils import LayoutEnum
 
     from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as c
 
     # 64x128 pairs: each CTA would multicast a 32-column share of a 64-column
     # N-major weight part, less than one 64-column swizzle atom
-    kernel = g.GroupedGemmSm90(dataclasses.replace(g.DECODE, cluster_m=2, pair_tiles=True))
+    kernel = g.GroupedGemmSm90(dataclasses.replace(c.DECODE, cluster_m=2, pair_tiles=True))
     with pytest.raises(ValueError, match="32 columns, must be a multiple of 64"):
         kernel._setup(cutlass.BFloat16, cutlass.BFloat16, LayoutEnum.ROW_MAJOR,
                       LayoutEnum.COL_MAJOR, LayoutEnum.ROW_MAJOR)
@@ -183,11 +186,12 @@ def test_store_warp_configurations_are_checked():
     from cutlass.tensor_utils import LayoutEnum
 
     from csrc_free_kernels import grouped_gemm_sm90 as g
+    from csrc_free_kernels import grouped_gemm_sm90_config as c
 
-    for cfg in (g.PREFILL_PP, g.DECODE, g.DECODE16, g.DECODE_P2):
+    for cfg in (c.PREFILL_PP, c.DECODE, c.DECODE16, c.DECODE_P2):
         with pytest.raises(ValueError, match="not 64-row or ping-pong tiles"):
             g.GroupedGemmSm90(dataclasses.replace(cfg, store_warp=True))
-    kernel = g.GroupedGemmSm90(dataclasses.replace(g.PREFILL, store_warp=True))
+    kernel = g.GroupedGemmSm90(dataclasses.replace(c.PREFILL, store_warp=True))
     with pytest.raises(ValueError, match="16-bit row-major output"):  # fp32: 128 KB a tile
         kernel._setup(cutlass.BFloat16, cutlass.Float32, LayoutEnum.ROW_MAJOR,
                       LayoutEnum.ROW_MAJOR, LayoutEnum.ROW_MAJOR)

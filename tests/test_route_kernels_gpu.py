@@ -18,8 +18,13 @@ pytestmark = pytest.mark.gpu
 
 
 def rk():
-    from csrc_free_kernels import route_sm90
-    return route_sm90
+    from csrc_free_kernels import route_sm90_launch
+    return route_sm90_launch
+
+
+def rtr():
+    from csrc_free_kernels import router_sm90_launch
+    return router_sm90_launch
 
 
 CASES = [(1, 8, 2), (2, 8, 2), (16, 8, 2), (64, 8, 2), (1, 128, 8), (16, 128, 8),
@@ -90,7 +95,7 @@ def test_route_topk_is_route_slots_bit_for_bit(tokens, experts, top_k, dtype, ti
         logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
     w = torch.full((tokens, top_k), float("nan"), device="cuda")
     ex = torch.full((tokens, top_k), -1, dtype=torch.int64, device="cuda")
-    assert rk().route_topk(logits, top_k, w, ex)[0] is w
+    assert rtr().route_topk(logits, top_k, w, ex)[0] is w
     w_ref, ex_ref = routing.route(logits, top_k)
     assert torch.equal(ex, ex_ref)
     assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
@@ -264,10 +269,10 @@ def test_router_logits_matches_float64(tokens, experts, hidden, dtype):
     of the exact value; two calls bit-identical (fixed summation order)."""
     x, w = _router_inputs(tokens, experts, hidden, dtype, seed=tokens * 1000 + experts)
     out = torch.full((tokens, experts), float("nan"), device="cuda", dtype=dtype)
-    got = rk().router_logits(x, w, out)
+    got = rtr().router_logits(x, w, out)
     assert got is out
     _assert_router_close(got, x, w)
-    assert torch.equal(rk().router_logits(x, w), got)
+    assert torch.equal(rtr().router_logits(x, w), got)
 
 
 def test_router_logits_strided_rows_and_fresh_data():
@@ -277,7 +282,7 @@ def test_router_logits_strided_rows_and_fresh_data():
         x_buf, w_buf = _router_inputs(6, 40, 1024 + 24, torch.bfloat16, seed=seed)
         x, w = x_buf[:, 8:1032], w_buf[:, 16:1040]
         assert x.stride(0) == 1048 and x.data_ptr() % 16 == 0
-        _assert_router_close(rk().router_logits(x, w), x, w)
+        _assert_router_close(rtr().router_logits(x, w), x, w)
 
 
 def test_router_logits_op_takes_the_kernel_only_where_it_applies():
@@ -288,13 +293,13 @@ def test_router_logits_op_takes_the_kernel_only_where_it_applies():
     x, w = _router_inputs(16, 128, 2048, torch.bfloat16, seed=7)
     previous = ops.use_router_kernel(True)
     try:
-        assert torch.equal(ops.router_logits(x, w), rk().router_logits(x, w))
+        assert torch.equal(ops.router_logits(x, w), rtr().router_logits(x, w))
         xl, wl = _router_inputs(128, 128, 2048, torch.bfloat16, seed=8)
-        assert rk().router_read_bytes(128, 128, 2048) > ops.ROUTER_KERNEL_MAX_READ
+        assert rtr().router_read_bytes(128, 128, 2048) > ops.ROUTER_KERNEL_MAX_READ
         assert torch.equal(ops.router_logits(xl, wl), torch.nn.functional.linear(xl, wl))
         buf = torch.randn(3, 2056, device="cuda", dtype=torch.bfloat16)
         odd = buf[:, 1:2049]  # 2-byte offset: copied to 16-byte rows, then the kernel
-        assert torch.equal(ops.router_logits(odd, w), rk().router_logits(odd.contiguous(), w))
+        assert torch.equal(ops.router_logits(odd, w), rtr().router_logits(odd.contiguous(), w))
         w_odd = torch.randn(128, 2056, device="cuda", dtype=torch.bfloat16)[:, 1:2049]
         assert torch.equal(ops.router_logits(x, w_odd), torch.nn.functional.linear(x, w_odd))
         xf, wf = x.float(), w.float()
@@ -303,7 +308,7 @@ def test_router_logits_op_takes_the_kernel_only_where_it_applies():
         out = ops.router_logits(xg, w)
         assert out.grad_fn is not None
         compiled = torch.compile(ops.router_logits, fullgraph=True)(x, w)
-        assert torch.equal(compiled, rk().router_logits(x, w))
+        assert torch.equal(compiled, rtr().router_logits(x, w))
     finally:
         ops.use_router_kernel(previous)
     assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
@@ -335,7 +340,7 @@ def test_block_with_the_router_kernel(tokens, fresh_graphs):
                      if e.device_type == torch.autograd.DeviceType.CUDA]
             assert len(names) == 6, names
             assert sum("RouterLogits" in n for n in names) == 1, names
-            assert torch.equal(logits, rk().router_logits(x, moe.router))
+            assert torch.equal(logits, rtr().router_logits(x, moe.router))
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = moe(x)

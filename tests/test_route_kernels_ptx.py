@@ -75,7 +75,7 @@ def test_topk_kernel_is_the_routing_phase_alone(ptx):
 
 
 def test_router_kernel_tile_is_validated():
-    from csrc_free_kernels import route_sm90 as r
+    from csrc_free_kernels import router_sm90_launch as r
 
     with pytest.raises(ValueError, match="experts_per_cta"):
         r.RouterLogits(experts_per_cta=0)
@@ -90,7 +90,7 @@ def test_router_kernel_tile_is_validated():
 def test_router_kernel_taken_for_small_batches_only():
     """The op's rule: the kernel while its CTAs read at most ROUTER_KERNEL_MAX_READ
     (the rows of x are read once per expert pair)."""
-    from csrc_free_kernels import route_sm90 as r
+    from csrc_free_kernels import router_sm90_launch as r
 
     def taken(t, e, h):
         return r.router_read_bytes(t, e, h) <= ops.ROUTER_KERNEL_MAX_READ
@@ -102,7 +102,7 @@ def test_router_kernel_taken_for_small_batches_only():
 
 def test_router_kernel_entry_refuses_what_it_cannot_take():
     """The module entry checks the batch and H on the host before any launch."""
-    from csrc_free_kernels import route_sm90 as r
+    from csrc_free_kernels import router_sm90_launch as r
 
     w = torch.randn(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1 to 524280 tokens"):
@@ -115,8 +115,9 @@ def test_router_kernel_entry_refuses_what_it_cannot_take():
 def test_lane_widths():
     """One build per logits-per-lane width: a round's scan is no wider than E needs."""
     from csrc_free_kernels import route_sm90 as r
+    from csrc_free_kernels.route_sm90_launch import lane_width
 
-    assert [r.lane_width(e) for e in (1, 8, 32, 33, 60, 64, 65, 128, 129, 256)] == \
+    assert [lane_width(e) for e in (1, 8, 32, 33, 60, 64, 65, 128, 129, 256)] == \
         [1, 1, 1, 2, 2, 2, 4, 4, 8, 8]
     with pytest.raises(ValueError, match="per_lane must be one of"):
         r.RouteSlots(True, per_lane=3)
@@ -143,10 +144,11 @@ def test_tvm_ffi_builds_compile():
     """The builds the ops use (TVM-FFI, symbolic sizes): compiled in a fresh process
     for sm_90a, no GPU needed."""
     code = ("import torch\n"
-            "from csrc_free_kernels import route_sm90 as r\n"
+            "from csrc_free_kernels import route_sm90_launch as r\n"
+            "from csrc_free_kernels import router_sm90_launch as rr\n"
             "for dt in (torch.bfloat16, torch.float16):\n"
-            "    assert r._router_kernel(dt) is not None\n"
-            "    assert r._topk_kernel(dt, 4) is not None\n"
+            "    assert rr._router_kernel(dt) is not None\n"
+            "    assert rr._topk_kernel(dt, 4) is not None\n"
             "for dt in (torch.bfloat16, torch.float32):\n"
             "    assert r._route_kernel(True, dt) is not None\n"
             "for dt in (torch.int32, torch.int64):\n"
@@ -194,14 +196,14 @@ def test_router_logits_cpu_is_f_linear(dtype, kernel):
 
 
 class _FakeRouterModule:
-    """Stands in for csrc_free_kernels.route_sm90 on the CPU: records the router calls."""
+    """Stands in for csrc_free_kernels.router_sm90_launch on the CPU: records the router calls."""
 
     ROUTER_MAX_TOKENS = 6
 
     def __init__(self):
-        from csrc_free_kernels import route_sm90
+        from csrc_free_kernels import router_sm90_launch
 
-        self.router_read_bytes = route_sm90.router_read_bytes
+        self.router_read_bytes = router_sm90_launch.router_read_bytes
         self.calls = []
 
     def router_logits(self, x, weight):
@@ -244,13 +246,14 @@ def test_router_op_chooses_on_shapes_and_the_weight(monkeypatch):
 
 
 class _FakeRouteModule:
-    """Stands in for csrc_free_kernels.route_sm90 on the CPU: records which routing
-    path the op takes, and returns the torch functions' results."""
+    """Stands in for csrc_free_kernels.route_sm90_launch (and router_sm90_launch) on
+    the CPU: records which routing path the op takes, and returns the torch
+    functions' results."""
 
     def __init__(self):
-        from csrc_free_kernels import route_sm90
+        from csrc_free_kernels import route_sm90_launch
 
-        self.fits, self.lane_width = route_sm90.fits, route_sm90.lane_width
+        self.fits, self.lane_width = route_sm90_launch.fits, route_sm90_launch.lane_width
         self.calls = []
 
     def route_slots(self, logits, top_k):
@@ -370,7 +373,7 @@ def test_layer_compiles_with_the_ops():
 def test_kernel_modules_only_where_the_sm90_kernels_run(monkeypatch):
     """``ops._sm90_module``: the module on a CUDA device whose calls take the sm_90
     kernels, None on the CPU and where the path is another."""
-    from csrc_free_kernels import route_sm90
+    from csrc_free_kernels import route_sm90_launch
 
     class CudaTensor:  # what the helper reads of a tensor on cuda:0
         device = torch.device("cuda", 0)
@@ -379,16 +382,16 @@ def test_kernel_modules_only_where_the_sm90_kernels_run(monkeypatch):
             return 0
 
     monkeypatch.setattr(ops, "cuda_path", lambda index, dtype: (ops.Path.KERNEL_SM90, None))
-    assert ops._sm90_module(CudaTensor(), "route_sm90") is route_sm90
-    assert ops._sm90_module(torch.ones(1), "route_sm90") is None
+    assert ops._sm90_module(CudaTensor(), "route_sm90_launch") is route_sm90_launch
+    assert ops._sm90_module(torch.ones(1), "route_sm90_launch") is None
     monkeypatch.setattr(ops, "cuda_path", lambda index, dtype: (ops.Path.TORCH_GROUPED_MM, None))
-    assert ops._sm90_module(CudaTensor(), "route_sm90") is None
+    assert ops._sm90_module(CudaTensor(), "route_sm90_launch") is None
 
 
 def test_kernel_entries_refuse_batches_past_their_tables():
     """The module's own entries check the capacity before anything launches
     (a batch of 2,560 slots once ran past the tables: an illegal address)."""
-    from csrc_free_kernels import route_sm90 as r
+    from csrc_free_kernels import route_sm90_launch as r
 
     with pytest.raises(ValueError, match="1 to 1024 slots"):
         r.route_slots(torch.zeros(64, 64, dtype=torch.bfloat16), 40)

@@ -21,6 +21,11 @@ def sw():
     return swiglu_sm90
 
 
+def swl():
+    from csrc_free_kernels import swiglu_sm90_launch
+    return swiglu_sm90_launch
+
+
 ptx = ptx_fixture("sm_90a", BUILDS)
 
 
@@ -66,7 +71,7 @@ def test_tvm_ffi_build_compiles():
     """The build the torch entry points use (TVM-FFI, symbolic M, I, strides):
     compiled in a fresh process for sm_90a, no GPU needed."""
     code = ("import torch\n"
-            "from csrc_free_kernels import swiglu_sm90 as s\n"
+            "from csrc_free_kernels import swiglu_sm90_launch as s\n"
             "for b in (False, True):\n"
             "    for dt in (torch.bfloat16, torch.float16):\n"
             "        assert s.compiled_kernel(dt, b) is not None\n"
@@ -75,8 +80,9 @@ def test_tvm_ffi_build_compiles():
 
 
 def test_no_ts_moe_import():
-    src = open(sw().__file__).read()
-    assert not re.search(r"^\s*(?:from|import)\s+ts_moe", src, re.M)
+    for module in (sw(), swl()):
+        src = open(module.__file__).read()
+        assert not re.search(r"^\s*(?:from|import)\s+ts_moe", src, re.M)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -94,7 +100,7 @@ def test_references_agree_with_autograd(dtype):
 
 
 def test_entry_points_check_arguments():
-    s = sw()
+    s = swl()
     h = torch.zeros(4, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 8"):
         s.swiglu_forward(torch.zeros(4, 24, dtype=torch.bfloat16),

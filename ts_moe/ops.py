@@ -109,7 +109,7 @@ def _module(name: str):
 @functools.cache
 def _kernels(device_index: int):
     """The grouped GEMM module for this CUDA device's arch (sm_90, sm_100), else None."""
-    name = {(9, 0): "grouped_gemm_sm90", (10, 0): "grouped_gemm_sm100"}.get(
+    name = {(9, 0): "grouped_gemm_sm90_launch", (10, 0): "grouped_gemm_sm100_launch"}.get(
         torch.cuda.get_device_capability(device_index))
     return None if name is None else _module(name)
 
@@ -240,7 +240,7 @@ def _grouped_gemm_k_run(path: Path, a, b, offs, out_dtype=None) -> torch.Tensor:
     if 0 in (num_experts, k, m, n):
         return out.zero_()
     if path is Path.KERNEL_SM90:
-        kernels = _module("grouped_gemm_dw_sm90")
+        kernels = _module("grouped_gemm_dw_sm90_launch")
         if (kernels is not None and k % 8 == 0 and n % 8 == 0
                 and num_experts <= kernels.MAX_EXPERTS):
             return kernels.grouped_gemm_k(_tma_view(a, 0).t(), _tma_view(b, 1), offs, out)
@@ -277,7 +277,7 @@ def _rows_ok(t: torch.Tensor) -> bool:
 def _gather_rows(path: Path, a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
     """``a[a_index]`` with zero rows for indices outside ``[0, M)``: one launch of
     the row kernel on the sm_90 path, else :func:`ts_moe.reference.gather_rows`."""
-    kernels = _module("route_sm90") if path is Path.KERNEL_SM90 else None
+    kernels = _module("route_sm90_launch") if path is Path.KERNEL_SM90 else None
     if (kernels is not None and a.shape[0] and _rows_ok(a)
             and a_index.dtype in (torch.int32, torch.int64)):
         index = a_index if a_index.is_contiguous() else a_index.contiguous()
@@ -522,7 +522,7 @@ def _elementwise_for(h: torch.Tensor):
     """The elementwise kernel module where ``h``'s calls run the sm_90a kernels, else None."""
     if h.dtype not in (torch.bfloat16, torch.float16) or h.shape[-1] % 16:
         return None
-    return _sm90_module(h, "swiglu_sm90")
+    return _sm90_module(h, "swiglu_sm90_launch")
 
 
 def _swiglu_impl(h):
@@ -613,7 +613,7 @@ def _router_rows_ok(t: torch.Tensor) -> bool:
 
 def _router_logits_impl(x, weight):
     routing.check_router_args(x, weight)
-    kernels = _sm90_module(x, "route_sm90") if _router_kernel_opt_in else None
+    kernels = _sm90_module(x, "router_sm90_launch") if _router_kernel_opt_in else None
     # the choice rests on shapes, dtypes and the weight (which a decode graph
     # keys on), never on x's strides: x's rows are copied where the kernel
     # cannot read them, so that a graph replay routes as the eager call did
@@ -629,13 +629,14 @@ def _router_logits_impl(x, weight):
 
 def _route_slots_impl(logits, top_k):
     routing.check_route_args(logits, top_k)
-    kernels = _sm90_module(logits, "route_sm90")
+    kernels = _sm90_module(logits, "route_sm90_launch")
     tokens, num_experts = logits.shape
     if (kernels is not None and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and kernels.fits(tokens * top_k, num_experts)):
         if (_router_kernel_opt_in
                 and tokens * kernels.lane_width(num_experts) >= ROUTE_SPLIT_MIN_WORK):
-            weights, experts = kernels.route_topk(logits.contiguous(), top_k)
+            weights, experts = _sm90_module(logits, "router_sm90_launch").route_topk(
+                logits.contiguous(), top_k)
             return (weights, experts, *kernels.sort_slots(experts, num_experts))
         return kernels.route_slots(logits.contiguous(), top_k)
     weights, experts = routing.route(logits, top_k)
@@ -645,7 +646,7 @@ def _route_slots_impl(logits, top_k):
 
 def _sort_slots_impl(experts, num_experts):
     routing.check_experts(experts, num_experts)
-    kernels = _sm90_module(experts, "route_sm90")
+    kernels = _sm90_module(experts, "route_sm90_launch")
     if kernels is not None and kernels.fits(experts.numel(), num_experts):
         return kernels.sort_slots(experts.contiguous(), num_experts)
     return tuple(routing.sort_slots(experts, num_experts))
@@ -653,7 +654,7 @@ def _sort_slots_impl(experts, num_experts):
 
 def _combine_impl(y_sorted, weights, inverse):
     routing.check_combine_args(y_sorted, weights, inverse)
-    kernels = _sm90_module(y_sorted, "route_sm90")
+    kernels = _sm90_module(y_sorted, "route_sm90_launch")
     if (kernels is not None and y_sorted.shape[0] and _rows_ok(y_sorted)
             and weights.device == inverse.device == y_sorted.device):
         w = weights if weights.dtype == torch.float32 else weights.float()

@@ -1,0 +1,74 @@
+"""Torch entry point of the Blackwell grouped GEMM: :func:`grouped_gemm` compiles
+(once per configuration) and launches
+:class:`csrc_free_kernels.grouped_gemm_sm100.GroupedGemmSm100` on the current
+stream (never run on hardware here).
+"""
+
+import functools
+
+import cutlass
+import torch
+
+from . import compile as kcompile
+from .grouped_gemm_sm100 import GroupedGemmSm100
+from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100, choose_config
+from .grouped_gemm_sm100_config import swiglu_config  # noqa: F401 (an entry point of the op layer)
+
+_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                  torch.float32: cutlass.Float32}
+
+
+def fake_args(a_dtype, c_dtype, b_n_major: bool, swiglu: bool = False, gather: bool = True):
+    """Symbolic (M, K), (E, K, N), (M', N'), (E,) and row-index tensors (``N' = N / 2``
+    for SwiGLU; gathering: M' rows, the index's length; else M' = M and the index
+    is a placeholder of any length)."""
+    return kcompile.fake_gemm_args(a_dtype, c_dtype, b_n_major, own_n_out=swiglu,
+                                   row_index=True, gather=gather)
+
+
+@functools.cache
+def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, gather: bool,
+                    swiglu: bool):
+    key = ("GroupedGemmSm100", config, str(a_dtype), str(c_dtype), b_n_major, gather, swiglu,
+           "sm_100a")
+
+    def build():
+        kernel = GroupedGemmSm100(config, gather=gather, b_n_major=b_n_major, swiglu=swiglu)
+        return kernel, (*fake_args(_TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype], b_n_major,
+                                   swiglu, gather), cutlass.Int32(2), kcompile.fake_stream())
+
+    return kcompile.get_compiled(key, build)
+
+
+@functools.cache
+def _num_ctas(device_index: int) -> int:
+    """One CTA per SM, whole pairs (cached: it is on every call's path)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count // 2 * 2
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *,
+                 a_index: torch.Tensor | None = None, swiglu: bool = False,
+                 config: TileConfigSm100 | None = None) -> torch.Tensor:
+    """Launch on the current stream; arguments validated by ``ts_moe.ops``, ``out``
+    allocated there ((M', N) or (M', N / 2) for SwiGLU, 16-byte rows), K a
+    multiple of 8, I a multiple of ``tile_n / 2`` for SwiGLU.  Never run on
+    hardware here (see the module docstring)."""
+    k = a.shape[1]
+    num_experts, _, n = b.shape
+    if k % 8:
+        raise ValueError(f"the sm_100 kernel gathers 16-byte chunks: K = {k} must be a "
+                         f"multiple of 8")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"the sm_100 kernel supports up to {MAX_EXPERTS} experts, "
+                         f"got {num_experts}")
+    cfg = config or choose_config(num_experts, n, k, out.shape[0])
+    if swiglu and (n // 2) % (cfg.tile_n // 2):
+        raise ValueError(f"the fused SwiGLU kernel needs I = {n // 2} to be a multiple of "
+                         f"{cfg.tile_n // 2}")
+    if out.shape[0] == 0 or out.shape[1] == 0:
+        return out
+    index = a_index if a_index is not None else offs  # unread without gathering
+    fn = compiled_kernel(cfg, a.dtype, out.dtype, b.stride(-1) == 1, a_index is not None, swiglu)
+    fn(a if a.stride(-1) == 1 else a.contiguous(), b, out, offs, index,
+       _num_ctas(a.get_device()))
+    return out

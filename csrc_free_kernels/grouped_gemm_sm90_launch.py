@@ -1,0 +1,116 @@
+"""Torch entry points of the Hopper grouped GEMM: :func:`grouped_gemm` and
+:func:`grouped_gemm_swiglu` compile (once per configuration) and launch
+:class:`csrc_free_kernels.grouped_gemm_sm90.GroupedGemmSm90` on the current stream.
+"""
+
+import functools
+
+import cutlass
+import torch
+
+from . import compile as kcompile
+from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90
+from .grouped_gemm_sm90_config import MAX_EXPERTS, TileConfig, choose_config
+from .grouped_gemm_sm90_config import swiglu_config  # noqa: F401 (an entry point of the op layer)
+
+_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                  torch.float32: cutlass.Float32}
+
+
+def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
+    """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides
+    (``N' = N`` except for the SwiGLU kernel, whose output has half the
+    weight's columns): :func:`csrc_free_kernels.compile.fake_gemm_args`."""
+    return kcompile.fake_gemm_args(
+        a_dtype, c_dtype, b_n_major, own_n_out=issubclass(kernel_cls, GroupedGemmSwigluSm90))
+
+
+def _row_major(t: torch.Tensor) -> bool:
+    """Last dim contiguous: K-major tokens (M, K), N-major weights (E, K, N).  Its
+    stride must be 1 even where the dim has size 1: the compiled signature says so."""
+    return t.stride(-1) == 1
+
+
+def _k_major(a: torch.Tensor) -> torch.Tensor:
+    """The kernels read tokens K-major (activations always are in a MoE layer);
+    an M-major ``a`` is copied."""
+    return a if _row_major(a) else a.contiguous()
+
+
+@functools.cache
+def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
+                    kernel_cls=GroupedGemmSm90, prefetch_weights: bool = False):
+    """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
+    kernel = kernel_cls(config, prefetch_weights=prefetch_weights)
+    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a",
+           *(("prefetch_weights",) if kernel.prefetch_weights else ()))
+
+    def build():
+        ca, cc = _TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype]
+        return kernel, (*_fake_args(ca, cc, b_n_major, kernel_cls),
+                        cutlass.Int32(1), kcompile.fake_stream())
+
+    return kcompile.get_compiled(key, build)
+
+
+@functools.cache
+def _launcher(config: TileConfig, a_dtype, c_dtype, b_n_major: bool, kernel_cls,
+              device_index: int, prefetch_weights: bool = False):
+    """The compiled kernel and its grid (one CTA per SM, whole clusters): one
+    cache lookup per call."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return (compiled_kernel(config, a_dtype, c_dtype, b_n_major, kernel_cls, prefetch_weights),
+            sms // config.cluster_m * config.cluster_m)
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                 out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
+                 config: TileConfig | None = None, kernel_cls=GroupedGemmSm90,
+                 prefetch_weights: bool = False) -> torch.Tensor:
+    """Launch the kernel on the current stream; arguments already validated.
+
+    ``out``: (M, N) ((M, N / 2) for the SwiGLU kernel) with a 16-byte aligned
+    row stride; allocated here when omitted (then N must give aligned rows).
+    ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
+    ``prefetch_weights``: the caller vouches that the kernel launched last on
+    the stream did not write ``offs`` or ``b`` and lets its dependents launch
+    only once everything before it has completed (``ts_moe.ops.grouped_gemm``
+    says when), so the weights may start streaming before it ends
+    (:class:`GroupedGemmSm90`).
+    """
+    m, k = a.shape
+    num_experts, _, n = b.shape
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
+    a = _k_major(a)
+    if m == 0 or n == 0:
+        return out
+    if k == 0 or num_experts == 0:
+        return out.zero_()
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
+    cfg = config or choose_config(num_experts, n, k, m)
+    fn, ctas = _launcher(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device(),
+                         prefetch_weights)
+    fn(a, b, out, offs, ctas)
+    return out
+
+
+def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
+                        out: torch.Tensor | None = None, config: TileConfig | None = None,
+                        prefetch_weights: bool = False) -> torch.Tensor:
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args.
+
+    ``config`` defaults to :func:`swiglu_config`; a ValueError where I is not
+    a multiple of its ``tile_n / 2``.  ``prefetch_weights``: as for
+    :func:`grouped_gemm`."""
+    m, k = a.shape
+    num_experts, two_i, _ = gate_up.shape
+    cfg = config or choose_config(num_experts, two_i, k, m)
+    if (two_i // 2) % (cfg.tile_n // 2):
+        raise ValueError(f"the fused SwiGLU kernel needs I = {two_i // 2} to be a multiple of "
+                         f"{cfg.tile_n // 2} (half of {cfg.name}'s tile_n)")
+    if out is None:
+        out = torch.empty(m, two_i // 2, dtype=a.dtype, device=a.device)
+    return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
+                        kernel_cls=GroupedGemmSwigluSm90, prefetch_weights=prefetch_weights)
