@@ -11,7 +11,7 @@
 
 All are deterministic (no atomics), read everything on the device (no host
 sync) and capture into CUDA graphs.  The plain-torch references are
-``ts_moe.routing.route``/``sort_slots``/``combine`` and
+``ts_moe.reference.route``/``sort_slots``/``combine`` and
 ``ts_moe.reference.gather_rows``; the torch entry points are in
 :mod:`.route_sm90_launch`.  The opt-in router kernels (the logits GEMV, and
 the routing alone on many CTAs) are in :mod:`.router_sm90`.
