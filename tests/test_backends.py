@@ -123,3 +123,29 @@ def test_no_module_of_ts_moe_outgrows_one_job():
     sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
              for p in (ROOT / "ts_moe").rglob("*.py")}
     assert max(sizes.values()) <= 500, {p: n for p, n in sizes.items() if n > 500}
+
+
+def test_without_cutlass_the_kernel_paths_are_unavailable():
+    """In a process where ``import cutlass`` fails, ts_moe imports, no path offers
+    the kernels (an H200 takes torch's grouped_mm), and the ops run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['cutlass'] = None  # import cutlass -> ImportError\n"
+        "import torch, ts_moe\n"
+        "from ts_moe.ops import kernels, paths\n"
+        "assert not kernels.AVAILABLE and kernels.sm90 is None\n"
+        "assert set(paths.PATH_BACKENDS) == {paths.Path.TORCH_GROUPED_MM, paths.Path.REFERENCE}\n"
+        "assert paths.SM90_DEVICE is paths.REFERENCE_DEVICE and not paths.KERNEL_MAX_EXPERTS\n"
+        "torch.cuda.get_device_capability = lambda index=None: (9, 0)\n"
+        "assert paths.cuda_path(0, torch.bfloat16)[0] is paths.Path.TORCH_GROUPED_MM\n"
+        "assert paths.cuda_path(0, torch.float16)[0] is paths.Path.REFERENCE\n"
+        "a, b = torch.randn(6, 8), torch.randn(2, 8, 4)\n"
+        "out = ts_moe.grouped_gemm(a, b, torch.tensor([2, 5], dtype=torch.int32))\n"
+        "assert torch.allclose(out[:2], a[:2] @ b[0]) and (out[5:] == 0).all()\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr
