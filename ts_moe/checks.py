@@ -195,33 +195,36 @@ def layout_ready(a, b, offs, out_dtype, device_index: int, k_dim: int = 1) -> bo
     budget of a call on the H200's host).
 
     True only where the full check passes: matching dtypes (16-bit or fp32),
-    ``out_dtype``, one CUDA device ``device_index``, ranks, K and E agreement,
-    contiguous int32 ``offs``, no empty dim, the row limit; and the layout: a
-    K-major ``a``, a ``b`` (K on dim ``k_dim``, as in :func:`check_grouped_gemm_args`)
-    with a unit stride on one of its last two dims,
-    every other stride of both a positive multiple of 16 bytes (size-1 dims
-    included: a compiled kernel checks them all), aligned data pointers.
-    Anything else is False, not an error: the full check then names the bad
-    argument, or the views re-stride what it accepts.  Pinned against the
-    full check by ``tests/test_checks.py``.
+    ``out_dtype``, ``b`` and ``offs`` on ``device_index`` (``a``'s device, read
+    by the caller), ranks, K and E agreement, contiguous int32 ``offs``, no
+    empty dim, the row limit; and the layout: a K-major ``a``, a ``b`` (K on
+    dim ``k_dim``, as in :func:`check_grouped_gemm_args`) with a unit stride on
+    one of its last two dims, every other stride of both a positive multiple
+    of 16 bytes (size-1 dims included: a compiled kernel checks them all),
+    aligned data pointers.  Anything else is False, not an error: the full
+    check then names the bad argument, or the views re-stride what it accepts.
+    Each tensor's shape and strides are read once (each read costs).  Pinned
+    against the full check by ``tests/test_checks.py``.
     """
     dtype = a.dtype
-    if (b.dtype != dtype or offs.dtype != torch.int32 or a.dim() != 2 or b.dim() != 3
-            or offs.dim() != 1 or dtype not in _READY_DTYPES
+    align = _READY_DTYPES.get(dtype)
+    if (align is None or b.dtype != dtype or offs.dtype != torch.int32
             or not (out_dtype is None or out_dtype == dtype or out_dtype == torch.float32)):
         return False
-    (m, k), (e, d1, d2) = a.shape, b.shape
+    shape_a, shape_b, shape_o = a.shape, b.shape, offs.shape
+    if len(shape_a) != 2 or len(shape_b) != 3 or len(shape_o) != 1:
+        return False
+    (m, k), (e, d1, d2) = shape_a, shape_b
     bk, n = (d1, d2) if k_dim == 1 else (d2, d1)
-    align = _READY_DTYPES[dtype]
+    if not (0 < m <= MAX_ROWS and k > 0 and n > 0 and e > 0 and bk == k and shape_o[0] == e):
+        return False
     sa0, sa1 = a.stride()
     sb0, sb1, sb2 = b.stride()
-    return (0 < m <= MAX_ROWS and k > 0 and n > 0 and e > 0 and bk == k
-            and offs.shape[0] == e and (e == 1 or offs.stride(0) == 1)
-            and sa1 == 1 and sa0 > 0 and sa0 % align == 0 and sb0 > 0 and sb0 % align == 0
+    return (sa1 == 1 and sa0 > 0 and sa0 % align == 0 and sb0 > 0 and sb0 % align == 0
             and ((sb2 == 1 and sb1 > 0 and sb1 % align == 0)
                  or (sb1 == 1 and sb2 > 0 and sb2 % align == 0))
-            and a.get_device() == device_index and b.get_device() == device_index
-            and offs.get_device() == device_index
+            and (e == 1 or offs.stride(0) == 1)
+            and b.get_device() == device_index and offs.get_device() == device_index
             and a.data_ptr() % ALIGN_BYTES == 0 and b.data_ptr() % ALIGN_BYTES == 0)
 
 
