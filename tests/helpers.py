@@ -103,3 +103,22 @@ def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     """``x @ weight.T`` (T, E): float64 products and sums, one rounding to x's dtype
     (the yardstick of ``ts_moe.ops.router_logits``)."""
     return (x.double() @ weight.double().t()).to(x.dtype)
+
+
+def fake_route_kernel(launches: list):
+    """Stands in for ``route_sm90_launch._route_kernel`` on the CPU: its launches
+    append ``(name, per_lane)`` and write the references' results."""
+    from ts_moe import reference
+
+    def route_kernel(from_logits, dtype, per_lane=1):
+        def launch(logits, weights, experts, token_index, offs, inverse):
+            launches.append(("route_slots" if from_logits else "sort_slots", per_lane))
+            if from_logits:
+                w, ex = reference.route(logits, experts.shape[1])
+                weights.copy_(w), experts.copy_(ex)
+            for got, want in zip((token_index, offs, inverse),
+                                 reference.sort_slots(experts, offs.shape[0])):
+                got.copy_(want)
+        return launch
+
+    return route_kernel

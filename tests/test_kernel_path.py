@@ -16,7 +16,7 @@ from ts_moe import reference
 from ts_moe.ops import gemm, paths, swiglu
 from ts_moe.reference import grouped_gemm_k_reference, grouped_gemm_reference
 
-from .helpers import rel_err
+from .helpers import fake_route_kernel, rel_err
 
 BF16 = torch.bfloat16
 
@@ -55,17 +55,6 @@ def kernels_on_cpu(monkeypatch):
                       else reference.gather_rows(src, index))
         return launch
 
-    def route_kernel(from_logits, dtype, per_lane=1):
-        def launch(logits, weights, experts, token_index, offs, inverse):
-            launches.append(("route_slots" if from_logits else "sort_slots",))
-            if from_logits:
-                w, ex = reference.route(logits, experts.shape[1])
-                weights.copy_(w), experts.copy_(ex)
-            for got, want in zip((token_index, offs, inverse),
-                                 reference.sort_slots(experts, offs.shape[0])):
-                got.copy_(want)
-        return launch
-
     def activation_kernel(dtype, backward):
         def launch(h, out, dy):
             launches.append(("swiglu_backward" if backward else "swiglu_forward",))
@@ -76,7 +65,7 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(grouped_gemm_sm90_launch, "_launch", gemm_launch)
     monkeypatch.setattr(grouped_gemm_dw_sm90_launch, "_launch", dw_launch)
     monkeypatch.setattr(route_sm90_launch, "_rowsum_kernel", rowsum_kernel)
-    monkeypatch.setattr(route_sm90_launch, "_route_kernel", route_kernel)
+    monkeypatch.setattr(route_sm90_launch, "_route_kernel", fake_route_kernel(launches))
     monkeypatch.setattr(swiglu_sm90_launch, "compiled_kernel", activation_kernel)
     sm90 = paths.PATH_BACKENDS[paths.Path.KERNEL_SM90]
     monkeypatch.setattr(paths, "cuda_path", lambda *args: (paths.Path.KERNEL_SM90, sm90))

@@ -12,7 +12,7 @@ from csrc_free_kernels import ptx_dump
 from ts_moe import ops, reference
 from ts_moe.ops import paths
 
-from .helpers import rel_err, router_logits_reference
+from .helpers import fake_route_kernel, rel_err, router_logits_reference
 from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("router_logits", "route_slots", "route_topk",
@@ -212,17 +212,6 @@ def sm90_kernels_on_cpu(monkeypatch):
             out.fill_(7)
         return launch
 
-    def route_kernel(from_logits, dtype, per_lane=1):
-        def launch(logits, weights, experts, token_index, offs, inverse):
-            launches.append(("route_slots" if from_logits else "sort_slots", per_lane))
-            if from_logits:
-                w, ex = reference.route(logits, experts.shape[1])
-                weights.copy_(w), experts.copy_(ex)
-            for got, want in zip((token_index, offs, inverse),
-                                 reference.sort_slots(experts, offs.shape[0])):
-                got.copy_(want)
-        return launch
-
     def topk_kernel(dtype, per_lane):
         def launch(logits, weights, experts):
             launches.append(("route_topk", per_lane))
@@ -232,7 +221,7 @@ def sm90_kernels_on_cpu(monkeypatch):
 
     monkeypatch.setattr(router_sm90_launch, "_router_kernel", router_kernel)
     monkeypatch.setattr(router_sm90_launch, "_topk_kernel", topk_kernel)
-    monkeypatch.setattr(route_sm90_launch, "_route_kernel", route_kernel)
+    monkeypatch.setattr(route_sm90_launch, "_route_kernel", fake_route_kernel(launches))
     monkeypatch.setattr(paths, "device_backends", lambda t: paths.SM90_DEVICE)
     previous = ops.use_router_kernel(True)
     yield launches
