@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ts_moe.routing import nvtx_range  # noqa: F401  (one ts_moe NVTX domain for all ranges)
+from ts_moe.nvtx import nvtx_range  # noqa: F401  (one ts_moe NVTX domain for all ranges)
 
 DEFAULT_L2_BYTES = 60 << 20  # H200
 # enough copies that the set cycled through is ~3x L2: by the time a copy

@@ -1,6 +1,11 @@
-"""Torch entry point of the Hopper k-grouped GEMM: :func:`grouped_gemm_k` checks
-its arguments, compiles (once per configuration) and launches
+"""Torch side of the Hopper k-grouped GEMM (the weight gradient): compile (once
+per configuration) and launch
 :class:`csrc_free_kernels.grouped_gemm_dw_sm90.GroupedGemmDwSm90` on the current stream.
+
+- :data:`GROUPED_GEMM_K`: the sm_90 backend of the op layer's k-grouped form
+  (``ts_moe.ops.backend.GroupedGemmK``);
+- :func:`grouped_gemm_k`: the module's own entry (tests, benchmarks), which
+  checks its arguments.
 """
 
 import functools
@@ -14,7 +19,7 @@ from .grouped_gemm_dw_sm90 import GroupedGemmDwSm90
 from .grouped_gemm_dw_sm90_config import MAX_EXPERTS, DwConfig, choose_config, output_tiles
 from .grouped_gemm_sm90_launch import _TORCH_TO_CUTE
 
-__all__ = ["grouped_gemm_k", "choose_config", "MAX_EXPERTS"]
+__all__ = ["GROUPED_GEMM_K", "grouped_gemm_k", "choose_config", "MAX_EXPERTS"]
 
 
 def _fake_args(ab_dtype, c_dtype):
@@ -81,6 +86,30 @@ def _check(a, dy, offs, out):
                              f"16-byte multiples and the data 16-byte aligned")
 
 
+def _launch(a, dy, offs, out, config: DwConfig):
+    num_experts, k, n = out.shape
+    fn, sms = _launcher(config, a.dtype, out.dtype, a.get_device())
+    fn(a, dy, out, offs, min(sms, output_tiles(config, num_experts, k, n)))
+    return out
+
+
+class GroupedGemmKBackend:
+    """The sm_90 backend of the op's k-grouped form: ``a`` (K, M), unit stride on
+    K, is read as the (M, K) rows of the kernel; 16-bit, K and N multiples of 8."""
+
+    def choose_config(self, a, b, offs, out) -> DwConfig | None:
+        (k, m), n = a.shape, b.shape[1]
+        if k % 8 or n % 8 or a.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return choose_config(offs.shape[0], k, n, m)
+
+    def run(self, a, b, offs, out, config):
+        return _launch(a.t(), b, offs, out, config)
+
+
+GROUPED_GEMM_K = GroupedGemmKBackend()
+
+
 def grouped_gemm_k(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
                    config: DwConfig | None = None) -> torch.Tensor:
     """``out[e] = a[rows e].T @ dy[rows e]`` on the current stream; returns ``out``.
@@ -97,7 +126,4 @@ def grouped_gemm_k(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out: t
         return out
     if m == 0:
         return out.zero_()
-    cfg = config or choose_config(num_experts, k, n, m)
-    fn, sms = _launcher(cfg, a.dtype, out.dtype, a.get_device())
-    fn(a, dy, out, offs, min(sms, output_tiles(cfg, num_experts, k, n)))
-    return out
+    return _launch(a, dy, offs, out, config or choose_config(num_experts, k, n, m))

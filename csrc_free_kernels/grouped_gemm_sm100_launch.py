@@ -1,7 +1,10 @@
-"""Torch entry point of the Blackwell grouped GEMM: :func:`grouped_gemm` compiles
-(once per configuration) and launches
-:class:`csrc_free_kernels.grouped_gemm_sm100.GroupedGemmSm100` on the current
-stream (never run on hardware here).
+"""Torch side of the Blackwell grouped GEMM: compile (once per configuration)
+and launch :class:`csrc_free_kernels.grouped_gemm_sm100.GroupedGemmSm100` on
+the current stream (never run on hardware here).
+
+- :data:`GROUPED_GEMM`, :data:`GROUPED_GEMM_SWIGLU`: the sm_100 backends of the
+  op layer (``ts_moe.ops.backend``); they gather ``a[a_index]`` in the kernel;
+- :func:`grouped_gemm`: the module's own entry (tests, benchmarks).
 """
 
 import functools
@@ -11,8 +14,7 @@ import torch
 
 from . import compile as kcompile
 from .grouped_gemm_sm100 import GroupedGemmSm100
-from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100, choose_config
-from .grouped_gemm_sm100_config import swiglu_config  # noqa: F401 (an entry point of the op layer)
+from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100, choose_config, swiglu_config
 
 _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                   torch.float32: cutlass.Float32}
@@ -46,13 +48,55 @@ def _num_ctas(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count // 2 * 2
 
 
+def _launch(a, b, offs, out, config: TileConfigSm100, a_index, swiglu: bool):
+    index = a_index if a_index is not None else offs  # unread without gathering
+    fn = compiled_kernel(config, a.dtype, out.dtype, b.stride(-1) == 1, a_index is not None, swiglu)
+    fn(a, b, out, offs, index, _num_ctas(a.get_device()))
+    return out
+
+
+class GroupedGemmBackend:
+    """The sm_100 backend of ``ts_moe.grouped_gemm`` (row-grouped): gathers
+    ``a[a_index]`` in the kernel, in whole 16-byte chunks (K a multiple of 8)."""
+
+    gathers = True
+
+    def choose_config(self, a, b, offs, out, a_index) -> TileConfigSm100 | None:
+        if a.shape[1] % 8:
+            return None
+        return choose_config(b.shape[0], b.shape[2], a.shape[1], out.shape[0])
+
+    def run(self, a, b, offs, out, config, *, a_index=None, prefetch_weights=False):
+        return _launch(a, b, offs, out, config, a_index, False)
+
+
+class GroupedGemmSwigluBackend:
+    """The sm_100 backend of ``ts_moe.grouped_gemm_swiglu``: the fused epilogue,
+    where I is a multiple of the tile's ``tile_n / 2`` and the weights are
+    H-contiguous (the layout of a checkpoint's (E, 2I, H) stack)."""
+
+    gathers = True
+
+    def choose_config(self, a, gate_up, offs, out, a_index) -> TileConfigSm100 | None:
+        if a.shape[1] % 8 or gate_up.stride(2) != 1:
+            return None
+        return swiglu_config(gate_up.shape[0], gate_up.shape[1], a.shape[1], out.shape[0])
+
+    def run(self, a, gate_up, offs, out, config, *, a_index=None, prefetch_weights=False):
+        return _launch(a, gate_up.transpose(-2, -1), offs, out, config, a_index, True)
+
+
+GROUPED_GEMM = GroupedGemmBackend()
+GROUPED_GEMM_SWIGLU = GroupedGemmSwigluBackend()
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *,
                  a_index: torch.Tensor | None = None, swiglu: bool = False,
                  config: TileConfigSm100 | None = None) -> torch.Tensor:
-    """Launch on the current stream; arguments validated by ``ts_moe.ops``, ``out``
-    allocated there ((M', N) or (M', N / 2) for SwiGLU, 16-byte rows), K a
-    multiple of 8, I a multiple of ``tile_n / 2`` for SwiGLU.  Never run on
-    hardware here (see the module docstring)."""
+    """Launch on the current stream, for tests and benchmarks (the op layer calls
+    :data:`GROUPED_GEMM`); ``out`` (M', N) or (M', N / 2) for SwiGLU, 16-byte
+    rows; K a multiple of 8, I a multiple of ``tile_n / 2`` for SwiGLU.  Never
+    run on hardware here (see the module docstring)."""
     k = a.shape[1]
     num_experts, _, n = b.shape
     if k % 8:
@@ -67,8 +111,4 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torc
                          f"{cfg.tile_n // 2}")
     if out.shape[0] == 0 or out.shape[1] == 0:
         return out
-    index = a_index if a_index is not None else offs  # unread without gathering
-    fn = compiled_kernel(cfg, a.dtype, out.dtype, b.stride(-1) == 1, a_index is not None, swiglu)
-    fn(a if a.stride(-1) == 1 else a.contiguous(), b, out, offs, index,
-       _num_ctas(a.get_device()))
-    return out
+    return _launch(a if a.stride(-1) == 1 else a.contiguous(), b, offs, out, cfg, a_index, swiglu)

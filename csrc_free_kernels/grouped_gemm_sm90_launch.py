@@ -1,6 +1,13 @@
-"""Torch entry points of the Hopper grouped GEMM: :func:`grouped_gemm` and
-:func:`grouped_gemm_swiglu` compile (once per configuration) and launch
-:class:`csrc_free_kernels.grouped_gemm_sm90.GroupedGemmSm90` on the current stream.
+"""Torch side of the Hopper grouped GEMM: compile (once per configuration) and
+launch :class:`csrc_free_kernels.grouped_gemm_sm90.GroupedGemmSm90` (and its
+SwiGLU subclass) on the current stream.
+
+- :data:`GROUPED_GEMM`, :data:`GROUPED_GEMM_SWIGLU`: the sm_90 backends of the
+  op layer (``ts_moe.ops.backend.GroupedGemm`` / ``GroupedGemmSwiglu``):
+  ``choose_config`` (:mod:`.grouped_gemm_sm90_config`), then ``run`` launches
+  the kernel once on arguments the op validated;
+- :func:`grouped_gemm`, :func:`grouped_gemm_swiglu`: the module's own entries
+  (tests, benchmarks), with their guards.
 """
 
 import functools
@@ -10,8 +17,7 @@ import torch
 
 from . import compile as kcompile
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90
-from .grouped_gemm_sm90_config import MAX_EXPERTS, TileConfig, choose_config
-from .grouped_gemm_sm90_config import swiglu_config  # noqa: F401 (an entry point of the op layer)
+from .grouped_gemm_sm90_config import MAX_EXPERTS, TileConfig, choose_config, swiglu_config
 
 _TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                   torch.float32: cutlass.Float32}
@@ -63,11 +69,50 @@ def _launcher(config: TileConfig, a_dtype, c_dtype, b_n_major: bool, kernel_cls,
             sms // config.cluster_m * config.cluster_m)
 
 
+def _launch(a, b, offs, out, config: TileConfig, kernel_cls, prefetch_weights: bool):
+    fn, ctas = _launcher(config, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device(),
+                         prefetch_weights)
+    fn(a, b, out, offs, ctas)
+    return out
+
+
+class GroupedGemmBackend:
+    """The sm_90 backend of ``ts_moe.grouped_gemm`` (row-grouped): the op gathers
+    ``a[a_index]`` first (with the row kernel) and passes ``prefetch_weights``."""
+
+    gathers = False
+
+    def choose_config(self, a, b, offs, out, a_index) -> TileConfig:
+        return choose_config(b.shape[0], b.shape[2], a.shape[1], out.shape[0])
+
+    def run(self, a, b, offs, out, config, *, a_index=None, prefetch_weights=False):
+        return _launch(a, b, offs, out, config, GroupedGemmSm90, prefetch_weights)
+
+
+class GroupedGemmSwigluBackend:
+    """The sm_90 backend of ``ts_moe.grouped_gemm_swiglu``: the fused kernel, where
+    I is a multiple of its tile's ``tile_n / 2`` (:func:`swiglu_config`)."""
+
+    gathers = False
+
+    def choose_config(self, a, gate_up, offs, out, a_index) -> TileConfig | None:
+        return swiglu_config(gate_up.shape[0], gate_up.shape[1], a.shape[1], out.shape[0])
+
+    def run(self, a, gate_up, offs, out, config, *, a_index=None, prefetch_weights=False):
+        return _launch(a, gate_up.transpose(-2, -1), offs, out, config, GroupedGemmSwigluSm90,
+                       prefetch_weights)
+
+
+GROUPED_GEMM = GroupedGemmBackend()
+GROUPED_GEMM_SWIGLU = GroupedGemmSwigluBackend()
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                  out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
                  config: TileConfig | None = None, kernel_cls=GroupedGemmSm90,
                  prefetch_weights: bool = False) -> torch.Tensor:
-    """Launch the kernel on the current stream; arguments already validated.
+    """The kernel on the current stream, for tests and benchmarks (the op layer
+    calls :data:`GROUPED_GEMM`); arguments valid for the op.
 
     ``out``: (M, N) ((M, N / 2) for the SwiGLU kernel) with a 16-byte aligned
     row stride; allocated here when omitted (then N must give aligned rows).
@@ -75,7 +120,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     :class:`GroupedGemmSm90`: the SwiGLU kernel, or a variant) are for tests
     and benchmarks.  ``prefetch_weights``: the caller vouches that the kernel launched last on
     the stream did not write ``offs`` or ``b`` and lets its dependents launch
-    only once everything before it has completed (``ts_moe.ops.grouped_gemm``
+    only once everything before it has completed (``ts_moe.grouped_gemm``
     says when), so the weights may start streaming before it ends
     (:class:`GroupedGemmSm90`).
     """
@@ -91,22 +136,19 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
     cfg = config or choose_config(num_experts, n, k, m)
-    fn, ctas = _launcher(cfg, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device(),
-                         prefetch_weights)
-    fn(a, b, out, offs, ctas)
-    return out
+    return _launch(a, b, offs, out, cfg, kernel_cls, prefetch_weights)
 
 
 def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
                         out: torch.Tensor | None = None, config: TileConfig | None = None,
                         prefetch_weights: bool = False,
                         kernel_cls=GroupedGemmSwigluSm90) -> torch.Tensor:
-    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); validated args.
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); for tests
+    and benchmarks, as :func:`grouped_gemm`.
 
     ``config`` defaults to :func:`swiglu_config`; a ValueError where I is not
-    a multiple of its ``tile_n / 2``.  ``prefetch_weights``: as for
-    :func:`grouped_gemm`; ``kernel_cls`` (a :class:`GroupedGemmSwigluSm90`)
-    is for tests and benchmarks of variants."""
+    a multiple of its ``tile_n / 2``.  ``kernel_cls`` (a
+    :class:`GroupedGemmSwigluSm90`) is for tests and benchmarks of variants."""
     m, k = a.shape
     num_experts, two_i, _ = gate_up.shape
     cfg = config or choose_config(num_experts, two_i, k, m)

@@ -11,7 +11,7 @@
 
 All are deterministic (no atomics), read everything on the device (no host
 sync) and capture into CUDA graphs.  The plain-torch references are
-``ts_moe.routing.route``/``sort_slots``/``combine`` and
+``ts_moe.reference.route``/``sort_slots``/``combine`` and
 ``ts_moe.reference.gather_rows``; the torch entry points are in
 :mod:`.route_sm90_launch`.  The opt-in router kernels (the logits GEMV, and
 the routing alone on many CTAs) are in :mod:`.router_sm90`.
@@ -163,16 +163,16 @@ class RouteSlots(TokenRouting):
        gives ``offs[e]`` = the number of slots with id ``<= e``.
     4. Slot ``s`` with id ``e < E`` goes to position ``offs[e - 1] + (slots of
        id e in earlier chunks) + (its rank in its chunk)``: a stable sort of
-       the ids.  Ids ``>= E`` (expert-parallel sentinels) sort after
-       ``offs[-1]`` by value, stably, by a scan of all the ids (rare); ids
-       ``< 0`` (invalid) likewise before expert 0, as torch's sort puts them.
+       the ids.  Ids outside ``[0, E)`` (dropped slots: ``-1`` or
+       expert-parallel sentinels) are read as ``E`` and sort after
+       ``offs[-1]`` in slot order, by a scan of all the ids (rare), as
+       ``ts_moe.reference.sort_slots`` orders them.
        ``token_index[pos] = s // k``, ``inverse[s] = pos``.
 
     Deterministic (no atomics); every phase is a few shuffles or a short scan
-    of shared memory per thread.  Outside the contract: int64 ids beyond the
-    int32 range are clamped to it (such ids tie and keep slot order), and NaN
-    logits choose other experts than torch's ``topk`` would (every weight is
-    NaN either way).  Measured: bench/notes/2026-12-04-routing-linear-scan.md.
+    of shared memory per thread.  Outside the contract: NaN logits choose
+    other experts than torch's ``topk`` would (every weight is NaN either way).
+    Measured: bench/notes/2026-12-04-routing-linear-scan.md.
     """
 
     def __init__(self, from_logits: bool, per_lane: int = MAX_EXPERTS // 32,
@@ -226,10 +226,12 @@ class RouteSlots(TokenRouting):
         else:
             for s in cutlass.range(tidx, slots, self.threads, unroll=1):
                 e = mExperts[s // top_k, s % top_k]
-                # the comparisons below are in 32 bits: clamp (ids are >= 0 and
-                # sentinels >= E in every caller)
-                e = cutlass.max(cutlass.min(e, 2**31 - 1), -(2**31))
-                ids[s] = cutlass.Int32(e)
+                # an id outside [0, E) is a dropped slot: all of them share the
+                # id E, so they sort after offs[-1] in slot order
+                eid = cutlass.Int32(num_experts)
+                if e >= 0 and e < num_experts:
+                    eid = cutlass.Int32(e)
+                ids[s] = eid
         chunks = (slots + 31) // 32
         for i in cutlass.range(tidx, num_experts * chunks, self.threads, unroll=1):
             hist[i % num_experts, i // num_experts] = 0

@@ -1,7 +1,13 @@
-"""Torch entry points of the routing kernels of :mod:`.route_sm90`:
-:func:`route_slots`, :func:`sort_slots` and :func:`weighted_row_sum` compile
-(once per build) and launch them on the current stream; :func:`fits` says
-which batches they take."""
+"""Torch side of the routing kernels of :mod:`.route_sm90`: compile (once per
+build) and launch them on the current stream.
+
+- :data:`ROUTE_SLOTS`, :data:`SORT_SLOTS`, :data:`ROW_SUM`: the sm_90 backends
+  of the op layer's routing, slot order, combine and row gather
+  (``ts_moe.ops.backend``): ``choose_config`` says which batches the one-CTA
+  tables and the row kernel take (:func:`fits`, :func:`rows_ok`);
+- :func:`route_slots`, :func:`sort_slots`, :func:`weighted_row_sum`: the
+  module's own entries (tests, benchmarks), with their guards.
+"""
 
 import functools
 
@@ -97,6 +103,83 @@ def _check_top_k(top_k: int, num_experts: int) -> None:
         raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
 
 
+def rows_ok(t: torch.Tensor) -> bool:
+    """16-bit rows the row kernel reads and writes whole 16-byte vectors of."""
+    return (t.dtype in (torch.bfloat16, torch.float16) and t.shape[1] % 8 == 0
+            and t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)
+            and t.data_ptr() % 16 == 0)
+
+
+def _slot_order(experts, num_experts, from_logits, per_lane, logits=None, weights=None):
+    slots = experts.numel()
+    dev = experts.device
+    token_index = torch.empty(slots, dtype=torch.int32, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    inverse = torch.empty(slots, dtype=torch.int64, device=dev)
+    dtype = logits.dtype if from_logits else experts.dtype
+    _route_kernel(from_logits, dtype, per_lane)(logits, weights, experts, token_index, offs,
+                                                 inverse)
+    return token_index, offs, inverse
+
+
+class RouteSlotsBackend:
+    """The sm_90 backend of ``ts_moe::route_slots``: routing and slot order of a
+    batch that :func:`fits` in one CTA and one launch; config: the build's
+    logits per lane."""
+
+    def choose_config(self, logits, top_k) -> int | None:
+        tokens, num_experts = logits.shape
+        if (logits.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+                or not fits(tokens * top_k, num_experts)):
+            return None
+        return lane_width(num_experts)
+
+    def run(self, logits, top_k, config):
+        tokens = logits.shape[0]
+        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+        experts = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+        return (weights, experts,
+                *_slot_order(experts, logits.shape[1], True, config, logits, weights))
+
+
+class SortSlotsBackend:
+    """The sm_90 backend of ``ts_moe::sort_slots``: a batch that :func:`fits`."""
+
+    def choose_config(self, experts, num_experts) -> int | None:
+        return 1 if fits(experts.numel(), num_experts) else None
+
+    def run(self, experts, num_experts, config):
+        return _slot_order(experts, num_experts, False, config)
+
+
+class RowSumBackend:
+    """The sm_90 backend of the combine and of the row gather: one launch of
+    :class:`.route_sm90.WeightedRowSum` (fp32 sums, one rounding) over 16-bit
+    rows of whole 16-byte vectors; fp32 weights (others are converted)."""
+
+    def choose_config(self, src, index, weights) -> bool | None:
+        if not (src.shape[0] and rows_ok(src) and index.dtype in (torch.int32, torch.int64)
+                and index.device == src.device
+                and (weights is None or weights.device == src.device)):
+            return None
+        return weights is not None
+
+    def run(self, src, index, weights, config):
+        rows = index.shape[0] if weights is None else weights.shape[0]
+        out = src.new_empty(rows, src.shape[1])
+        if weights is not None and weights.dtype != torch.float32:
+            weights = weights.float()
+        if rows and src.shape[1]:
+            _rowsum_kernel(config, src.dtype, index.dtype)(
+                src, index, None if weights is None else weights.contiguous(), out)
+        return out
+
+
+ROUTE_SLOTS = RouteSlotsBackend()
+SORT_SLOTS = SortSlotsBackend()
+ROW_SUM = RowSumBackend()
+
+
 def route_slots(logits: torch.Tensor, top_k: int):
     """(weights, experts, token_index, offs, inverse) of a batch that :func:`fits`;
     ``logits`` (T, E) contiguous, on the current stream.  ``ts_moe.route`` and
@@ -104,28 +187,14 @@ def route_slots(logits: torch.Tensor, top_k: int):
     tokens, num_experts = logits.shape
     _check_fits(tokens * top_k, num_experts)
     _check_top_k(top_k, num_experts)
-    dev = logits.device
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
-    experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
-    token_index = torch.empty(tokens * top_k, dtype=torch.int32, device=dev)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    inverse = torch.empty(tokens * top_k, dtype=torch.int64, device=dev)
-    _route_kernel(True, logits.dtype, lane_width(num_experts))(
-        logits, weights, experts, token_index, offs, inverse)
-    return weights, experts, token_index, offs, inverse
+    return ROUTE_SLOTS.run(logits, top_k, lane_width(num_experts))
 
 
 def sort_slots(experts: torch.Tensor, num_experts: int):
     """(token_index, offs, inverse) of ``experts`` (T, k) int32/int64 contiguous,
     a batch that :func:`fits`: ``ts_moe.sort_slots`` in one launch."""
-    slots = experts.numel()
-    _check_fits(slots, num_experts)
-    dev = experts.device
-    token_index = torch.empty(slots, dtype=torch.int32, device=dev)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    inverse = torch.empty(slots, dtype=torch.int64, device=dev)
-    _route_kernel(False, experts.dtype)(None, None, experts, token_index, offs, inverse)
-    return token_index, offs, inverse
+    _check_fits(experts.numel(), num_experts)
+    return SORT_SLOTS.run(experts, num_experts, 1)
 
 
 def weighted_row_sum(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None,

@@ -9,7 +9,7 @@
   keep one CTA busy).
 
 Deterministic, no host sync, graph-capturable; the plain-torch reference of the
-logits is ``ts_moe.routing.router_logits_reference``.  The torch entry points are
+logits is ``x @ w.T`` in float64 (``tests/helpers.py``).  The torch entry points are
 in :mod:`.router_sm90_launch`.
 """
 

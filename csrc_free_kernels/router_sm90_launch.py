@@ -1,7 +1,13 @@
-"""Torch entry points of the opt-in router kernels of :mod:`.router_sm90`:
-:func:`router_logits` and :func:`route_topk` compile (once per build) and launch
-them on the current stream; :func:`router_read_bytes` is what the op layer's
-choice rests on."""
+"""Torch side of the opt-in router kernels of :mod:`.router_sm90`: compile (once
+per build) and launch them on the current stream.
+
+- :data:`ROUTER_LOGITS`, :data:`ROUTE_TOPK`: the sm_90 backends the op layer
+  takes with ``ts_moe.use_router_kernel`` (``ts_moe.ops.backend``); their
+  ``choose_config`` holds when each pays (:data:`ROUTER_KERNEL_MAX_READ`,
+  :data:`ROUTE_SPLIT_MIN_WORK`: estimates until the GPU A/B);
+- :func:`router_logits`, :func:`route_topk`: the module's own entries (tests,
+  benchmarks), with their guards.
+"""
 
 import functools
 
@@ -10,9 +16,22 @@ import torch
 
 from . import compile as kcompile
 from .route_sm90 import MAX_EXPERTS
-from .route_sm90_launch import _TORCH_TO_CUTE, _check_top_k, _compact, _rows, lane_width
+from .route_sm90_launch import _TORCH_TO_CUTE, _check_top_k, _compact, _rows, lane_width, rows_ok
 from .router_sm90 import (ROUTER_EXPERTS_PER_CTA, ROUTER_MAX_TOKENS, ROUTER_TOKENS_PER_CTA,
                           RouterLogits, RouteTopK)
+
+
+# the router kernel's CTAs read x's rows once per expert pair: it takes a batch
+# while they read at most this much (about 250 KB per SM of the H200), e.g.
+# Qwen3-30B-A3B up to 64 tokens, DeepSeek-V3 up to 8 (not yet measured)
+ROUTER_KERNEL_MAX_READ = 32 << 20
+# the one-CTA routing spends about 900 warp instructions a token at 128 experts
+# on its top-k rounds (one SM, issue-bound: 9 us at Qwen3-30B-A3B T=64, 17 at
+# DeepSeek-V3 T=64).  From this many tokens x logits per lane (E / 32) the
+# routing runs a warp a token on many CTAs (RouteTopK) and the slot order in a
+# second launch (an estimate: Qwen3 from T=32, DeepSeek-V3 from T=16, Mixtral
+# from T=128; bench/RESULTS.md "Issue 21")
+ROUTE_SPLIT_MIN_WORK = 128
 
 
 def router_fake_args(dtype) -> tuple:
@@ -49,6 +68,60 @@ def router_read_bytes(tokens: int, experts: int, hidden: int) -> int:
     ctas_t = -(-tokens // ROUTER_TOKENS_PER_CTA)
     rows = (min(experts, ROUTER_EXPERTS_PER_CTA) + min(tokens, ROUTER_TOKENS_PER_CTA))
     return ctas_e * ctas_t * rows * hidden * 2
+
+
+def _weight_rows_ok(t: torch.Tensor) -> bool:
+    """Rows as the router kernel is compiled for: 16-byte vectors, 16-byte strides."""
+    return rows_ok(t) and t.stride(0) % 8 == 0
+
+
+class RouterLogitsBackend:
+    """The sm_90 backend of ``ts_moe::router_logits`` with the router kernel on:
+    16-bit batches of up to ``ROUTER_MAX_TOKENS`` whose reads stay within
+    :data:`ROUTER_KERNEL_MAX_READ`.  The choice rests on shapes, dtypes and the
+    weight (which a decode graph keys on), never on x's strides: ``run``
+    copies rows the kernel cannot read, so a graph replay routes as the eager
+    call did."""
+
+    def choose_config(self, x, weight) -> torch.dtype | None:
+        tokens, hidden = x.shape
+        if (x.dtype not in (torch.bfloat16, torch.float16) or not 0 < tokens <= ROUTER_MAX_TOKENS
+                or not weight.shape[0] or hidden % 8 or not _weight_rows_ok(weight)
+                or router_read_bytes(tokens, *weight.shape) > ROUTER_KERNEL_MAX_READ):
+            return None
+        return x.dtype
+
+    def run(self, x, weight, config):
+        if not _weight_rows_ok(x):
+            x = x.clone(memory_format=torch.contiguous_format)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        _router_kernel(config)(x, weight, out)
+        return out
+
+
+class RouteTopKBackend:
+    """The sm_90 backend of the routing alone, a warp a token on many CTAs (the
+    op then sorts the slots in a second launch): taken with the router kernel
+    on, from :data:`ROUTE_SPLIT_MIN_WORK`; config: the logits per lane."""
+
+    def choose_config(self, logits, top_k) -> int | None:
+        tokens, num_experts = logits.shape
+        if not 0 < num_experts <= MAX_EXPERTS:
+            return None
+        width = lane_width(num_experts)
+        return width if tokens * width >= ROUTE_SPLIT_MIN_WORK else None
+
+    def run(self, logits, top_k, config):
+        tokens = logits.shape[0]
+        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+        experts = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+        if tokens:
+            _topk_kernel(logits.dtype, config)(logits, weights, experts)
+        return weights, experts
+
+
+ROUTER_LOGITS = RouterLogitsBackend()
+ROUTE_TOPK = RouteTopKBackend()
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor,

@@ -1,6 +1,10 @@
-"""Torch entry points of the elementwise SwiGLU kernels: :func:`swiglu_forward`
-and :func:`swiglu_backward` check their arguments, compile (once per dtype) and
+"""Torch side of the elementwise SwiGLU kernels: compile (once per dtype) and
 launch :class:`csrc_free_kernels.swiglu_sm90.SwigluElementwise` on the current stream.
+
+- :data:`SWIGLU_ACTIVATION`: the sm_90 backend of ``ts_moe::swiglu`` and
+  ``ts_moe::swiglu_backward`` (``ts_moe.ops.backend.SwigluActivation``);
+- :func:`swiglu_forward`, :func:`swiglu_backward`: the module's own entries
+  (tests, benchmarks), which check their arguments.
 """
 
 import functools
@@ -81,6 +85,29 @@ def _validate(h: torch.Tensor, *others) -> tuple:
         for name, t, _ in tensors:
             _check_layout(name, t)
     return m, inter
+
+
+class SwigluActivationBackend:
+    """The sm_90 backend of the SwiGLU activation ops: 16-bit rows on 16-byte
+    boundaries, I a multiple of 8, at most ``MAX_VECTORS`` vectors a launch."""
+
+    def choose_config(self, h, dy) -> torch.dtype | None:
+        m, two_i = h.shape
+        if (h.dtype not in _TORCH_TO_CUTE or two_i % 16 or m * (two_i // 16) > MAX_VECTORS
+                or h.data_ptr() % 16 or (dy is not None and dy.data_ptr() % 16)):
+            return None
+        return h.dtype
+
+    def forward(self, h, out, config):
+        compiled_kernel(config, False)(_normalized(h), _normalized(out), None)
+        return out
+
+    def backward(self, dy, h, dh, config):
+        compiled_kernel(config, True)(_normalized(h), _normalized(dh), _normalized(dy))
+        return dh
+
+
+SWIGLU_ACTIVATION = SwigluActivationBackend()
 
 
 def swiglu_forward(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

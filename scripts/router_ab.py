@@ -12,7 +12,8 @@ routing alone, the one-CTA ``route_slots`` then ``route_topk`` + ``sort_slots``
 (``bench.moe_block.stages_graph_ms``) with
 :func:`ts_moe.use_router_kernel` off, on, and off again (the spread between
 the two "off" columns is the noise; "on" is the op's choice, ``F.linear``
-where the kernel would read more than ``ts_moe.ops.ROUTER_KERNEL_MAX_READ``).
+where the kernel would read more than
+``csrc_free_kernels.router_sm90_launch.ROUTER_KERNEL_MAX_READ``).
 µs per call.  The kernel's logits are
 checked against float64 first (relative error per row).  Needs an sm_90 GPU.
 """

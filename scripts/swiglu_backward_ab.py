@@ -3,7 +3,7 @@
 
 ``python scripts/swiglu_backward_ab.py``: for each model's gate_up GEMM at
 T tokens (uniform routing, randn data), the forward + backward of
-``ts_moe.grouped_gemm_swiglu`` with ``ts_moe.ops.SWIGLU_KEEPS_H`` True
+``ts_moe.grouped_gemm_swiglu`` with ``ts_moe.ops.swiglu.SWIGLU_KEEPS_H`` True
 (the forward writes h (M, 2I) and keeps it) and False (the fused forward,
 h recomputed in the backward), median of CUDA-event times, and the peak
 memory above the inputs.  Needs a CUDA GPU.
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import ts_moe  # noqa: E402
 from bench.cases import MODELS  # noqa: E402
 from bench.timing import measure  # noqa: E402
-from ts_moe import ops  # noqa: E402
+from ts_moe.ops import swiglu as swiglu_ops  # noqa: E402
 
 
 def time_and_peak(x, gate_up, offs, index, grad, reps):
@@ -61,7 +61,7 @@ def main():
             grad = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16, generator=g)
             row = []
             for keep in (True, False):
-                ops.SWIGLU_KEEPS_H = keep
+                swiglu_ops.SWIGLU_KEEPS_H = keep
                 row += time_and_peak(x, gate_up, offs, index, grad, args.reps)
             print(f"{name:<15} {tokens:>6} {row[0]:>10.3f} {row[1]:>6.2f} {row[2]:>13.3f} "
                   f"{row[3]:>6.2f}")

@@ -20,7 +20,7 @@ from csrc_free_kernels import router_sm90_launch
 from csrc_free_kernels.grouped_gemm_sm90 import GroupedGemmSm90
 from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
 from csrc_free_kernels.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
-from ts_moe import routing
+from ts_moe import reference
 from ts_moe.reference import grouped_gemm_reference
 
 
@@ -57,18 +57,18 @@ def route_kernels() -> None:
     logits = router_sm90_launch.router_logits(x, w)
     exact = x.double() @ w.double().t()
     assert ((logits.double() - exact).norm() / exact.norm()).item() < 1e-2
-    ids_ref = routing.route(logits, 3)[1]
+    ids_ref = reference.route(logits, 3)[1]
     weights, ids = router_sm90_launch.route_topk(logits, 3)
     assert torch.equal(ids, ids_ref)
     w1, ids1, token_index, offs, inverse = route_sm90.route_slots(logits, 3)
     assert torch.equal(ids1, ids_ref) and torch.equal(w1, weights)
-    for got, ref in zip(route_sm90.sort_slots(ids, 33), routing.sort_slots(ids_ref, 33),
+    for got, ref in zip(route_sm90.sort_slots(ids, 33), reference.sort_slots(ids_ref, 33),
                         strict=True):
         assert got.dtype == ref.dtype and torch.equal(got, ref)
     rows = route_sm90.weighted_row_sum(x, token_index, None, x.new_empty(27, 264))
     assert torch.equal(rows, x[token_index.long()])
     out = route_sm90.weighted_row_sum(rows, inverse, weights, x.new_empty(9, 264))
-    ref = routing.combine(rows.float(), weights, inverse)
+    ref = reference.combine(rows.float(), weights, inverse)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     torch.cuda.synchronize()
     print("route kernels ok")

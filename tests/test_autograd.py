@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch.autograd import gradcheck, gradgradcheck
 
 import ts_moe
-from ts_moe import ops
-from ts_moe.reference import segment_ends
+from ts_moe.ops import paths
+from ts_moe.ops import swiglu as swiglu_ops
+from ts_moe.reference import segment_ends, swiglu, swiglu_backward
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 F64, BF16 = torch.float64, torch.bfloat16
 
@@ -113,7 +114,7 @@ def test_gradcheck_k_grouped(routing):
 @pytest.mark.parametrize("keeps_h", [True, False])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_gradcheck_swiglu(monkeypatch, keeps_h, routing):
-    monkeypatch.setattr(ops, "SWIGLU_KEEPS_H", keeps_h)
+    monkeypatch.setattr(swiglu_ops, "SWIGLU_KEEPS_H", keeps_h)
     counts, past = ROUTINGS[routing]
     m = _rows(counts, past)
     a = torch.randn(m, 6, dtype=F64, requires_grad=True)
@@ -131,6 +132,88 @@ def test_gradgradcheck_row_grouped():
     b = torch.randn(3, 4, 2, dtype=F64, requires_grad=True)
     offs = _offs([2, 0, 3])
     assert gradgradcheck(lambda a, b: ts_moe.grouped_gemm(a, b, offs), (a, b))
+
+
+# ----------------------------------------- double backward through SwiGLU
+class _KernelLikeActivation:
+    """Stands in for the sm_90 elementwise SwiGLU kernels on the CPU: writes its
+    outputs as a kernel does, with no autograd graph of its own, and counts
+    its launches."""
+
+    def __init__(self):
+        self.launches = []
+
+    def choose_config(self, h, dy):
+        return "stand-in"
+
+    def forward(self, h, out, config):
+        self.launches.append("forward")
+        with torch.no_grad():
+            return out.copy_(swiglu(h, h.dtype))
+
+    def backward(self, dy, h, dh, config):
+        self.launches.append("backward")
+        with torch.no_grad():
+            return dh.copy_(swiglu_backward(dy, h, h.dtype))
+
+
+@pytest.fixture(params=["reference", "kernel_like"])
+def activation(request, monkeypatch):
+    """The activation backend of CPU tensors: the reference, or the stand-in."""
+    if request.param == "reference":
+        return None
+    stand_in = _KernelLikeActivation()
+    device = paths.REFERENCE_DEVICE._replace(activation=stand_in)
+    monkeypatch.setattr(paths, "device_backends", lambda t: device)
+    return stand_in
+
+
+@pytest.mark.parametrize("keeps_h", [True, False])
+def test_gradgradcheck_swiglu_on_every_backend(monkeypatch, activation, keeps_h):
+    """Second derivatives through grouped_gemm_swiglu are exact whether the
+    activation's gradient is computed by plain torch or by a kernel (the
+    formula of swiglu_backward: ts_moe.reference.swiglu_double_backward)."""
+    monkeypatch.setattr(swiglu_ops, "SWIGLU_KEEPS_H", keeps_h)
+    a = torch.randn(7, 6, dtype=F64, requires_grad=True)
+    gate_up = torch.randn(3, 8, 6, dtype=F64, requires_grad=True)
+    offs = _offs([3, 0, 3])
+    index = torch.tensor([6, 0, 0, 3, 9, 2, 5], dtype=torch.int32)
+    assert gradgradcheck(lambda a, g: ts_moe.grouped_gemm_swiglu(a, g, offs), (a, gate_up))
+    assert gradgradcheck(lambda a, g: ts_moe.grouped_gemm_swiglu(a, g, offs, a_index=index),
+                         (a, gate_up))
+    if activation is not None:
+        assert "backward" in activation.launches  # the stand-in computed dh
+
+
+def test_swiglu_backward_op_has_exact_derivatives(activation):
+    """``ts_moe::swiglu_backward`` itself: first derivatives (gradcheck) and second
+    (gradgradcheck: the formula is plain torch, so differentiable again)."""
+    dy = torch.randn(5, 4, dtype=F64, requires_grad=True)
+    h = torch.randn(5, 8, dtype=F64, requires_grad=True)
+    assert gradcheck(torch.ops.ts_moe.swiglu_backward, (dy, h))
+    assert gradgradcheck(torch.ops.ts_moe.swiglu_backward, (dy, h))
+    torch.library.opcheck(torch.ops.ts_moe.swiglu_backward.default,
+                          (dy.detach().float().requires_grad_(), h.detach().float()))
+
+
+def test_swiglu_double_backward_formula_matches_autograd():
+    """ts_moe.reference.swiglu_double_backward against torch's autograd of the
+    activation's gradient, in float64 and (rounded once) in bf16."""
+    from ts_moe.reference import swiglu_double_backward
+
+    dy = torch.randn(6, 16, dtype=F64, requires_grad=True)
+    h = torch.randn(6, 32, dtype=F64, requires_grad=True)
+    gate, up = h[:, :16], h[:, 16:]
+    dh = torch.cat([dy * up * torch.autograd.grad(F.silu(gate).sum(), gate, create_graph=True)[0],
+                    dy * F.silu(gate)], dim=1)
+    grad = torch.randn(6, 32, dtype=F64)
+    want = torch.autograd.grad(dh, (dy, h), grad)
+    got = swiglu_double_backward(grad, dy.detach(), h.detach())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    got16 = swiglu_double_backward(grad.to(BF16), dy.detach().to(BF16), h.detach().to(BF16))
+    for g, w in zip(got16, want, strict=True):
+        assert g.dtype == BF16 and rel_err(g, w) < 1e-2
 
 
 # ------------------------------------------------------- bf16 against fp64

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import ts_moe
 from ts_moe.reference import grouped_gemm_k_reference, segment_ends
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 pytestmark = pytest.mark.gpu  # skipped without an sm_90 GPU (conftest)
 BF16 = torch.bfloat16

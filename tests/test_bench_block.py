@@ -224,7 +224,7 @@ def test_ts_moe_backend_keeps_its_nvtx_stages(monkeypatch):
     launch of the routing kernel for a decode batch), gate_up, down, combine."""
     import contextlib
 
-    import ts_moe.moe
+    import ts_moe.block
 
     seen = []
 
@@ -232,7 +232,7 @@ def test_ts_moe_backend_keeps_its_nvtx_stages(monkeypatch):
         seen.append(name)
         return contextlib.nullcontext()
 
-    monkeypatch.setattr(ts_moe.moe, "nvtx_range", recording)
+    monkeypatch.setattr(ts_moe.block, "nvtx_range", recording)
     case = moe_block.block_case(TINY, 4)
     inp = moe_block.make_block_inputs(case, torch.device("cpu"))
     moe_block.block_backends()["ts_moe"](case, torch.device("cpu"))(inp)()

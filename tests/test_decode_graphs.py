@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import ts_moe
-from ts_moe import decode_graphs, ops
-from ts_moe.ops import Path
+from ts_moe import decode_graphs
+from ts_moe.ops import Path, paths
 
 
 def test_cpu_calls_run_eagerly_and_match_the_stages():
@@ -70,8 +70,8 @@ def test_graph_paths(monkeypatch, path, dtype, graphed):
         seen.append((device_index, dt, num_experts))
         return path, None
 
-    monkeypatch.setattr(ops, "cuda_path", fake_cuda_path)
-    assert ops.graph_path(0, dtype, 300) is (path if graphed else None)
+    monkeypatch.setattr(paths, "cuda_path", fake_cuda_path)
+    assert paths.graph_path(0, dtype, 300) is (path if graphed else None)
     assert seen == [(0, dtype, 300)]  # the expert count decides the kernel path
 
 

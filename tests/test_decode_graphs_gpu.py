@@ -14,7 +14,7 @@ import ts_moe
 from ts_moe.decode_graphs import DecodeGraphs, graphs
 from ts_moe.moe import moe_forward_reference
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 

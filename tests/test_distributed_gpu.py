@@ -16,7 +16,7 @@ import torch.distributed as dist
 import ts_moe
 from ts_moe.distributed import ExpertParallelMoE
 
-from .conftest import rel_err
+from .helpers import rel_err
 from .ranks import run_ranks
 
 pytestmark = pytest.mark.gpu  # skipped without an sm_90 GPU (conftest)

@@ -10,7 +10,7 @@ shapes, the largest case, CUDA-graph capture (no host sync)."""
 import pytest
 import torch
 
-from .conftest import counts_to_offs, random_counts
+from .helpers import counts_to_offs, random_counts
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-from .conftest import OpRecorder
+from .helpers import OpRecorder
 
 pytest.importorskip("transformers", minversion="5")
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "generate_latency.py"

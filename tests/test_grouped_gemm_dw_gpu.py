@@ -5,7 +5,7 @@ import torch
 
 from ts_moe.reference import grouped_gemm_k_reference
 
-from .conftest import counts_to_offs, random_counts, rel_err
+from .helpers import counts_to_offs, random_counts, rel_err
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}

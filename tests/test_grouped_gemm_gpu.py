@@ -12,7 +12,7 @@ import torch
 import ts_moe
 from ts_moe.reference import grouped_gemm_reference, segment_ends
 
-from .conftest import counts_to_offs, random_counts, rel_err
+from .helpers import counts_to_offs, random_counts, rel_err
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,20 +178,42 @@ def test_validation_on_the_kernel_path(corrupt, exc, msg):
         ts_moe.grouped_gemm(wide[:, :128], b, offs)
 
 
-def test_op_dispatches_to_kernel_and_no_sync():
+def test_op_dispatches_to_kernel_and_no_sync(monkeypatch):
+    """This call of each op runs its sm_90 kernel once, with the configuration
+    the heuristic gives its shapes (recorded at the backends' ``run``), without
+    a host sync, and its result is right overall and per row."""
+    from csrc_free_kernels import grouped_gemm_sm90_launch as launch
+    from ts_moe.reference import grouped_gemm_swiglu_reference
+
+    calls = []
+    for name in ("GROUPED_GEMM", "GROUPED_GEMM_SWIGLU"):
+        backend = getattr(launch, name)
+
+        def run(*args, _run=backend.run, _name=name, **kwargs):
+            calls.append((_name, args[4]))  # (backend, config)
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "run", run)
     a, b, offs = make(512, 256, 512, 8)
+    gate_up = b.transpose(-2, -1)  # (E, 2I, H) = (8, 512, 256): I = 256
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = ts_moe.grouped_gemm(a, b, offs)
-        out_swiglu = ts_moe.grouped_gemm_swiglu(a, b.transpose(-2, -1)[:, :, :], offs) \
-            if b.shape[2] % 16 == 0 else None
+        h = ts_moe.grouped_gemm_swiglu(a, gate_up, offs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert rel_err(out, reference(a, b, offs)) < 1e-2
-    assert out_swiglu is not None
-    from csrc_free_kernels import compile as kcompile
-    assert any(key[0] == "GroupedGemmSm90" for key, _, _ in kcompile.stats)
+    assert calls == [("GROUPED_GEMM", launch.choose_config(8, 512, 256, 512)),
+                     ("GROUPED_GEMM_SWIGLU", launch.swiglu_config(8, 512, 256, 512))]
+    assert calls[1][1] is not None  # the fused kernel, not the GEMM and the activation apart
+    for got, want in ((out, reference(a, b, offs)),
+                      (h, grouped_gemm_swiglu_reference(a.float(), gate_up.float(), offs))):
+        assert rel_err(got, want) < 1e-2
+        end = int(offs[-1])
+        per_row = (got[:end].double() - want[:end].double()).norm(dim=1) / \
+            want[:end].double().norm(dim=1).clamp_min(1e-6)
+        assert per_row.max() < 2e-2
+        assert (got[end:] == 0).all()
 
 
 def test_cuda_graph_and_compile():

@@ -15,7 +15,7 @@ from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 from ts_moe.integrations.transformers import (  # noqa: E402
     register, replace_moe_blocks, ts_moe_experts_forward)
 
-from .conftest import OpRecorder, rel_err  # noqa: E402
+from .helpers import OpRecorder, rel_err  # noqa: E402
 
 PROMPT = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
 

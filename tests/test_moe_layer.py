@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import ts_moe
 from ts_moe.moe import moe_forward_reference
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 gpu = pytest.mark.gpu  # skipped without an sm_90 GPU (conftest)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import ts_moe
 from ts_moe.ops import Path, cuda_path
 
-from .conftest import rel_err
+from .helpers import rel_err
 from .test_ops_semantics import _aligned_buffers, _loop, _offs, _outcome
 
 pytestmark = pytest.mark.gpu

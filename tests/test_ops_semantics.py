@@ -10,7 +10,7 @@ import ts_moe
 from ts_moe.ops import Path, choose_path
 from ts_moe.reference import segment_ends
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 BF16 = torch.bfloat16
 
@@ -218,11 +218,11 @@ def test_path_without_kernels_or_torch_grouped_mm():
 def test_torch_grouped_mm_path_semantics():
     """The torch path (run here on the CPU build of torch._grouped_mm) zeroes the
     tail and reads bad offs as the kernels do."""
-    from ts_moe.ops import _torch_grouped_mm
+    from ts_moe.ops.torch_backend import grouped_mm
 
     a, b = torch.randn(30, 16).to(BF16), torch.randn(3, 16, 8).to(BF16)
     for offs in (_offs([4, 10, 6]), torch.tensor([9, 4, 50], dtype=torch.int32)):
-        out = _torch_grouped_mm(a, b, offs)
+        out = grouped_mm(a, b, offs)
         assert rel_err(out, _loop(a, b, offs)) < 1e-2
         end = int(segment_ends(offs, 30)[-1])
         assert (out[end:] == 0).all()
@@ -323,71 +323,92 @@ def test_sm100_kernel_only_on_opt_in():
     assert choose_path((10, 0), BF16, None, 1024, sm100_opt_in=True) is Path.TORCH_GROUPED_MM
 
 
-class _FakeSm100:
-    """Stands in for csrc_free_kernels.grouped_gemm_sm100 on the CPU: records the launch."""
+class _Recording:
+    """Stands in for an arch's kernel backend on the CPU: the real backend's
+    ``choose_config`` (pure Python), and a ``run`` that records its call and
+    writes 7s."""
 
-    MAX_EXPERTS = 512
+    def __init__(self, real):
+        self.real, self.gathers, self.calls = real, real.gathers, []
 
-    def __init__(self):
-        self.calls = []
+    def choose_config(self, *args):
+        return self.real.choose_config(*args)
 
-    def grouped_gemm(self, a, b, offs, out, *, a_index=None, swiglu=False):
-        self.calls.append(dict(a=a, b=b, offs=offs, out=out, a_index=a_index, swiglu=swiglu))
+    def run(self, a, b, offs, out, config, *, a_index=None, prefetch_weights=False):
+        self.calls.append(dict(a=a, b=b, offs=offs, out=out, config=config, a_index=a_index,
+                               prefetch_weights=prefetch_weights))
         return out.fill_(7)
-
-    @staticmethod
-    def swiglu_config(num_experts, two_inter, k, m):
-        return "n256" if (two_inter // 2) % 128 == 0 else None
 
 
 def test_use_sm100_kernel_switches_the_path(monkeypatch):
-    from ts_moe import ops
+    from ts_moe.ops import kernels, paths
 
-    fake = _FakeSm100()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
-    monkeypatch.setattr(ops, "_kernels", lambda index: fake)
-    ops._cuda_path.cache_clear()
+    paths._cuda_path.cache_clear()
     try:
-        assert ops.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
+        assert paths.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
         ts_moe.use_sm100_kernel()
-        assert ops.cuda_path(0, BF16) == (Path.KERNEL_SM100, fake)
+        path, backends = paths.cuda_path(0, BF16)
+        assert path is Path.KERNEL_SM100
+        assert backends.gemm is kernels.sm100.GROUPED_GEMM and backends.gemm.gathers
+        assert backends.swiglu is kernels.sm100.GROUPED_GEMM_SWIGLU
+        assert backends.gemm_k.choose_config() is None  # no k-grouped sm_100 kernel
         ts_moe.use_sm100_kernel(False)
-        assert ops.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
+        assert paths.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
     finally:
         ts_moe.use_sm100_kernel(False)
-        ops._cuda_path.cache_clear()
+        paths._cuda_path.cache_clear()
 
 
-def test_sm100_path_passes_the_gather_to_the_kernel(monkeypatch):
-    from ts_moe.ops import _grouped_gemm_run, _swiglu_run
+@pytest.fixture
+def sm100_stand_ins(monkeypatch):
+    """The sm_100 path's backends recording on the CPU; a declined call takes what
+    a B200 without the kernels takes (torch's grouped_mm in bf16, else the reference)."""
+    from ts_moe.ops import kernels, paths
+    from ts_moe.ops.backend import NoKernel
 
-    # CPU tensors stand in for a B200's: what the kernel can't take follows choose_path
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
-    fake = _FakeSm100()
+    paths.without_kernels.cache_clear()
+    gemm, swiglu = _Recording(kernels.sm100.GROUPED_GEMM), _Recording(kernels.sm100.GROUPED_GEMM_SWIGLU)
+    yield paths.GemmBackends(gemm, NoKernel(), swiglu), gemm, swiglu
+    paths.without_kernels.cache_clear()
+
+
+def test_sm100_path_passes_the_gather_to_the_kernel(sm100_stand_ins):
+    from ts_moe.ops import gemm, swiglu
+
+    backends, gemm_kernel, swiglu_kernel = sm100_stand_ins
     a, b, offs = torch.randn(40, 64).to(BF16), torch.randn(3, 64, 24).to(BF16), _offs([9, 0, 20])
     a_index = torch.randint(0, 40, (33,), dtype=torch.int32)
-    out = _grouped_gemm_run(Path.KERNEL_SM100, fake, a, b, offs, None, a_index)
-    call = fake.calls[-1]
-    assert call["a_index"] is a_index and call["out"].shape == (33, 24) and not call["swiglu"]
-    assert (out == 7).all()
+    out = gemm.run(backends, a, b, offs, None, a_index)
+    (call,) = gemm_kernel.calls
+    assert call["a_index"] is a_index and call["out"].shape == (33, 24)
+    assert call["config"].name == "n128" and (out == 7).all()
     gate_up = torch.randn(3, 256, 64).to(BF16)  # I = 128: the fused kernel's tiles fit
-    h = _swiglu_run(Path.KERNEL_SM100, fake, a, gate_up, offs, a_index)
-    call = fake.calls[-1]
-    assert call["swiglu"] and call["b"].shape == (3, 64, 256) and call["b"].stride(1) == 1
-    assert h.shape == (33, 128)
-    # what the kernel cannot take goes to torch's grouped_mm, with the same results
-    n_calls = len(fake.calls)
+    h = swiglu.run(backends, a, gate_up, offs, a_index)
+    (call,) = swiglu_kernel.calls
+    assert call["b"].shape == (3, 256, 64) and call["b"].stride(2) == 1
+    assert call["a_index"] is a_index and h.shape == (33, 128) and (h == 7).all()
+
+
+def test_sm100_path_runs_what_its_kernel_declines_elsewhere(sm100_stand_ins):
+    """K not whole 16-byte chunks, I off the fused tile, fp16 (which torch's
+    grouped_mm does not take): the same results, without the kernel."""
+    from ts_moe.ops import gemm, swiglu
+
+    backends, gemm_kernel, swiglu_kernel = sm100_stand_ins
+    offs = _offs([9, 0, 20])
+    a_index = torch.randint(0, 40, (33,), dtype=torch.int32)
     odd_k, b60 = torch.randn(40, 72).to(BF16)[:, :60], torch.randn(3, 60, 24).to(BF16)
-    got = _grouped_gemm_run(Path.KERNEL_SM100, fake, odd_k, b60, offs, None, a_index)
-    assert len(fake.calls) == n_calls  # K = 60: not whole 16-byte chunks
+    got = gemm.run(backends, odd_k, b60, offs, None, a_index)
     assert rel_err(got, _gathered_loop(odd_k, b60, offs, a_index)) < 1e-2
-    small_i = torch.randn(3, 96, 64).to(BF16)  # I = 48: two passes
-    h = _swiglu_run(Path.KERNEL_SM100, fake, a, small_i, offs, a_index)
-    ref = _gathered_loop(a, small_i.transpose(1, 2), offs, a_index)
-    assert len(fake.calls) == n_calls
-    assert rel_err(h, F.silu(ref[:, :48]) * ref[:, 48:]) < 1e-2
-    # fp16, which torch's grouped_mm does not take: the reference
-    half = _grouped_gemm_run(Path.KERNEL_SM100, fake, odd_k.half(), b60.half(), offs, None,
-                             a_index)
-    assert len(fake.calls) == n_calls
+    half = gemm.run(backends, odd_k.half(), b60.half(), offs, None, a_index)
     assert rel_err(half, _gathered_loop(odd_k, b60, offs, a_index)) < 1e-2
+    assert gemm_kernel.calls == []
+    a = torch.randn(40, 64).to(BF16)
+    small_i = torch.randn(3, 96, 64).to(BF16)  # I = 48: the GEMM to fp32, then the activation
+    h = swiglu.run(backends, a, small_i, offs, a_index)
+    assert swiglu_kernel.calls == []
+    (call,) = gemm_kernel.calls  # the GEMM to h took the (recording) sm_100 kernel
+    assert call["out"].dtype == torch.float32 and call["a_index"] is a_index
+    assert h.shape == (33, 48) and (h == (F.silu(torch.tensor(7.0)) * 7).to(BF16)).all()

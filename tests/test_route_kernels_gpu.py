@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import ts_moe
-from ts_moe import ops, routing
+from ts_moe import ops, reference
 from ts_moe.decode_graphs import graphs
 from ts_moe.moe import moe_forward_reference
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -38,8 +38,8 @@ def test_route_slots_matches_torch(tokens, experts, top_k, dtype):
     logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
     assert rk().fits(tokens * top_k, experts)
     w, ex, tok, offs, inv = rk().route_slots(logits, top_k)
-    w_ref, ex_ref = routing.route(logits, top_k)
-    s_ref = routing.sort_slots(ex_ref, experts)
+    w_ref, ex_ref = reference.route(logits, top_k)
+    s_ref = reference.sort_slots(ex_ref, experts)
     assert torch.equal(ex, ex_ref)  # bf16 ties too: the lower expert first in both
     assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
     assert torch.equal(tok, s_ref.token_index) and torch.equal(offs, s_ref.offs)
@@ -51,7 +51,7 @@ def test_route_slots_ties_and_infinities():
     logits[1, 5] = float("-inf")
     logits[2] = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.bfloat16)
     w, ex, *_ = rk().route_slots(logits, 3)
-    w_ref, ex_ref = routing.route(logits, 3)
+    w_ref, ex_ref = reference.route(logits, 3)
     assert torch.equal(ex, ex_ref)
     assert torch.equal(ex[0], torch.tensor([0, 1, 2], device="cuda"))
     assert torch.equal(ex[2], torch.tensor([1, 2, 4], device="cuda"))
@@ -70,10 +70,10 @@ def test_route_slots_many_ties(experts, top_k, dtype):
     logits[logits == 0] = torch.where(torch.rand_like(logits[logits == 0].float()) < 0.5,
                                       -0.0, 0.0).to(dtype)
     w, ex, tok, offs, inv = rk().route_slots(logits, top_k)
-    w_ref, ex_ref = routing.route(logits, top_k)
+    w_ref, ex_ref = reference.route(logits, top_k)
     assert torch.equal(ex, ex_ref)
     assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
-    s_ref = routing.sort_slots(ex_ref, experts)
+    s_ref = reference.sort_slots(ex_ref, experts)
     assert torch.equal(offs, s_ref.offs) and torch.equal(inv, s_ref.inverse)
 
 
@@ -96,7 +96,7 @@ def test_route_topk_is_route_slots_bit_for_bit(tokens, experts, top_k, dtype, ti
     w = torch.full((tokens, top_k), float("nan"), device="cuda")
     ex = torch.full((tokens, top_k), -1, dtype=torch.int64, device="cuda")
     assert rtr().route_topk(logits, top_k, w, ex)[0] is w
-    w_ref, ex_ref = routing.route(logits, top_k)
+    w_ref, ex_ref = reference.route(logits, top_k)
     assert torch.equal(ex, ex_ref)
     assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
     if rk().fits(tokens * top_k, experts):
@@ -111,7 +111,7 @@ def test_route_op_split_is_the_one_cta_result():
     for tokens, experts in ((64, 128), (16, 256)):
         torch.manual_seed(tokens)
         logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
-        assert tokens * rk().lane_width(experts) >= ops.ROUTE_SPLIT_MIN_WORK
+        assert tokens * rk().lane_width(experts) >= rtr().ROUTE_SPLIT_MIN_WORK
         previous = ops.use_router_kernel(False)
         try:
             w0, ex0, s0 = ops.route_slots(logits, 8)
@@ -149,15 +149,16 @@ def test_sort_slots_matches_torch(dtype, tokens, experts, top_k):
     ids = torch.randint(0, experts + 3, (tokens, top_k), device="cuda", dtype=dtype)
     ids[0, 0] = experts + 7  # sentinels (expert parallel): after offs[-1]
     got = rk().sort_slots(ids, experts)
-    ref = routing.sort_slots(ids, experts)
+    ref = reference.sort_slots(ids, experts)
     for g, r in zip(got, ref):
         assert torch.equal(g, r)
 
 
 @pytest.mark.parametrize("fill", ["one_expert", "negative", "descending"])
 def test_sort_slots_extremes(fill):
-    """Every slot on one expert (32 chunks of one id), invalid negative ids (sorted
-    before expert 0, as torch sorts them), and ids in descending order."""
+    """Every slot on one expert (32 chunks of one id), negative ids (dropped slots:
+    after offs[-1], in slot order, as the reference orders them), and ids in
+    descending order."""
     tokens, experts, top_k = 512, 64, 2
     if fill == "one_expert":
         ids = torch.full((tokens, top_k), 63, device="cuda", dtype=torch.int64)
@@ -166,7 +167,7 @@ def test_sort_slots_extremes(fill):
     else:
         ids = torch.arange(tokens * top_k, 0, -1, device="cuda").reshape(tokens, top_k) % 70
     got = rk().sort_slots(ids, experts)
-    ref = routing.sort_slots(ids, experts)
+    ref = reference.sort_slots(ids, experts)
     for g, r in zip(got, ref):
         assert torch.equal(g, r)
 
@@ -294,7 +295,7 @@ def test_router_logits_op_takes_the_kernel_only_where_it_applies():
     try:
         assert torch.equal(ops.router_logits(x, w), rtr().router_logits(x, w))
         xl, wl = _router_inputs(128, 128, 2048, torch.bfloat16, seed=8)
-        assert rtr().router_read_bytes(128, 128, 2048) > ops.ROUTER_KERNEL_MAX_READ
+        assert rtr().router_read_bytes(128, 128, 2048) > rtr().ROUTER_KERNEL_MAX_READ
         assert torch.equal(ops.router_logits(xl, wl), torch.nn.functional.linear(xl, wl))
         buf = torch.randn(3, 2056, device="cuda", dtype=torch.bfloat16)
         odd = buf[:, 1:2049]  # 2-byte offset: copied to 16-byte rows, then the kernel

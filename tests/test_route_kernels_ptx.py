@@ -9,9 +9,10 @@ import torch
 
 import ts_moe
 from csrc_free_kernels import ptx_dump
-from ts_moe import ops, routing
+from ts_moe import ops, reference
+from ts_moe.ops import paths
 
-from .conftest import rel_err
+from .helpers import fake_route_kernel, rel_err, router_logits_reference
 from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("router_logits", "route_slots", "route_topk",
@@ -93,7 +94,7 @@ def test_router_kernel_taken_for_small_batches_only():
     from csrc_free_kernels import router_sm90_launch as r
 
     def taken(t, e, h):
-        return r.router_read_bytes(t, e, h) <= ops.ROUTER_KERNEL_MAX_READ
+        return r.router_read_bytes(t, e, h) <= r.ROUTER_KERNEL_MAX_READ
 
     assert all(taken(t, 8, 4096) for t in (1, 16, 64, 128))         # Mixtral
     assert taken(64, 128, 2048) and not taken(128, 128, 2048)       # Qwen3-30B-A3B
@@ -163,15 +164,15 @@ def test_tvm_ffi_builds_compile():
 def test_ops_cpu_paths_are_the_torch_functions(tokens, experts, top_k):
     logits = torch.randn(tokens, experts)
     w, ex, slots = ops.route_slots(logits, top_k)
-    w_ref, ex_ref = routing.route(logits, top_k)
-    slots_ref = routing.sort_slots(ex_ref, experts)
+    w_ref, ex_ref = reference.route(logits, top_k)
+    slots_ref = reference.sort_slots(ex_ref, experts)
     assert torch.equal(ex, ex_ref) and torch.equal(w, w_ref)
     for got, ref in zip(slots, slots_ref):
         assert torch.equal(got, ref)
     for got, ref in zip(ops.sort_slots(ex, experts), slots_ref):
         assert torch.equal(got, ref)
     y = torch.randn(tokens * top_k, 16, dtype=torch.bfloat16)
-    assert torch.equal(ops.combine(y, w, slots.inverse), routing.combine(y, w, slots.inverse))
+    assert torch.equal(ops.combine(y, w, slots.inverse), reference.combine(y, w, slots.inverse))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -189,112 +190,102 @@ def test_router_logits_cpu_is_f_linear(dtype, kernel):
         ops.use_router_kernel(previous)
     assert got.dtype == dtype and got.shape == (5, 12)
     assert torch.equal(got, torch.nn.functional.linear(x, w)) and torch.equal(compiled, got)
-    ref = routing.router_logits_reference(x, w)
+    ref = router_logits_reference(x, w)
     assert rel_err(got, ref) < 1e-2
     for row, ref_row in zip(got, ref):
         assert rel_err(row, ref_row) < 1e-2
 
 
-class _FakeRouterModule:
-    """Stands in for csrc_free_kernels.router_sm90_launch on the CPU: records the router calls."""
+@pytest.fixture
+def sm90_kernels_on_cpu(monkeypatch):
+    """The sm_90 routing backends for CPU tensors, their compiled kernels replaced
+    by recorders (everything else, choose_config and the launch glue, is the
+    backends' own): the router writes 7s, the routing kernels the references'
+    results.  Yields the list of launches."""
+    from csrc_free_kernels import route_sm90_launch, router_sm90_launch
 
-    ROUTER_MAX_TOKENS = 6
+    launches = []
 
-    def __init__(self):
-        from csrc_free_kernels import router_sm90_launch
+    def router_kernel(dtype):
+        def launch(x, weight, out):
+            launches.append(("router_logits", x))
+            out.fill_(7)
+        return launch
 
-        self.router_read_bytes = router_sm90_launch.router_read_bytes
-        self.calls = []
+    def topk_kernel(dtype, per_lane):
+        def launch(logits, weights, experts):
+            launches.append(("route_topk", per_lane))
+            w, ex = reference.route(logits, experts.shape[1])
+            weights.copy_(w), experts.copy_(ex)
+        return launch
 
-    def router_logits(self, x, weight):
-        self.calls.append(x)
-        return torch.full((x.shape[0], weight.shape[0]), 7.0, dtype=x.dtype)
+    monkeypatch.setattr(router_sm90_launch, "_router_kernel", router_kernel)
+    monkeypatch.setattr(router_sm90_launch, "_topk_kernel", topk_kernel)
+    monkeypatch.setattr(route_sm90_launch, "_route_kernel", fake_route_kernel(launches))
+    monkeypatch.setattr(paths, "device_backends", lambda t: paths.SM90_DEVICE)
+    previous = ops.use_router_kernel(True)
+    yield launches
+    ops.use_router_kernel(previous)
 
 
-def test_router_op_chooses_on_shapes_and_the_weight(monkeypatch):
-    """The op's choice (kernel module stubbed): small 16-bit batches go to the
-    kernel, x's unreadable rows copied first (never F.linear for them: a decode
-    graph's aligned buffers would take the kernel); too many tokens, too many
-    bytes, an unreadable weight, fp32 or the switch off: F.linear."""
-    fake = _FakeRouterModule()
-    monkeypatch.setattr(ops, "_sm90_module", lambda t, name: fake)
+def test_router_op_chooses_on_shapes_and_the_weight(sm90_kernels_on_cpu, monkeypatch):
+    """The op's choice: small 16-bit batches go to the kernel, x's unreadable rows
+    copied first (never F.linear for them: a decode graph's aligned buffers
+    would take the kernel); too many tokens, too many bytes, an unreadable
+    weight, fp32 or the switch off: F.linear."""
+    from csrc_free_kernels import router_sm90_launch
+
+    launches = sm90_kernels_on_cpu
+    monkeypatch.setattr(router_sm90_launch, "ROUTER_MAX_TOKENS", 6)
     bf16 = torch.bfloat16
     w = torch.randn(8, 64, dtype=bf16)
     x = torch.randn(3, 64, dtype=bf16)
-    previous = ops.use_router_kernel(True)
-    try:
-        assert (ops.router_logits(x, w) == 7).all() and fake.calls[-1] is x
-        odd = torch.randn(3 * 64 + 1, dtype=bf16)[1:].view(3, 64)  # 2-byte offset
-        assert (ops.router_logits(odd, w) == 7).all()
-        assert fake.calls[-1] is not odd and torch.equal(fake.calls[-1], odd)
-        assert fake.calls[-1].data_ptr() % 16 == 0
-        strided = torch.randn(3, 68, dtype=bf16)[:, :64]  # 136-byte rows
-        assert (ops.router_logits(strided, w) == 7).all() and fake.calls[-1].stride(0) == 64
-        calls = len(fake.calls)
-        too_many = torch.randn(7, 64, dtype=bf16)
-        big_w = torch.randn(4096, 4096, dtype=bf16)
-        for args in ((too_many, w), (torch.randn(2, 4096, dtype=bf16), big_w),
-                     (x, torch.randn(8, 65, dtype=bf16)[:, :64]), (x.float(), w.float()),
-                     (torch.randn(3, 60, dtype=bf16), torch.randn(8, 60, dtype=bf16))):
-            assert fake.router_read_bytes(2, 4096, 4096) > ops.ROUTER_KERNEL_MAX_READ
-            assert torch.equal(ops.router_logits(*args), torch.nn.functional.linear(*args))
-        ops.use_router_kernel(False)
-        assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
-        assert len(fake.calls) == calls
-    finally:
-        ops.use_router_kernel(previous)
+    assert (ops.router_logits(x, w) == 7).all() and launches[-1][1] is x
+    odd = torch.randn(3 * 64 + 1, dtype=bf16)[1:].view(3, 64)  # 2-byte offset
+    assert (ops.router_logits(odd, w) == 7).all()
+    assert launches[-1][1] is not odd and torch.equal(launches[-1][1], odd)
+    assert launches[-1][1].data_ptr() % 16 == 0
+    strided = torch.randn(3, 68, dtype=bf16)[:, :64]  # 136-byte rows
+    assert (ops.router_logits(strided, w) == 7).all() and launches[-1][1].stride(0) == 64
+    count = len(launches)
+    big_w = torch.randn(4096, 4096, dtype=bf16)
+    assert router_sm90_launch.router_read_bytes(2, 4096, 4096) > \
+        router_sm90_launch.ROUTER_KERNEL_MAX_READ
+    for args in ((torch.randn(7, 64, dtype=bf16), w), (torch.randn(2, 4096, dtype=bf16), big_w),
+                 (x, torch.randn(8, 65, dtype=bf16)[:, :64]), (x.float(), w.float()),
+                 (torch.randn(3, 60, dtype=bf16), torch.randn(8, 60, dtype=bf16))):
+        assert torch.equal(ops.router_logits(*args), torch.nn.functional.linear(*args))
+    ops.use_router_kernel(False)
+    assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
+    assert len(launches) == count
 
 
-class _FakeRouteModule:
-    """Stands in for csrc_free_kernels.route_sm90_launch (and router_sm90_launch) on
-    the CPU: records which routing path the op takes, and returns the torch
-    functions' results."""
-
-    def __init__(self):
-        from csrc_free_kernels import route_sm90_launch
-
-        self.fits, self.lane_width = route_sm90_launch.fits, route_sm90_launch.lane_width
-        self.calls = []
-
-    def route_slots(self, logits, top_k):
-        self.calls.append("route_slots")
-        weights, experts = routing.route(logits, top_k)
-        return (weights, experts, *routing.sort_slots(experts, logits.shape[1]))
-
-    def route_topk(self, logits, top_k):
-        self.calls.append("route_topk")
-        return routing.route(logits, top_k)
-
-    def sort_slots(self, experts, num_experts):
-        self.calls.append("sort_slots")
-        return tuple(routing.sort_slots(experts, num_experts))
-
-
-def test_route_op_splits_large_batches_with_the_router_kernels(monkeypatch):
+def test_route_op_splits_large_batches_with_the_router_kernels(sm90_kernels_on_cpu):
     """With use_router_kernel, a batch of at least ROUTE_SPLIT_MIN_WORK tokens x
     logits per lane is routed on many CTAs, then sorted (two launches); smaller
-    ones, or the switch off, take the one-CTA kernel."""
-    fake = _FakeRouteModule()
-    monkeypatch.setattr(ops, "_sm90_module", lambda t, name: fake)
-    assert ops.ROUTE_SPLIT_MIN_WORK == 128
-    cases = [((32, 128), True), ((31, 128), False), ((16, 256), True), ((15, 256), False),
-             ((128, 8), True), ((127, 8), False)]
-    previous = ops.use_router_kernel(True)
-    try:
-        for (tokens, experts), split in cases:
-            fake.calls.clear()
-            logits = torch.randn(tokens, experts)
-            w, ex, slots = ops.route_slots(logits, 1)
-            assert fake.calls == (["route_topk", "sort_slots"] if split else ["route_slots"])
-            w_ref, ex_ref = routing.route(logits, 1)
-            assert torch.equal(w, w_ref) and torch.equal(ex, ex_ref)
-            assert torch.equal(slots.offs, routing.sort_slots(ex_ref, experts).offs)
-        ops.use_router_kernel(False)
-        fake.calls.clear()
-        ops.route_slots(torch.randn(64, 128), 8)
-        assert fake.calls == ["route_slots"]
-    finally:
-        ops.use_router_kernel(previous)
+    ones, or the switch off, take the one-CTA kernel (one launch); past its
+    1024 slots, the references (none)."""
+    from csrc_free_kernels import router_sm90_launch
+
+    launches = sm90_kernels_on_cpu
+    assert router_sm90_launch.ROUTE_SPLIT_MIN_WORK == 128
+    cases = [((32, 128), ["route_topk", "sort_slots"]), ((31, 128), ["route_slots"]),
+             ((16, 256), ["route_topk", "sort_slots"]), ((15, 256), ["route_slots"]),
+             ((128, 8), ["route_topk", "sort_slots"]), ((127, 8), ["route_slots"]),
+             ((1025, 8), [])]
+    for (tokens, experts), taken in cases:
+        launches.clear()
+        logits = torch.randn(tokens, experts)
+        w, ex, slots = ops.route_slots(logits, 1)
+        assert [name for name, _ in launches] == taken, (tokens, experts)
+        w_ref, ex_ref = reference.route(logits, 1)
+        assert torch.equal(w, w_ref) and torch.equal(ex, ex_ref)
+        for got, want in zip(slots, reference.sort_slots(ex_ref, experts), strict=True):
+            assert torch.equal(got, want)
+    ops.use_router_kernel(False)
+    launches.clear()
+    ops.route_slots(torch.randn(64, 128), 8)
+    assert launches == [("route_slots", 4)]  # the build for 128 experts: 4 logits a lane
 
 
 def test_use_router_kernel_returns_the_previous_setting():
@@ -356,7 +347,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.ts_moe.route_slots.default, (logits, 2))
     ex = torch.randint(0, 8, (6, 2))
     torch.library.opcheck(torch.ops.ts_moe.sort_slots.default, (ex, 8))
-    slots = routing.sort_slots(ex, 8)
+    slots = reference.sort_slots(ex, 8)
     torch.library.opcheck(torch.ops.ts_moe.combine.default,
                           (torch.randn(12, 16), torch.rand(6, 2), slots.inverse))
 
@@ -370,22 +361,24 @@ def test_layer_compiles_with_the_ops():
     assert torch.allclose(eager, compiled, atol=1e-6)
 
 
-def test_kernel_modules_only_where_the_sm90_kernels_run(monkeypatch):
-    """``ops._sm90_module``: the module on a CUDA device whose calls take the sm_90
-    kernels, None on the CPU and where the path is another."""
+def test_small_kernels_only_where_the_sm90_kernels_run(monkeypatch):
+    """``paths.device_backends``: the sm_90 routing, row and activation kernels on
+    a CUDA device whose calls take the sm_90 kernels, the references on the
+    CPU and where the path is another."""
     from csrc_free_kernels import route_sm90_launch
 
-    class CudaTensor:  # what the helper reads of a tensor on cuda:0
-        device = torch.device("cuda", 0)
+    class CudaTensor:  # what the choice reads of a tensor on cuda:0
+        is_cuda = True
 
         def get_device(self):
             return 0
 
-    monkeypatch.setattr(ops, "cuda_path", lambda index, dtype: (ops.Path.KERNEL_SM90, None))
-    assert ops._sm90_module(CudaTensor(), "route_sm90_launch") is route_sm90_launch
-    assert ops._sm90_module(torch.ones(1), "route_sm90_launch") is None
-    monkeypatch.setattr(ops, "cuda_path", lambda index, dtype: (ops.Path.TORCH_GROUPED_MM, None))
-    assert ops._sm90_module(CudaTensor(), "route_sm90_launch") is None
+    monkeypatch.setattr(paths, "cuda_path", lambda index, dtype: (paths.Path.KERNEL_SM90, None))
+    assert paths.device_backends(CudaTensor()).sort_slots is route_sm90_launch.SORT_SLOTS
+    assert paths.device_backends(torch.ones(1)) is paths.REFERENCE_DEVICE
+    monkeypatch.setattr(paths, "cuda_path",
+                        lambda index, dtype: (paths.Path.TORCH_GROUPED_MM, None))
+    assert paths.device_backends(CudaTensor()) is paths.REFERENCE_DEVICE
 
 
 def test_kernel_entries_refuse_batches_past_their_tables():

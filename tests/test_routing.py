@@ -1,10 +1,14 @@
-"""Routing, permutation and combine (ts_moe.routing) against their loop references."""
+"""Routing, permutation and combine: the plain-torch versions (ts_moe.reference)
+against loops, and the ops (ts_moe.route, ...), which take them on the CPU."""
 
 import pytest
 import torch
 
-from ts_moe.routing import (combine, combine_reference, nvtx_range, permute,
-                            permute_reference, route, route_reference)
+import ts_moe
+from ts_moe.nvtx import nvtx_range
+from ts_moe.reference import combine, permute, route
+
+from .helpers import combine_loop, permute_loop, route_loop
 
 
 def _logits(tokens, experts, dtype, seed):
@@ -17,7 +21,7 @@ def _logits(tokens, experts, dtype, seed):
 def test_route_matches_loop_reference(dtype, tokens, experts, top_k):
     logits = _logits(tokens, experts, dtype, seed=tokens * experts + top_k)
     weights, ids = route(logits, top_k)
-    ref_weights, ref_ids = route_reference(logits, top_k)
+    ref_weights, ref_ids = route_loop(logits, top_k)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert weights.shape == ids.shape == (tokens, top_k)
     assert torch.equal(ids, ref_ids)
@@ -53,7 +57,7 @@ def test_route_ties_lower_expert_index_wins():
     for t in range(300):
         winners = tied[t].nonzero().flatten()
         assert ids[t, :min(3, len(winners))].tolist() == winners[:3].tolist()
-    assert torch.equal(ids, route_reference(logits, 3)[1])
+    assert torch.equal(ids, route_loop(logits, 3)[1])
 
 
 def test_route_ranks_by_logit_where_probabilities_underflow():
@@ -64,7 +68,7 @@ def test_route_ranks_by_logit_where_probabilities_underflow():
         weights, ids = route(logits.to(dtype), 4)
         assert ids.tolist() == [[0, 5, 2, 3]]
         assert weights.tolist() == [[1.0, 0.0, 0.0, 0.0]]
-        assert torch.equal(ids, route_reference(logits.to(dtype), 4)[1])
+        assert torch.equal(ids, route_loop(logits.to(dtype), 4)[1])
     # -0.0 and +0.0 tie: the lower expert first
     _, ids = route(torch.tensor([[-1.0, 0.0, -0.0, 0.0]]), 3)
     assert ids.tolist() == [[1, 2, 3]]
@@ -109,7 +113,7 @@ def test_permute_counts_offs_order_and_round_trip(tokens, experts, top_k):
     # round trip: slot (t, k) reads token t back
     back = d.x_sorted[d.inverse].view(tokens, top_k, 24)
     assert torch.equal(back, x[:, None].expand(tokens, top_k, 24))
-    ref = permute_reference(x, ids, experts)
+    ref = permute_loop(x, ids, experts)
     for got, want in zip(d, ref, strict=True):
         assert torch.equal(got, want)
 
@@ -128,7 +132,7 @@ def test_permute_drops_ids_past_the_last_expert():
     d = permute(x, ids, 3)
     assert d.offs.tolist() == [3, 5, 6]
     assert torch.equal(d.x_sorted[6:], x[[0, 2]])
-    for got, want in zip(d, permute_reference(x, ids, 3), strict=True):
+    for got, want in zip(d, permute_loop(x, ids, 3), strict=True):
         assert torch.equal(got, want)
 
 
@@ -160,7 +164,7 @@ def test_combine_matches_per_token_reference_and_is_deterministic(dtype, tokens,
     out = combine(y_sorted, weights, d.inverse)
     assert out.dtype == dtype and out.shape == (tokens, 32)
     assert torch.equal(out, combine(y_sorted, weights, d.inverse))
-    ref = combine_reference(y_sorted, weights, d.inverse)
+    ref = combine_loop(y_sorted, weights, d.inverse)
     # both sum in fp32 and round once; only the fp32 summation order may differ
     tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -178,21 +182,26 @@ def test_combine_rejects_bad_arguments():
         combine(torch.zeros(4, 8), torch.zeros(2, 2), torch.zeros(4))
 
 
-def test_routing_compiles_fullgraph():
-    """No host sync or data-dependent shape: dynamo traces route -> permute -> combine whole."""
-    def layer(x, logits):
-        weights, ids = route(logits, 2)
-        d = permute(x, ids, logits.shape[1])
-        with nvtx_range("combine"):
-            return combine(d.x_sorted * 2, weights, d.inverse)
+@pytest.mark.parametrize("ops", [False, True], ids=["reference", "ops"])
+def test_routing_compiles_fullgraph(ops):
+    """No host sync or data-dependent shape: dynamo traces route -> permute ->
+    combine whole (an NVTX range inside), the references and the public ops
+    (ts_moe.route, .permute, .combine), which on the CPU give the references'
+    results bit for bit."""
+    fns = (ts_moe.route, ts_moe.permute, ts_moe.combine) if ops else (route, permute, combine)
 
+    def layer(x, logits):
+        weights, ids = fns[0](logits, 2)
+        d = fns[1](x, ids, logits.shape[1])
+        with nvtx_range("combine"):
+            return fns[2](d.x_sorted * 2, weights, d.inverse)
+
+    torch._dynamo.reset()
     x, logits = torch.randn(33, 16), torch.randn(33, 8)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x, logits), 2 * x, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(compiled(x, logits), layer(x, logits), rtol=0, atol=0)
-
-
-def test_nvtx_range_is_a_reusable_context_manager():
-    with nvtx_range("route"):
-        with nvtx_range("route"):
-            pass
+    weights, ids = route(logits, 2)
+    d = permute(x, ids, 8)
+    want = combine(d.x_sorted * 2, weights, d.inverse)
+    torch.testing.assert_close(want, 2 * x, rtol=1e-6, atol=1e-6)
+    assert torch.equal(layer(x, logits), want)
+    assert torch.equal(compiled(x, logits), want)

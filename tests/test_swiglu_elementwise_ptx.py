@@ -10,7 +10,7 @@ import torch
 
 from csrc_free_kernels import ptx_dump
 
-from .conftest import swiglu_grad_ref, swiglu_ref
+from .helpers import swiglu_grad_ref, swiglu_ref
 from .ptxas import NO_SPILLS, PTXAS, assemble, ptx_fixture, registers, run_for_arch
 
 BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]

@@ -1,6 +1,10 @@
 """ts_moe: Mixture-of-Experts ops for PyTorch with CuTeDSL kernels.
 
-``import ts_moe`` registers ``torch.ops.ts_moe.*``.
+``import ts_moe`` registers ``torch.ops.ts_moe.*``.  The names here are the
+ops (the kernels where the path has them, :mod:`ts_moe.ops`) and the layer
+(:mod:`ts_moe.moe`); the plain-torch versions of the ops, which the tests and
+the CPU run, are :mod:`ts_moe.reference` (``ts_moe.reference.route``,
+``.sort_slots``, ``.permute``, ``.combine``, ``.grouped_gemm_reference``, ...).
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
@@ -10,9 +14,10 @@ try:
 except PackageNotFoundError:  # a checkout on sys.path, not installed
     __version__ = "0+unknown"
 
-from .ops import grouped_gemm, grouped_gemm_swiglu, use_router_kernel, use_sm100_kernel
+from . import reference
+from .ops import (combine, grouped_gemm, grouped_gemm_swiglu, permute, route, route_slots,
+                  sort_slots, use_router_kernel, use_sm100_kernel)
 from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends
-from .routing import combine, permute, route, sort_slots
 from .moe import MoE, experts_forward, moe_forward
 from .loaders import load_mixtral_experts
 from .tiny import make_tiny_mixtral, make_tiny_moe_checkpoint
@@ -22,13 +27,15 @@ __all__ = [
     "grouped_gemm_swiglu",
     "use_sm100_kernel",
     "use_router_kernel",
+    "route",
+    "route_slots",
+    "sort_slots",
+    "permute",
+    "combine",
+    "reference",
     "grouped_gemm_reference",
     "grouped_gemm_swiglu_reference",
     "segment_ends",
-    "route",
-    "permute",
-    "sort_slots",
-    "combine",
     "MoE",
     "moe_forward",
     "experts_forward",

@@ -187,25 +187,129 @@ def check_swiglu_activation_args(h, dy=None) -> None:
                             f"{dy.dtype}, {dy.device}")
 
 
-def plausible_kernel_args(a, b, offs, out_dtype, device_index: int) -> bool:
-    """The cheap subset of :func:`check_grouped_gemm_args` for the kernel path,
-    where ``a`` is already known to be bf16/fp16 on CUDA device ``device_index``.
+def layout_ready(a, b, offs, out_dtype, device_index: int, k_dim: int = 1) -> bool:
+    """Whether a row-grouped call is valid *and* in a layout every backend reads
+    as it is, judged from a few metadata reads: then the op skips
+    :func:`check_grouped_gemm_args` and the views of
+    :func:`ts_moe.ops.layout.tma_view` (together about 7 us of the 20 us host
+    budget of a call on the H200's host).
 
-    The compiled kernels validate ranks, shapes (K and E agreement) and the
-    16-byte stride divisibility of ``b`` themselves, before launch (TVM-FFI
-    checks every argument against the kernel's symbolic signature); this
-    covers what they cannot: dtypes, devices, a K-major ``a`` with an aligned
-    row stride (anything else takes the full check, which also admits what
-    the launcher then copies or re-strides), pointer alignment, the row limit,
-    and no empty dims (where no kernel launches).  When it is False, or a
-    kernel rejects its arguments, the full check runs and names the bad
-    argument.  Saves ~7 us of the 20 us host budget (H200 host).
+    True only where the full check passes: matching dtypes (16-bit or fp32),
+    ``out_dtype``, ``b`` and ``offs`` on ``device_index`` (``a``'s device, read
+    by the caller), ranks, K and E agreement, contiguous int32 ``offs``, no
+    empty dim, the row limit; and the layout: a K-major ``a``, a ``b`` (K on
+    dim ``k_dim``, as in :func:`check_grouped_gemm_args`) with a unit stride on
+    one of its last two dims, every other stride of both a positive multiple
+    of 16 bytes (size-1 dims included: a compiled kernel checks them all),
+    aligned data pointers.  Anything else is False, not an error: the full
+    check then names the bad argument, or the views re-stride what it accepts.
+    Each tensor's shape and strides are read once (each read costs).  Pinned
+    against the full check by ``tests/test_checks.py``.
     """
     dtype = a.dtype
-    return (b.dtype == dtype and offs.dtype == torch.int32
-            and (out_dtype is None or out_dtype == dtype or out_dtype == torch.float32)
-            and a.dim() == 2 and b.dim() == 3 and b.get_device() == device_index
-            and offs.get_device() == device_index and 0 < a.shape[0] <= MAX_ROWS
-            and a.shape[1] > 0 and a.stride(1) == 1 and a.stride(0) % 8 == 0
-            and b.shape[0] > 0 and a.data_ptr() % ALIGN_BYTES == 0
-            and b.data_ptr() % ALIGN_BYTES == 0)
+    align = _READY_DTYPES.get(dtype)
+    if (align is None or b.dtype != dtype or offs.dtype != torch.int32
+            or not (out_dtype is None or out_dtype == dtype or out_dtype == torch.float32)):
+        return False
+    shape_a, shape_b, shape_o = a.shape, b.shape, offs.shape
+    if len(shape_a) != 2 or len(shape_b) != 3 or len(shape_o) != 1:
+        return False
+    (m, k), (e, d1, d2) = shape_a, shape_b
+    bk, n = (d1, d2) if k_dim == 1 else (d2, d1)
+    if not (0 < m <= MAX_ROWS and k > 0 and n > 0 and e > 0 and bk == k and shape_o[0] == e):
+        return False
+    sa0, sa1 = a.stride()
+    sb0, sb1, sb2 = b.stride()
+    return (sa1 == 1 and sa0 > 0 and sa0 % align == 0 and sb0 > 0 and sb0 % align == 0
+            and ((sb2 == 1 and sb1 > 0 and sb1 % align == 0)
+                 or (sb1 == 1 and sb2 > 0 and sb2 % align == 0))
+            and (e == 1 or offs.stride(0) == 1)
+            and b.get_device() == device_index and offs.get_device() == device_index
+            and a.data_ptr() % ALIGN_BYTES == 0 and b.data_ptr() % ALIGN_BYTES == 0)
+
+
+# elements per 16 bytes of the dtypes whose calls may skip the full check
+_READY_DTYPES = {torch.bfloat16: 8, torch.float16: 8, torch.float32: 4}
+
+
+# ------------------------------------------------------------------ routing
+def _check_float_matrix(name: str, t, dims: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D {dims}, got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got {t.dtype}")
+
+
+def check_router_args(x, weight) -> None:
+    """x (T, H) and weight (E, H), float tensors of one dtype on one device, else
+    a TypeError/ValueError naming them."""
+    _check_float_matrix("x", x, "(tokens, hidden)")
+    _check_float_matrix("weight", weight, "(experts, hidden)")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be (E, H) with H = {x.shape[1]} (x's last dim), "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+
+
+def check_top_k(top_k, num_experts: int) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+
+
+def check_route_args(logits, top_k) -> None:
+    """(T, E) float logits and 1 <= top_k <= E, else a TypeError/ValueError naming them."""
+    _check_float_matrix("logits", logits, "(tokens, experts)")
+    check_top_k(top_k, logits.shape[1])
+
+
+def check_experts(experts, num_experts) -> None:
+    """experts (T, top_k) int32/int64 (any values: those outside [0, E) are
+    dropped slots) and a positive int ``num_experts``."""
+    if not isinstance(experts, torch.Tensor):
+        raise TypeError(f"experts must be a torch.Tensor, got {type(experts).__name__}")
+    if experts.dim() != 2:
+        raise ValueError(f"experts must be 2-D, got shape {tuple(experts.shape)}")
+    if experts.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"experts must be int32 or int64, got {experts.dtype}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+
+
+def check_permute_args(x, experts, num_experts) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    check_experts(experts, num_experts)
+    if experts.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"experts has {experts.shape[0]} rows (tokens) but x has {x.shape[0]}")
+    if experts.device != x.device:
+        raise ValueError(
+            f"x and experts must be on one device, got {x.device} and {experts.device}")
+
+
+def check_combine_args(y_sorted, weights, inverse) -> None:
+    for name, t, rank in (("y_sorted", y_sorted, 2), ("weights", weights, 2),
+                          ("inverse", inverse, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+    if not weights.is_floating_point():
+        raise TypeError(f"weights must be floating point, got {weights.dtype}")
+    if inverse.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"inverse must be int32 or int64, got {inverse.dtype}")
+    slots = weights.shape[0] * weights.shape[1]
+    if inverse.shape[0] != slots or y_sorted.shape[0] != slots:
+        raise ValueError(
+            f"weights {tuple(weights.shape)} has {slots} slots; inverse has {inverse.shape[0]} "
+            f"and y_sorted {y_sorted.shape[0]} rows")

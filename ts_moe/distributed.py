@@ -55,9 +55,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .moe import _check_tensor, check_layer_config, init_linear_
-from .ops import grouped_gemm, grouped_gemm_swiglu, router_logits, scatter_rows
-from .reference import gather_rows
-from .routing import combine, gather_permutation, route, sort_slots
+from .ops import (combine, grouped_gemm, grouped_gemm_swiglu, route, router_logits, scatter_rows,
+                  sort_slots)
+from .reference import gather_permutation, gather_rows
 
 
 class _AllToAll(torch.autograd.Function):

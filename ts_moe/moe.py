@@ -1,15 +1,19 @@
 """The Mixture-of-Experts layer: :func:`moe_forward` and the :class:`MoE` module.
 
-Mixtral's sparse MoE block on the ``torch.ops.ts_moe`` grouped GEMMs::
+Mixtral's sparse MoE block on the ``torch.ops.ts_moe`` ops (the stages, in
+:mod:`ts_moe.block`)::
 
-    logits = x @ router.T                                   (T, E) ops.router_logits
+    logits = x @ router.T                                   (T, E) router_logits
     weights, experts = route(logits, top_k)                 (T, k) fp32, int64
     token, offs, inverse = sort_slots(experts, E)           (T*k,) slot order
-        (the two in one op, ops.route_slots: one launch for a decode batch)
+        (the two in one op, route_slots: one launch for a decode batch)
     h = grouped_gemm_swiglu(x, gate_up_proj, offs,          (T*k, I): rows x[token]
                             a_index=token)
     y = grouped_gemm(h, down_proj^T, offs)                  (T*k, H)
     out = combine(y, weights, inverse)                      (T, H)
+
+A call runs the stages eagerly, or, with few tokens, replays a CUDA graph of
+them (:mod:`ts_moe.decode_graphs`, handed the stages' function).
 
 Weights use the Hugging Face transformers-5 layouts: ``router`` (E, H),
 ``gate_up_proj`` (E, 2I, H) with the gate rows first, ``down_proj`` (E, H, I).
@@ -23,7 +27,7 @@ must be multiples of 8 (16-byte rows of the permuted activations).
 
 The layer trains: the ops' backward formulas give ``gate_up_proj``,
 ``down_proj`` and the input their gradients, and the combine weights carry
-the router's (through :func:`route`'s softmax).  No step of the backward
+the router's (through the softmax of :func:`ts_moe.reference.route`).  No step of the backward
 syncs with the host; the permutation gathers have gathers as gradients (no
 atomics), and the gradient of the gathered token rows is summed per token by
 a sort-based ``index_put_`` (deterministic).
@@ -37,27 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import DTYPES
-from . import ops
+from . import block, reference
+from .block import check_layer_sizes
+from .block import check_tensor as _check_tensor
 from .decode_graphs import graphs
-from .ops import grouped_gemm, grouped_gemm_swiglu
-from .reference import swiglu
-from . import routing
-from .routing import SlotOrder, nvtx_range
-
-FLOAT_DTYPES = DTYPES  # float64 runs the references (gradcheck)
-SIZE_MULTIPLE = 8  # 16-byte rows of the bf16 activations the layer permutes
-
-
-def check_layer_sizes(**sizes) -> None:
-    """H and I of a layer: positive multiples of 8, named in the error."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if value % SIZE_MULTIPLE:
-            raise ValueError(
-                f"{name} = {value} must be a multiple of {SIZE_MULTIPLE} (the grouped GEMMs "
-                f"read 16-byte rows of the layer's activations)")
 
 
 def check_layer_config(hidden_size, intermediate_size, num_experts, top_k) -> None:
@@ -79,36 +66,6 @@ def init_linear_(*weights: torch.Tensor) -> None:
         nn.init.uniform_(w, -bound, bound)
 
 
-def _check_tensor(name, t, rank):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
-
-
-def _check_expert_weights(x, gate_up_proj, down_proj, x_name):
-    """Shapes (E, 2I, H) and (E, H, I) for x (T, H); one float dtype and device."""
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{x_name} must be bfloat16, float16, float32 or float64, got {x.dtype}")
-    _check_tensor("gate_up_proj", gate_up_proj, 3)
-    _check_tensor("down_proj", down_proj, 3)
-    num_experts, two_inter, hidden = gate_up_proj.shape
-    if hidden != x.shape[-1] or two_inter % 2:
-        raise ValueError(
-            f"gate_up_proj must be (E, 2I, H) with H = {x.shape[-1]} ({x_name}'s last dim), "
-            f"got {tuple(gate_up_proj.shape)}")
-    check_layer_sizes(hidden_size=hidden, intermediate_size=two_inter // 2)
-    if tuple(down_proj.shape) != (num_experts, hidden, two_inter // 2):
-        raise ValueError(
-            f"down_proj must be (E, H, I) = {(num_experts, hidden, two_inter // 2)} to match "
-            f"gate_up_proj {tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}")
-    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} must have {x_name}'s dtype {x.dtype}, got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
-
-
 def _num_experts(gate_up_proj) -> int:
     """E of a (E, 2I, H) weight, or 0 for anything else (the call then validates)."""
     if isinstance(gate_up_proj, torch.Tensor) and gate_up_proj.dim():
@@ -122,8 +79,10 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     """The expert half of the layer for already-routed tokens: permute, GEMMs, combine.
 
     x: (T, H); experts, weights: (T, top_k) expert ids and their weights (as
-    :func:`ts_moe.routing.route` returns them); gate_up_proj (E, 2I, H);
-    down_proj (E, H, I).  Returns (T, H) in ``x.dtype``.
+    :func:`ts_moe.route` returns them); gate_up_proj (E, 2I, H);
+    down_proj (E, H, I).  Returns (T, H) in ``x.dtype``.  An id outside
+    ``[0, E)`` (``-1`` for a dropped slot, or an expert-parallel sentinel)
+    counts for no expert: its slot contributes zero (decided on the device).
 
     ``fused=True``: one ``grouped_gemm_swiglu`` for gate, up and the SwiGLU.
     ``fused=False``: ``grouped_gemm`` to (T*k, 2I) in fp32, ``silu(gate) * up``
@@ -134,36 +93,9 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     ``decode_graphs=False`` runs every stage eagerly.
     """
     if not decode_graphs:
-        return _experts_forward(x, experts, weights, gate_up_proj, down_proj, fused)
-    return graphs.call(_experts_forward, _num_experts(gate_up_proj), (x, experts, weights),
+        return block.experts_forward(x, experts, weights, gate_up_proj, down_proj, fused)
+    return graphs.call(block.experts_forward, _num_experts(gate_up_proj), (x, experts, weights),
                        (gate_up_proj, down_proj), fused)
-
-
-def _experts_forward(x, experts, weights, gate_up_proj, down_proj, fused):
-    _check_tensor("x", x, 2)
-    _check_expert_weights(x, gate_up_proj, down_proj, "x")
-    with nvtx_range("permute"):
-        slots = ops.sort_slots(experts, gate_up_proj.shape[0])
-    return _experts_in_slot_order(x, slots, weights, gate_up_proj, down_proj, fused)
-
-
-def _experts_in_slot_order(x: torch.Tensor, slots: SlotOrder, weights: torch.Tensor,
-                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                           fused: bool) -> torch.Tensor:
-    """The GEMMs and the combine of :func:`experts_forward`, the slots sorted."""
-    with nvtx_range("gate_up"):  # the token rows gathered by the GEMM (a_index)
-        if fused:
-            h = grouped_gemm_swiglu(x, gate_up_proj, slots.offs, a_index=slots.token_index)
-        else:
-            h = swiglu(grouped_gemm(x, gate_up_proj.transpose(-2, -1), slots.offs,
-                                    torch.float32, a_index=slots.token_index), x.dtype)
-    with nvtx_range("down"):
-        # the kernel ahead (gate_up's) wrote h only: the down weights may start
-        # streaming under its tail (eager; a compiled graph orders kernels itself)
-        y = grouped_gemm(h, down_proj.transpose(-2, -1), slots.offs,
-                         prefetch_weights=not torch.compiler.is_compiling())
-    with nvtx_range("combine"):
-        return ops.combine(y, weights, slots.inverse)
 
 
 def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -185,39 +117,11 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     every stage of every call.
     """
     if not decode_graphs:
-        return _moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
-                            return_router_logits)
-    return graphs.call(_moe_forward, _num_experts(gate_up_proj), (hidden,),
+        return block.moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
+                                 return_router_logits)
+    return graphs.call(block.moe_forward, _num_experts(gate_up_proj), (hidden,),
                        (router_weight, gate_up_proj, down_proj), top_k, fused,
                        return_router_logits)
-
-
-def _moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
-                 return_router_logits):
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have a last (hidden) dimension")
-    x = hidden.reshape(-1, hidden.shape[-1])
-    _check_expert_weights(x, gate_up_proj, down_proj, "hidden")
-    _check_tensor("router_weight", router_weight, 2)
-    if router_weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"router_weight must be (E, H) with H = {hidden.shape[-1]}, "
-            f"got {tuple(router_weight.shape)}")
-    if router_weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"router_weight must have the hidden dtype {hidden.dtype}, got {router_weight.dtype}")
-    if gate_up_proj.shape[0] != router_weight.shape[0]:
-        raise ValueError(
-            f"router_weight has {router_weight.shape[0]} experts but gate_up_proj has "
-            f"{gate_up_proj.shape[0]}")
-    with nvtx_range("route"):
-        logits = ops.router_logits(x, router_weight)
-        weights, _, slots = ops.route_slots(logits, top_k)
-    out = _experts_in_slot_order(x, slots, weights, gate_up_proj, down_proj, fused)
-    out = out.view(hidden.shape)
-    return (out, logits) if return_router_logits else out
 
 
 def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -232,7 +136,7 @@ def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
     """
     x = hidden.reshape(-1, hidden.shape[-1])
     logits = F.linear(x, router_weight) if router_logits is None else router_logits
-    weights, experts = routing.route(logits, top_k)
+    weights, experts = reference.route(logits, top_k)
     inter = gate_up_proj.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):

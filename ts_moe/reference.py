@@ -1,7 +1,23 @@
-"""Plain-torch references of the ops: the CPU kernels and the tests' yardstick."""
+"""Plain-torch versions of the ops: their CPU kernels, their fallbacks, and the
+tests' yardstick.  ``ts_moe.route``, ``ts_moe.sort_slots``, ``ts_moe.combine``
+and ``ts_moe.permute`` are the ops (kernels where the path has them); the
+functions of the same names here are plain torch, on any device.
+
+- grouped GEMMs (:func:`grouped_gemm_reference` and its k-grouped and SwiGLU
+  forms): a loop over the experts that reads ``offs`` on the host (a sync on
+  a GPU);
+- routing (:func:`route`, :func:`sort_slots`, :func:`permute`,
+  :func:`combine`): on the device, no host sync, no shape that depends on
+  the data, differentiable where it makes sense, so they run under
+  ``torch.compile(fullgraph=True)`` and inside CUDA graphs.
+"""
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from .checks import check_combine_args, check_experts, check_permute_args, check_route_args
 
 
 def segment_ends(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -102,6 +118,34 @@ def swiglu_backward(dy: torch.Tensor, h: torch.Tensor, dtype: torch.dtype) -> to
     return dh
 
 
+def swiglu_double_backward(grad: torch.Tensor, dy: torch.Tensor,
+                           h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`swiglu_backward` ``dh(dy, h)`` for ``grad`` = d/d(dh)
+    (M, 2I): ``(d dy (M, I), d h (M, 2I))``.  With ``grad = [g_g | g_u]``,
+    ``s = sigmoid(gate)``, ``silu' = s (1 + gate (1 - s))`` and ``silu'' =
+    s (1 - s) (2 + gate (1 - 2 s))``:
+
+    - ``d dy = g_g * up * silu' + g_u * silu``;
+    - ``d gate = dy * (g_g * up * silu'' + g_u * silu')``;
+    - ``d up = g_g * dy * silu'``.
+
+    fp32 (fp64 for fp64 inputs), each rounded once to its input's dtype; plain
+    torch, so differentiable again.
+    """
+    acc = acc_dtype(h.dtype)
+    inter = h.shape[-1] // 2
+    gate, up = h[..., :inter].to(acc), h[..., inter:].to(acc)
+    g_gate, g_up = grad[..., :inter].to(acc), grad[..., inter:].to(acc)
+    d = dy.to(acc)
+    s = torch.sigmoid(gate)
+    silu = gate * s
+    d_silu = s * (1 + gate * (1 - s))
+    dd_silu = s * (1 - s) * (2 + gate * (1 - 2 * s))
+    d_dy = g_gate * up * d_silu + g_up * silu
+    d_h = torch.cat([d * (g_gate * up * dd_silu + g_up * d_silu), g_gate * d * d_silu], dim=-1)
+    return d_dy.to(dy.dtype), d_h.to(h.dtype)
+
+
 def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
                                   offs: torch.Tensor) -> torch.Tensor:
     """``silu(a @ gate^T) * (a @ up^T)`` per expert; ``gate_up`` is (E, 2I, H), gate rows first.
@@ -117,3 +161,131 @@ def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
             out[start:end] = swiglu(a[start:end].to(acc) @ gate_up[e].to(acc).t(), out.dtype)
         start = end
     return out
+
+
+# ------------------------------------------------------------------ routing
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral routing: softmax over all experts in fp32, top-k, renormalise.
+
+    logits: (T, E), any float dtype.  Returns ``(weights, experts)``, both
+    (T, top_k): ``weights`` float32 summing to 1 per token, ``experts`` int64,
+    in decreasing order of logit, so of probability.
+
+    The experts are ranked by their logits, not by the rounded probabilities:
+    softmax keeps the order, and the logits keep it where fp32 probabilities
+    collapse (those ~100 below the largest all underflow to 0 and would tie).
+    Tie rule: among equal logits the lower expert index comes first (and is the
+    one kept at the top-k boundary).  ``torch.topk`` has no such rule (on CPU
+    it returns the *higher* indices of equal values first), so the selection is
+    a stable descending sort of the logits.  The routing kernel
+    (``csrc_free_kernels.route_sm90``) ranks the same way.
+    """
+    check_route_args(logits, top_k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    top = probs.gather(-1, experts)
+    return top / top.sum(dim=-1, keepdim=True), experts
+
+
+class SlotOrder(NamedTuple):
+    """The (token, k) slots of a batch in expert order, without the token rows.
+
+    token_index: int32 (T * top_k,), the token of each slot in expert order
+    (the ``a_index`` of the first grouped GEMM); offs: int32 (E,) cumulative
+    row ends per expert; inverse: int64 (T * top_k,), ``inverse[t * top_k + k]``
+    is the position of slot (t, k) in that order.
+    """
+
+    token_index: torch.Tensor
+    offs: torch.Tensor
+    inverse: torch.Tensor
+
+
+class Dispatch(NamedTuple):
+    """The (token, k) slots of a batch in expert order, with the token rows.
+
+    x_sorted: (T * top_k, H) token rows, expert 0's first; offs: int32 (E,)
+    cumulative row ends per expert (the ``offs`` of :func:`ts_moe.grouped_gemm`);
+    inverse: int64 (T * top_k,), ``inverse[t * top_k + k]`` is the row of
+    slot (t, k) in ``x_sorted``.
+    """
+
+    x_sorted: torch.Tensor
+    offs: torch.Tensor
+    inverse: torch.Tensor
+
+
+def sort_slots(experts: torch.Tensor, num_experts: int) -> SlotOrder:
+    """The expert order of the slots of ``experts`` (T, top_k), on the device.
+
+    The slots are ordered by a stable sort of the flattened expert ids, so
+    within an expert they keep (token, k) order and the result is deterministic.
+    ``offs`` comes from a binary search of the sorted ids (no bincount, whose
+    CUDA kernel reads the maximum id on the host).
+
+    Dropped slots: an id outside ``[0, num_experts)`` (``-1``, an
+    expert-parallel sentinel ``>= num_experts``) counts for no expert; its
+    slot sorts after ``offs[-1]`` (in slot order), where the grouped GEMMs
+    write zeros, so it contributes nothing.  Decided on the device: no sync.
+    """
+    check_experts(experts, num_experts)
+    top_k = experts.shape[1]
+    ids = experts.reshape(-1)
+    ids = ids.masked_fill((ids < 0) | (ids >= num_experts), num_experts)
+    sorted_ids, order = torch.sort(ids, stable=True)
+    ids = torch.arange(num_experts, device=experts.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, ids, right=True, out_int32=True)
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=experts.device))
+    return SlotOrder((order // top_k).to(torch.int32), offs, inverse)
+
+
+def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatch:
+    """The token rows of ``x`` (T, H) gathered into the expert order of :func:`sort_slots`."""
+    check_permute_args(x, experts, num_experts)
+    slots = sort_slots(experts, num_experts)
+    return Dispatch(x.index_select(0, slots.token_index), slots.offs, slots.inverse)
+
+
+class _GatherPermutation(torch.autograd.Function):
+    """``rows.index_select(0, perm)`` for a permutation ``perm``, whose backward
+    is the gather through the inverse permutation: no scatter-add (the
+    backward of ``index_select``), so no atomics, and no host sync."""
+
+    @staticmethod
+    def forward(ctx, rows, perm):
+        ctx.save_for_backward(perm)
+        return rows.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (perm,) = ctx.saved_tensors
+        undo = torch.empty_like(perm).scatter_(
+            0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+        return grad.index_select(0, undo), None
+
+
+def gather_permutation(rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``rows.index_select(0, perm)`` for a permutation ``perm`` of the rows; under
+    autograd its gradient is the gather through the inverse permutation."""
+    if torch.is_grad_enabled() and rows.requires_grad:
+        return _GatherPermutation.apply(rows, perm)
+    return rows.index_select(0, perm)
+
+
+def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``.
+
+    y_sorted: (T * top_k, H) expert outputs in expert order; weights: (T, top_k).
+    The K rows of each token are gathered into a (T, top_k, H) view and summed
+    over K in fp32 with the weights in fp32, then rounded once to
+    ``y_sorted.dtype``: deterministic, no atomics, forward and backward
+    (``inverse`` is a permutation: its gradient is a gather too).
+    """
+    check_combine_args(y_sorted, weights, inverse)
+    tokens, top_k = weights.shape
+    y = gather_permutation(y_sorted, inverse).view(tokens, top_k, y_sorted.shape[1])
+    # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
+    # on the H200 that copy was 2 % of the Mixtral layer's time)
+    out = (y * weights.float().unsqueeze(-1)).sum(dim=1)
+    return out.to(y_sorted.dtype)

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..moe import check_layer_sizes, experts_forward
-from ..routing import nvtx_range, route
+from ..nvtx import nvtx_range
+from ..ops import route
 
 EXPERTS_IMPLEMENTATION = "ts_moe"
 
@@ -157,7 +158,7 @@ def replace_moe_blocks(model: nn.Module) -> int:
       ``down_proj`` (E, H, I), and the ``experts`` ModuleList is removed.  That
       is a copy (the per-expert weights are separate tensors, no view can fuse
       them) and it changes the block's state-dict keys.  Routing is
-      :func:`ts_moe.routing.route` on the gate's logits (exact ties go to the
+      :func:`ts_moe.route` on the gate's logits (exact ties go to the
       lower expert index, where ``torch.topk`` has no rule); the block returns
       ``(hidden_states, router_logits)`` like the original.
 

@@ -1,0 +1,124 @@
+"""Helpers shared by the tests (the yardsticks, the recorders, the inputs)."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ts_moe.reference import swiglu, swiglu_backward
+
+
+def sm90_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN or inf anywhere fails."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class OpRecorder(TorchDispatchMode):
+    """The names of the operators that run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.name()))
+        return func(*args, **(kwargs or {}))
+
+
+def counts_to_offs(counts):
+    """Cumulative row ends (int32, on the GPU) of rows per expert."""
+    return torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
+
+
+def random_counts(m, e, skew=0.0):
+    """``m`` rows over ``e`` experts at random; ``skew``: Zipf popularities."""
+    w = torch.rand(e) + 1e-3
+    if skew:
+        w = torch.arange(1, e + 1, dtype=torch.float).pow(-skew)[torch.randperm(e)]
+    idx = torch.multinomial(w, m, replacement=True) if m else torch.zeros(0, dtype=torch.long)
+    return torch.bincount(idx, minlength=e)
+
+
+def swiglu_ref(h):
+    """fp32 ``silu(g) * u`` of bf16/fp16 ``h`` (the project's reference)."""
+    return swiglu(h.float(), torch.float32)
+
+
+def swiglu_grad_ref(dy, h):
+    """fp32 d(SwiGLU)/dh (the project's reference)."""
+    return swiglu_backward(dy, h, torch.float32)
+
+
+# ------------------------------------------- loops: the yardsticks of the routing
+def route_loop(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ts_moe.reference.route``, one token at a time in float64 with a Python sort."""
+    weights = torch.empty(logits.shape[0], top_k, dtype=torch.float32)
+    experts = torch.empty(logits.shape[0], top_k, dtype=torch.int64)
+    for t, row in enumerate(logits.double().cpu()):
+        p = torch.exp(row - row.max())
+        p = (p / p.sum()).tolist()
+        chosen = sorted(range(len(p)), key=lambda e: (-row[e].item(), e))[:top_k]
+        total = sum(p[e] for e in chosen)
+        weights[t] = torch.tensor([p[e] / total for e in chosen])
+        experts[t] = torch.tensor(chosen)
+    return weights.to(logits.device), experts.to(logits.device)
+
+
+def permute_loop(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
+    """``ts_moe.reference.permute`` by a loop over the experts and their slots;
+    the dropped slots (ids outside [0, E)) last, in slot order."""
+    from ts_moe.reference import Dispatch
+
+    top_k = experts.shape[1]
+    flat = experts.reshape(-1).tolist()
+    slots = [s for e in range(num_experts) for s in range(len(flat)) if flat[s] == e]
+    slots += [s for s in range(len(flat)) if not 0 <= flat[s] < num_experts]  # dropped
+    counts = [sum(1 for v in flat if v == e) for e in range(num_experts)]
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    inverse = torch.empty(len(flat), dtype=torch.int64)
+    for row, s in enumerate(slots):
+        inverse[s] = row
+    x_sorted = torch.stack([x[s // top_k] for s in slots]) if slots else x[:0]
+    return Dispatch(x_sorted, offs.to(x.device), inverse.to(x.device))
+
+
+def combine_loop(y_sorted: torch.Tensor, weights: torch.Tensor,
+                 inverse: torch.Tensor) -> torch.Tensor:
+    """``ts_moe.reference.combine``, one token and one slot at a time in fp32."""
+    tokens, top_k = weights.shape
+    out = torch.zeros(tokens, y_sorted.shape[1], dtype=torch.float32, device=y_sorted.device)
+    for t in range(tokens):
+        for k in range(top_k):
+            row = int(inverse[t * top_k + k])
+            out[t] += float(weights[t, k]) * y_sorted[row].float()
+    return out.to(y_sorted.dtype)
+
+
+def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (T, E): float64 products and sums, one rounding to x's dtype
+    (the yardstick of ``ts_moe.ops.router_logits``)."""
+    return (x.double() @ weight.double().t()).to(x.dtype)
+
+
+def fake_route_kernel(launches: list):
+    """Stands in for ``route_sm90_launch._route_kernel`` on the CPU: its launches
+    append ``(name, per_lane)`` and write the references' results."""
+    from ts_moe import reference
+
+    def route_kernel(from_logits, dtype, per_lane=1):
+        def launch(logits, weights, experts, token_index, offs, inverse):
+            launches.append(("route_slots" if from_logits else "sort_slots", per_lane))
+            if from_logits:
+                w, ex = reference.route(logits, experts.shape[1])
+                weights.copy_(w), experts.copy_(ex)
+            for got, want in zip((token_index, offs, inverse),
+                                 reference.sort_slots(experts, offs.shape[0])):
+                got.copy_(want)
+        return launch
+
+    return route_kernel

@@ -1,0 +1,178 @@
+"""The kernel interface: what every backend of an op family offers.
+
+A backend is an arch's kernels (``csrc_free_kernels.*_launch``: sm_90,
+sm_100), torch's own (:mod:`ts_moe.ops.torch_backend`) or plain torch
+(:mod:`ts_moe.ops.reference_backend`).  :mod:`ts_moe.ops.paths` picks one per
+call; the op then
+
+1. validates the call once (:mod:`ts_moe.checks`) and brings the operands to
+   the layout its family promises (:mod:`ts_moe.ops.layout`),
+2. asks ``backend.choose_config(...)``: the kernel configuration for this
+   call, or None where this backend cannot take it (a size its tiles cannot
+   cover, an unaligned row, ...); the op then takes the next backend
+   (:func:`chosen`; the reference takes every call),
+3. calls ``backend.run(..., config)`` once: no validation there, nothing
+   raised for a call its ``choose_config`` took, the config used as given.
+
+The protocols below are the families; every backend of a family has these
+methods with these signatures (``tests/test_backends.py`` checks them).
+Tensors reach a backend validated, on one device, in the documented layout,
+with no empty dimension (the op answers those itself).
+"""
+
+from collections.abc import Hashable
+from typing import Protocol
+
+import torch
+
+Config = Hashable  # a backend's own configuration object (a tile config, a build width, ...)
+
+
+class GroupedGemm(Protocol):
+    """Row-grouped GEMM: ``out[r] = a[r] @ b[e]`` for the rows ``r`` of expert ``e``
+    (``a[a_index[r]]`` where the backend ``gathers``), zeros past ``offs[-1]``.
+
+    a (M, K) K-major; b (E, K, N) with a unit stride on K or N; offs int32 (E,);
+    out (M', N) with 16-byte rows, written whole (or a tensor of its shape,
+    dtype and strides returned instead).  ``gathers``: ``run`` takes
+    ``a_index`` (the rows ``a[a_index]``, zero rows for indices out of
+    range); otherwise the op gathers first and never passes it.
+    ``prefetch_weights``: see :func:`ts_moe.grouped_gemm` (a hint)."""
+
+    gathers: bool
+
+    def choose_config(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                      out: torch.Tensor, a_index: torch.Tensor | None) -> Config | None: ...
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+            config: Config, *, a_index: torch.Tensor | None = None,
+            prefetch_weights: bool = False) -> torch.Tensor: ...
+
+
+class GroupedGemmK(Protocol):
+    """k-grouped GEMM (the weight gradient): ``out[e] = a[:, rows e] @ b[rows e]``.
+
+    a (K, M) with a unit stride on K (``x.t()`` of row-major activations x);
+    b (M, N) N-major; offs int32 (E,); out (E, K, N) with 16-byte rows; zeros
+    for an expert without rows."""
+
+    def choose_config(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                      out: torch.Tensor) -> Config | None: ...
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+            config: Config) -> torch.Tensor: ...
+
+
+class GroupedGemmSwiglu(Protocol):
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert, in one pass over the GEMM.
+
+    gate_up (E, 2I, H), gate rows first, a unit stride on H or on 2I; out
+    (M', I) with 16-byte rows in ``a.dtype``; otherwise as :class:`GroupedGemm`.
+    Where ``choose_config`` declines, the op runs the path's
+    :class:`GroupedGemm` to fp32 and the activation apart."""
+
+    gathers: bool
+
+    def choose_config(self, a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor,
+                      out: torch.Tensor, a_index: torch.Tensor | None) -> Config | None: ...
+
+    def run(self, a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor,
+            out: torch.Tensor, config: Config, *, a_index: torch.Tensor | None = None,
+            prefetch_weights: bool = False) -> torch.Tensor: ...
+
+
+class SwigluActivation(Protocol):
+    """``out = silu(h[:, :I]) * h[:, I:]`` and its gradient ``dh`` for ``dy``.
+
+    h (M, 2I), dy and out (M, I), dh (M, 2I): one float dtype, a unit stride on
+    the last dim, 16-byte rows; ``dy`` None for the forward."""
+
+    def choose_config(self, h: torch.Tensor, dy: torch.Tensor | None) -> Config | None: ...
+
+    def forward(self, h: torch.Tensor, out: torch.Tensor, config: Config) -> torch.Tensor: ...
+
+    def backward(self, dy: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
+                 config: Config) -> torch.Tensor: ...
+
+
+class RouteSlots(Protocol):
+    """Routing and slot order: ``(weights, experts, token_index, offs, inverse)`` of
+    ``ts_moe.reference.route`` and ``ts_moe.reference.sort_slots``, bit for bit.
+    logits (T, E) contiguous."""
+
+    def choose_config(self, logits: torch.Tensor, top_k: int) -> Config | None: ...
+
+    def run(self, logits: torch.Tensor, top_k: int, config: Config) -> tuple: ...
+
+
+class RouteTopK(Protocol):
+    """The routing alone: ``(weights, experts)`` of ``ts_moe.reference.route``, bit
+    for bit.  logits (T, E) contiguous."""
+
+    def choose_config(self, logits: torch.Tensor, top_k: int) -> Config | None: ...
+
+    def run(self, logits: torch.Tensor, top_k: int, config: Config) -> tuple: ...
+
+
+class SortSlots(Protocol):
+    """The slot order ``(token_index, offs, inverse)`` of ``ts_moe.reference.sort_slots``,
+    bit for bit (ids outside ``[0, E)`` dropped).  experts (T, k) contiguous."""
+
+    def choose_config(self, experts: torch.Tensor, num_experts: int) -> Config | None: ...
+
+    def run(self, experts: torch.Tensor, num_experts: int, config: Config) -> tuple: ...
+
+
+class RowSum(Protocol):
+    """``out[t] = sum_j weights[t, j] * src[index[t * k + j]]`` in fp32, one rounding
+    (the combine; ``index`` a permutation), or with ``weights`` None the row
+    gather ``out[r] = src[index[r]]``, zero rows for indices outside ``[0, M)``.
+    index contiguous int32/int64."""
+
+    def choose_config(self, src: torch.Tensor, index: torch.Tensor,
+                      weights: torch.Tensor | None) -> Config | None: ...
+
+    def run(self, src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None,
+            config: Config) -> torch.Tensor: ...
+
+
+class RouterLogits(Protocol):
+    """``x @ weight.T`` (T, E) in x's dtype, fp32 sums."""
+
+    def choose_config(self, x: torch.Tensor, weight: torch.Tensor) -> Config | None: ...
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, config: Config) -> torch.Tensor: ...
+
+
+FAMILIES = (GroupedGemm, GroupedGemmK, GroupedGemmSwiglu, SwigluActivation, RouteSlots,
+            RouteTopK, SortSlots, RowSum, RouterLogits)
+
+
+class NoKernel:
+    """A family an arch has no kernel for: it takes no call (the op goes on to
+    the next backend)."""
+
+    gathers = False
+
+    def choose_config(self, *args) -> None:
+        return None
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("NoKernel takes no call: its choose_config declines them all")
+
+
+def chosen(backend, fallback, *args) -> tuple:
+    """``(backend, config)`` of the first of the two whose ``choose_config(*args)``
+    takes the call (``fallback``: one that takes every call)."""
+    config = backend.choose_config(*args)
+    if config is None:
+        backend = fallback
+        config = backend.choose_config(*args)
+    return backend, config
+
+
+def run_first(backend, fallback, *args):
+    """``run(*args, config)`` of the first of the two that takes the call
+    (:func:`chosen`): the families whose ``run`` takes what ``choose_config`` does."""
+    backend, config = chosen(backend, fallback, *args)
+    return backend.run(*args, config)
