@@ -1,0 +1,15 @@
+"""FP8 (e4m3) experts: the scaled grouped GEMM ops, quantization, recipes and references.
+
+* :mod:`.recipes`: recipe names, scale shapes and layouts, argument checks;
+* :mod:`.reference`: plain-torch quantization, dequantization and GEMM references;
+* :mod:`.paths`: which path a call takes on each device, and the kernel modules;
+* :mod:`.library`: the ops' ``torch.library`` fragment and their refusing backward;
+* :mod:`.scaled_ops`: ``torch.ops.ts_moe.scaled_grouped_gemm`` (and its SwiGLU form);
+* :mod:`.quantize`: ``torch.ops.ts_moe.quantize_fp8``.
+"""
+
+from .quantize import quantize_fp8
+from .recipes import RECIPES
+from .scaled_ops import scaled_grouped_gemm, scaled_grouped_gemm_swiglu
+
+__all__ = ["quantize_fp8", "scaled_grouped_gemm", "scaled_grouped_gemm_swiglu", "RECIPES"]
