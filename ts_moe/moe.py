@@ -39,6 +39,7 @@ from torch import nn
 
 from .checks import DTYPES
 from . import ops
+from .fp8 import layer as fp8_layer
 from .decode_graphs import graphs
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import swiglu
@@ -118,7 +119,9 @@ def _num_experts(gate_up_proj) -> int:
 
 def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
-                    fused: bool = True, decode_graphs: bool = True) -> torch.Tensor:
+                    fused: bool = True, decode_graphs: bool = True,
+                    gate_up_scale: torch.Tensor | None = None,
+                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The expert half of the layer for already-routed tokens: permute, GEMMs, combine.
 
     x: (T, H); experts, weights: (T, top_k) expert ids and their weights (as
@@ -132,7 +135,14 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     An eager call with few tokens replays a CUDA graph of itself
     (:mod:`ts_moe.decode_graphs`): the same result, three launches;
     ``decode_graphs=False`` runs every stage eagerly.
+
+    FP8 experts: e4m3 ``gate_up_proj`` / ``down_proj`` with their fp32
+    ``gate_up_scale`` / ``down_scale`` (:mod:`ts_moe.fp8.layer`).
     """
+    if fp8_layer.wants_fp8(gate_up_proj, gate_up_scale, down_scale):
+        return fp8_layer.experts_forward(x, experts, weights, gate_up_proj, gate_up_scale,
+                                         down_proj, down_scale, fused=fused,
+                                         decode_graphs=decode_graphs)
     if not decode_graphs:
         return _experts_forward(x, experts, weights, gate_up_proj, down_proj, fused)
     return graphs.call(_experts_forward, _num_experts(gate_up_proj), (x, experts, weights),
@@ -168,7 +178,9 @@ def _experts_in_slot_order(x: torch.Tensor, slots: SlotOrder, weights: torch.Ten
 
 def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, top_k: int, *, fused: bool = True,
-                return_router_logits: bool = False, decode_graphs: bool = True):
+                return_router_logits: bool = False, decode_graphs: bool = True,
+                gate_up_scale: torch.Tensor | None = None,
+                down_scale: torch.Tensor | None = None):
     """Mixtral's sparse MoE block as a function.
 
     hidden: (..., H); router_weight (E, H), ``logits = hidden @ router_weight.T``
@@ -183,7 +195,15 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     microseconds of host time; its NVTX ranges then mark the capture only.
     ``decode_graphs=False`` (or ``TS_MOE_DECODE_GRAPHS=0``) runs and marks
     every stage of every call.
+
+    FP8 experts: e4m3 ``gate_up_proj`` / ``down_proj`` with their fp32
+    ``gate_up_scale`` / ``down_scale`` (:mod:`ts_moe.fp8.layer`).
     """
+    if fp8_layer.wants_fp8(gate_up_proj, gate_up_scale, down_scale):
+        return fp8_layer.moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale,
+                                     down_proj, down_scale, top_k, fused=fused,
+                                     return_router_logits=return_router_logits,
+                                     decode_graphs=decode_graphs)
     if not decode_graphs:
         return _moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
                             return_router_logits)
@@ -275,7 +295,9 @@ class MoE(nn.Module):
         """(..., H) -> (..., H); with ``return_router_logits`` also the logits (T, E)."""
         return moe_forward(x, self.router, self.gate_up_proj, self.down_proj, self.top_k,
                            fused=self.fused, return_router_logits=return_router_logits,
-                           decode_graphs=getattr(self, "decode_graphs", True))  # older pickles
+                           decode_graphs=getattr(self, "decode_graphs", True),  # older pickles
+                           gate_up_scale=getattr(self, "gate_up_proj_scale", None),  # FP8
+                           down_scale=getattr(self, "down_proj_scale", None))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -288,7 +310,11 @@ class MoE(nn.Module):
 
         weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``.
         The parameters do not require grad (call ``requires_grad_()`` to train).
+        FP8 experts (e.g. from :func:`ts_moe.fp8.loaders.load_fp8_experts`): also
+        ``gate_up_proj_scale`` and ``down_proj_scale`` (:func:`ts_moe.fp8.layer.moe_from_weights`).
         """
+        if "gate_up_proj_scale" in weights or "down_proj_scale" in weights:
+            return fp8_layer.moe_from_weights(cls, weights, top_k, fused=fused)
         missing = {"router", "gate_up_proj", "down_proj"} - set(weights)
         if missing:
             raise KeyError(f"weights lacks {sorted(missing)}")
