@@ -336,11 +336,15 @@ class MoE(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, layer: int, *, device=None, fused: bool = True) -> "MoE":
-        """Layer ``layer`` of the local Mixtral checkpoint directory ``path``; top-k
-        from config.json.  ``device``: as :func:`ts_moe.load_mixtral_experts`
+        """Layer ``layer`` of the local Mixtral checkpoint directory ``path`` (or of an FP8
+        Mixtral or Qwen3-MoE one: :mod:`ts_moe.fp8.loaders`); top-k from config.json.
+        ``device``: as :func:`ts_moe.load_mixtral_experts`
         (None: CUDA when there is one, else the CPU)."""
+        from .fp8.loaders import pretrained_layer
         from .loaders import load_mixtral_experts
 
-        weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
+        weights = pretrained_layer(path, layer, device)  # an FP8 checkpoint's, else None
+        if weights is None:
+            weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
         config = json.loads((Path(path) / "config.json").read_text())
         return cls.from_weights(weights, config["num_experts_per_tok"], fused=fused)
