@@ -34,10 +34,15 @@ def _act_recipe(scale):
 
 
 def reference64(x, router, gq, gs, dq, ds, top_k):
+    """The layer in float64 (:func:`experts_reference64`), routed as the bf16 layer routes."""
+    weights, experts = ts_moe.route(F.linear(x, router), top_k)
+    return experts_reference64(x, experts, weights, gq, gs, dq, ds)
+
+
+def experts_reference64(x, experts, weights, gq, gs, dq, ds):
     """Token by token in float64 from the same quantized activations: x quantized as the
     layer does (ts_moe.quantize_fp8, tested apart), the SwiGLU output rounded to x's dtype
-    and quantized per row, the experts' weights dequantized; routing as the bf16 layer's."""
-    weights, experts = ts_moe.route(F.linear(x, router), top_k)
+    and quantized per row, the experts' weights dequantized."""
     w_gu, w_d = dequantize_experts(gq, gs, torch.float64), dequantize_experts(dq, ds,
                                                                              torch.float64)
     act_gu, act_d = _act_recipe(gs), _act_recipe(ds)
@@ -46,7 +51,7 @@ def reference64(x, router, gq, gs, dq, ds, top_k):
     inter = gq.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
-        for j in range(top_k):
+        for j in range(experts.shape[1]):
             e = int(experts[t, j])
             h = w_gu[e] @ xs[t]
             a = (F.silu(h[:inter]) * h[inter:]).to(x.dtype)[None]

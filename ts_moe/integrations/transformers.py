@@ -19,6 +19,7 @@ from torch import nn
 
 from ..moe import experts_forward
 from ..routing import nvtx_range, route
+from . import transformers_fp8
 
 EXPERTS_IMPLEMENTATION = "ts_moe"
 
@@ -57,7 +58,8 @@ class _V5Forward:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         with nvtx_range("route"):
             _, weights, ids = self.gate(x)
-        out = experts_forward(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        out = experts_forward(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj,
+                              **transformers_fp8.fp8_scales(self.experts))  # FP8 experts
         return out.view(hidden_states.shape)
 
 
@@ -96,6 +98,8 @@ def _layout(name: str, block: nn.Module) -> type:
         acts, layout = [e.act_fn for e in experts], _V4Forward
     elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
         acts, layout = [experts.act_fn], _V5Forward
+        if transformers_fp8.is_fp8_experts(experts):
+            transformers_fp8.check_fp8_experts(experts, name)
     else:
         raise ValueError(
             f"{name}: unknown Mixtral experts layout {type(experts).__name__} (expected a "
@@ -193,4 +197,5 @@ def register() -> None:
             "ts_moe.integrations.transformers.register needs transformers >= 5 "
             "(transformers.integrations.moe.ExpertsInterface)") from e
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, ts_moe_experts_forward)
+    transformers_fp8.register()  # FP8Experts modules (FineGrainedFP8Config checkpoints)
     _hf()  # before any compiled forward reaches the checks
