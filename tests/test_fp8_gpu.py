@@ -173,3 +173,24 @@ def test_layer_on_cuda_and_its_decode_graph(recipe):
             assert torch.equal(got, eager)
     assert decode_graphs.graphs.captures == 1
     decode_graphs.graphs.clear()
+
+
+def test_fp8_roof_and_suite_on_the_gpu():
+    """The dense FP8 roof is measured, and the fp8 suite's backends pass their checks on
+    a decode and a prefill case (F.scaled_grouped_mm: timed, or unavailable with
+    torch's reason)."""
+    from bench import fp8 as suite, runner
+    from bench.roofs import measure_roofs
+
+    device = torch.device("cuda")
+    roofs = measure_roofs(device)
+    assert 1.2 * roofs["bf16_dense_tflops"] < roofs["fp8_dense_tflops"] < 5000
+    case_list = suite.fp8_cases(["qwen3-30b-a3b"], [16, 4096], ["down"], ["uniform"])
+    records = runner.run_suite(runner.SUITES["fp8"], case_list, list(suite.DEFAULT_BACKENDS),
+                               runner.Settings(device, target_ms=5), roofs)
+    for r in records:
+        if r["backend"] == "F_scaled_grouped_mm" and r["status"] == "unavailable":
+            assert "refuses blockwise" in r["reason"]
+            continue
+        assert r["status"] == "ok" and r["max_rel_err"] <= 1e-2, r
+        assert r["roof_frac"] is not None and r["flop_roof"] == "fp8_dense_tflops"
