@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backends import Bind, Factory, Unavailable, _require_cuda
+from . import backends as gemm_backends
+from .backends import Bind, Factory, GemmInputs, Unavailable, _require_cuda
 from .cases import FP8_BLOCK, FP8_RECIPES, Case, make_case, model_named
 
 DEFAULT_BACKENDS = ("ts_moe_fp8", "ts_moe_bf16", "torch_scaled_grouped_mm",
@@ -156,16 +157,10 @@ def ts_moe_fp8(case: Case, device: torch.device) -> Bind:
 
 
 def ts_moe_bf16(case: Case, device: torch.device) -> Bind:
-    """ts_moe's bf16 ``grouped_gemm`` on the dequantized values (bench.backends.ts_moe's
-    rule: unavailable on a GPU without the kernel)."""
-    import ts_moe
-    from ts_moe.ops import kernel_arch
-
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if kernel_arch(index) is None:
-            raise Unavailable("no ts_moe kernel for this GPU (the op would run its reference)")
-    return lambda inp: lambda: ts_moe.grouped_gemm(inp.a_bf16, inp.b_bf16, inp.offs)
+    """ts_moe's bf16 ``grouped_gemm`` on the dequantized values: the grouped_gemm suite's
+    ``ts_moe`` backend (unavailable on a GPU without the kernel) on them."""
+    bind = gemm_backends.ts_moe(case, device)
+    return lambda inp: bind(GemmInputs(inp.a_bf16, inp.b_bf16, inp.offs, inp.counts))
 
 
 def torch_scaled_grouped_mm(case: Case, device: torch.device) -> Bind:

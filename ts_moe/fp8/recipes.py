@@ -24,6 +24,8 @@ supported pairs are those of :data:`PAIRS`.  The element type is e4m3
 
 import torch
 
+from ..checks import _check_a_index as check_a_index
+
 BLOCK = 128  # the blockwise recipes' block edge
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -188,16 +190,7 @@ def check_scaled_args(a, b, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtyp
     _check_scale("scale_b", scale_b, scale_shape(recipe_b, (num_experts, n, k)), recipe_b,
                  f"the weights are (E, N, K) = {(num_experts, n, k)}")
     if a_index is not None:
-        _check_types(a_index=a_index)
-        if a_index.dim() != 1:
-            raise ValueError(f"a_index must be 1-D, got shape {tuple(a_index.shape)}")
-        if a_index.dtype != torch.int32:
-            raise TypeError(f"a_index must be int32, got {a_index.dtype}")
-        if a_index.device != device:
-            raise ValueError(f"a_index must be on a's device {device}, got {a_index.device}")
-        if a_index.shape[0] > MAX_ROWS:
-            raise ValueError(f"a_index has {a_index.shape[0]} entries; at most 2**31 - 1 are "
-                             f"supported (offs is int32)")
+        check_a_index(a_index, device)  # grouped_gemm's rules
     return pair, recipe_a, recipe_b
 
 
