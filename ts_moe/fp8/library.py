@@ -45,19 +45,52 @@ for _key in ("CPU", "CUDA"):
     lib.impl("fp8_no_backward", _no_backward_impl, _key)
 
 
-def forbid_backward(qualname: str, public: str, differentiable: tuple[int, ...]) -> None:
-    """Register for op ``qualname`` a backward that raises (module docstring);
-    ``differentiable``: the positions of its floating-point tensor arguments."""
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*(inputs[i] for i in differentiable))
-        ctx.num_inputs = len(inputs)
+_after_autograd = torch._C._after_autograd_keyset
 
-    def backward(ctx, *grads):
-        grad = next(g for g in grads if g is not None)
-        out = [None] * ctx.num_inputs
-        for pos, t in zip(differentiable, ctx.saved_tensors):
-            if ctx.needs_input_grad[pos]:
-                out[pos] = torch.ops.ts_moe.fp8_no_backward(grad, t, public)
-        return tuple(out)
 
-    torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=lib)
+def _plain_keyset(backend: str) -> int:
+    """The keyset a plain tensor of ``backend`` reaches the Autograd kernel with (raw bits)."""
+    key = torch._C.DispatchKey
+    return torch._C.DispatchKeySet(getattr(key, backend)).add(
+        getattr(key, "Autograd" + backend)).raw_repr()
+
+
+_PLAIN = {_plain_keyset("CPU"), _plain_keyset("CUDA")}
+
+
+def forbid_backward(name: str, public: str, differentiable: tuple[int, ...], impl) -> None:
+    """The Autograd kernel of op ``ts_moe::<name>`` (module docstring):
+    ``differentiable``: the positions of its floating-point tensor arguments;
+    ``impl``: its CPU/CUDA kernel, called right here for plain tensors when no
+    gradient is wanted (a second trip through the dispatcher, or
+    ``torch.library.register_autograd``'s Python wrapper, would cost more host time
+    than the op's checks and launch together)."""
+    op = getattr(torch.ops.ts_moe, name).default
+
+    class NoBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, *args):
+            ctx.save_for_backward(*(args[i] for i in differentiable))
+            ctx.num_inputs = len(args)
+            with torch._C._AutoDispatchBelowAutograd():
+                return op.redispatch(keyset & _after_autograd, *args)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            grad = next(g for g in grads if g is not None)
+            out = [None] * (1 + ctx.num_inputs)
+            for pos, t in zip(differentiable, ctx.saved_tensors):
+                if ctx.needs_input_grad[1 + pos]:
+                    out[1 + pos] = torch.ops.ts_moe.fp8_no_backward(grad, t, public)
+            return tuple(out)
+
+    def kernel(keyset, *args):
+        if torch.is_grad_enabled() and any(
+                isinstance(args[i], torch.Tensor) and args[i].requires_grad
+                for i in differentiable if i < len(args)):
+            return NoBackward.apply(keyset, *args)
+        if keyset.raw_repr() in _PLAIN:
+            return impl(*args)
+        return op.redispatch(keyset & _after_autograd, *args)
+
+    lib.impl(name, kernel, "Autograd", with_keyset=True)

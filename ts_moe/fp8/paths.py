@@ -98,9 +98,11 @@ def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
 
 def scaled_path(a: torch.Tensor, pair: str, k: int, n: int, out_dtype: torch.dtype,
                 num_experts: int) -> Fp8Path:
-    """The path of a validated call on ``a``'s device."""
-    return choose_fp8_path(device_capability(a), pair, k, n, out_dtype, num_experts,
-                           kernels_available=gemm_kernels() is not None,
+    """The path of a validated call on ``a``'s device (the kernel module is imported
+    only where it can run: on an sm_90 device)."""
+    capability = device_capability(a)
+    return choose_fp8_path(capability, pair, k, n, out_dtype, num_experts,
+                           kernels_available=capability == (9, 0) and gemm_kernels() is not None,
                            has_torch_scaled=hasattr(torch, "_scaled_grouped_mm"))
 
 

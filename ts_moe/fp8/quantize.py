@@ -70,7 +70,7 @@ def _quantize_fake(x, recipe):
 
 for _key in ("CPU", "CUDA"):
     lib.impl("quantize_fp8", _quantize_impl, _key)
-forbid_backward("ts_moe::quantize_fp8", "ts_moe.quantize_fp8", (0,))
+forbid_backward("quantize_fp8", "ts_moe.quantize_fp8", (0,), _quantize_impl)
 _quantize_op = torch.ops.ts_moe.quantize_fp8.default
 
 

@@ -44,9 +44,9 @@ _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale
          "str scale_recipe_b, Tensor offs, ScalarType? out_dtype=None, Tensor? a_index=None")
 lib.define("scaled_grouped_gemm(" + _ARGS.format(b="b") + ") -> Tensor")
 lib.define("scaled_grouped_gemm_swiglu(" + _ARGS.format(b="gate_up") + ") -> Tensor")
-# (out_dtype and a_index are not keyword-only in the schema: torch.library's
-# register_autograd, which installs the refusing backward, takes no keyword-only
-# tensors; the Python functions below keep them keyword-only)
+# (out_dtype and a_index are not keyword-only in the schema, so that every kernel,
+# the Autograd one included, takes the arguments positionally; the Python functions
+# below keep them keyword-only)
 
 
 # ------------------------------------------------------------------ layouts
@@ -202,9 +202,9 @@ def _swiglu_fake(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, o
 for _key in ("CPU", "CUDA"):
     lib.impl("scaled_grouped_gemm", _gemm_impl, _key)
     lib.impl("scaled_grouped_gemm_swiglu", _swiglu_impl, _key)
-forbid_backward("ts_moe::scaled_grouped_gemm", "ts_moe.scaled_grouped_gemm", (0, 1, 2, 4))
-forbid_backward("ts_moe::scaled_grouped_gemm_swiglu", "ts_moe.scaled_grouped_gemm_swiglu",
-                (0, 1, 2, 4))
+forbid_backward("scaled_grouped_gemm", "ts_moe.scaled_grouped_gemm", (0, 1, 2, 4), _gemm_impl)
+forbid_backward("scaled_grouped_gemm_swiglu", "ts_moe.scaled_grouped_gemm_swiglu", (0, 1, 2, 4),
+                _swiglu_impl)
 _gemm_op = torch.ops.ts_moe.scaled_grouped_gemm.default
 _swiglu_op = torch.ops.ts_moe.scaled_grouped_gemm_swiglu.default
 
