@@ -31,6 +31,8 @@ RECIPES_OF = {kernel: pair for pair, kernel in RECIPE_PAIRS.items()}
     ((10, 0), "rowwise", 256, 256, BF16, 8, True, Fp8Path.DEQUANTIZE),        # B200
     ((10, 3), "blockwise", 256, 256, BF16, 8, True, Fp8Path.DEQUANTIZE),      # B300
     ((8, 9), "tensorwise", 256, 256, BF16, 8, True, Fp8Path.DEQUANTIZE),      # L40S
+    ((9, 0), "blockwise", 256, 256, BF16, 600, True, Fp8Path.DEQUANTIZE),    # > 512 experts
+    ((9, 0), "rowwise", 256, 256, BF16, 600, True, Fp8Path.TORCH_SCALED),
 ])
 def test_path_per_device(capability, pair, k, n, out_dtype, experts, kernels, path):
     assert choose_fp8_path(capability, pair, k, n, out_dtype, experts,
@@ -40,6 +42,8 @@ def test_path_per_device(capability, pair, k, n, out_dtype, experts, kernels, pa
 class StandInKernels:
     """csrc_free_kernels.grouped_gemm_fp8_sm90_launch's API on the CPU: checks the layouts
     it is promised, records the call, computes with the reference into ``out``."""
+
+    MAX_EXPERTS = 512
 
     def __init__(self, swiglu_ok=True):
         self.calls, self.swiglu_ok = [], swiglu_ok
@@ -81,6 +85,7 @@ def h200(monkeypatch):
     monkeypatch.setattr(paths, "device_capability", lambda t: (9, 0))
     monkeypatch.setattr(paths, "gemm_kernels", lambda: kernels)
     monkeypatch.setattr(scaled_ops, "gemm_kernels", lambda: kernels)
+    monkeypatch.setattr(paths, "quantize_kernels", lambda: None)  # the reference quantizes
     return kernels
 
 
@@ -199,6 +204,7 @@ def test_quantize_kernel_where_it_applies(monkeypatch):
     ts_moe.quantize_fp8(x, "tensorwise")
     assert kernels.calls[1:] == ["rowwise", "tensorwise"]
     ts_moe.quantize_fp8(x[:, :200], "blockwise_1x128")  # K % 128: the reference
+    ts_moe.quantize_fp8(x[:, :200], "rowwise")  # K % 16 == 8: the reference
     ts_moe.quantize_fp8(x.view(1, 37, 256), "rowwise")  # not 2-D
     ts_moe.quantize_fp8(x, "blockwise_128x128")  # a weight recipe
     ts_moe.quantize_fp8(x.double(), "rowwise")
@@ -216,3 +222,23 @@ def test_reference_switch_read_per_device(monkeypatch):
     finally:
         paths._capability.cache_clear()
     assert quantize.quantize_kernel_for(torch.ones(4, 128), "rowwise") is None  # CPU tensor
+
+
+def test_stand_ins_speak_the_kernel_modules_api():
+    """What the op layer calls on the sm_90 kernel modules exists there, as the stand-ins
+    above take it (positional operands, then keywords)."""
+    import inspect
+
+    gemm = pytest.importorskip("csrc_free_kernels.grouped_gemm_fp8_sm90_launch")
+    quant = pytest.importorskip("csrc_free_kernels.quantize_fp8_sm90_launch")
+    for name in ("scaled_grouped_gemm", "scaled_grouped_gemm_swiglu"):
+        params = inspect.signature(getattr(gemm, name)).parameters
+        kinds = [p.kind for p in params.values()]
+        assert kinds[:5] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 5
+        for keyword in ("recipe", "out_dtype", "a_index", "out"):
+            assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(inspect.signature(gemm.swiglu_supported).parameters)[:2] == ["two_i", "recipe"]
+    assert gemm.MAX_EXPERTS == StandInKernels.MAX_EXPERTS
+    assert list(inspect.signature(quant.quantize).parameters) == ["x", "recipe"]
+    assert set(paths.gemm_kernels.__wrapped__().__all__) >= {
+        "scaled_grouped_gemm", "scaled_grouped_gemm_swiglu", "swiglu_supported"}

@@ -39,6 +39,19 @@ _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _INTER_KEYS = ("moe_intermediate_size", "intermediate_size")
 
 
+def _config(path: Path) -> dict:
+    """config.json of the checkpoint directory (``{}`` without one)."""
+    config_file = path / "config.json"
+    return json.loads(config_file.read_text()) if config_file.is_file() else {}
+
+
+def _index(path: Path):
+    """(key -> shard, shard file of a key): the checkpoint's weight map and the file to
+    open for a key (as :mod:`ts_moe.loaders` reads and checks them)."""
+    index = _weight_index(path)
+    return index, index.__getitem__
+
+
 def fp8_scheme(config: dict) -> str | None:
     """The FP8 weight scheme config.json declares: ``blockwise``, ``channel``, ``tensor``,
     or None (no quantization_config).  ValueError for a quantization ts_moe does not
@@ -112,8 +125,7 @@ def load_fp8_experts(path, layers=None, device=None,
     if not path.is_dir():
         raise FileNotFoundError(f"{str(path)!r} is not a local checkpoint directory (download "
                                 f"one first, e.g. with huggingface_hub.snapshot_download)")
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    config = _config(path)
     scheme = fp8_scheme(config)
     if scheme is None:
         raise ValueError(f"{path}/config.json has no quantization_config: not an FP8 "
@@ -122,7 +134,7 @@ def load_fp8_experts(path, layers=None, device=None,
                                 or len(experts) == 0 or experts.start < 0):
         raise ValueError(f"experts must be None or a non-empty range of expert indices "
                          f"(step 1), got {experts!r}")
-    index = _weight_index(path)
+    index, shard_file = _index(path)
     present: dict[int, tuple[str, set]] = {}
     for key in index:
         if m := _EXPERT.match(key):
@@ -156,7 +168,7 @@ def load_fp8_experts(path, layers=None, device=None,
             shard = index[key]
             if shard not in handles:
                 handles[shard] = stack.enter_context(
-                    safe_open(shard, framework="pt", device=str(device)))
+                    safe_open(shard_file(key), framework="pt", device=str(device)))
             return handles[shard]
 
         headers = {key: handle(key).get_slice(key) for key in keys}
@@ -229,10 +241,9 @@ def pretrained_layer(path, layer: int, device=None) -> dict | None:
     """Layer ``layer`` of an FP8 checkpoint for :meth:`ts_moe.MoE.from_pretrained`, or None
     where config.json declares no quantization (a bf16 checkpoint).  DeepSeek-V3 is
     refused: the MoE module routes by softmax top-k, which is not its router."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text())
+    if not Path(path).is_dir():
+        return None  # the bf16 loader says what is wrong
+    config = _config(Path(path))
     if fp8_scheme(config) is None:
         return None
     if config.get("model_type", "").startswith("deepseek"):

@@ -45,13 +45,14 @@ class Fp8Path(enum.Enum):
 
 def choose_fp8_path(capability: tuple[int, int] | None, pair: str, k: int, n: int,
                     out_dtype: torch.dtype, num_experts: int, *,
-                    kernels_available: bool = True,
+                    kernels_available: bool = True, kernel_max_experts: int = 512,
                     has_torch_scaled: bool = True) -> Fp8Path:
     """The path of a scaled grouped GEMM with recipe ``pair`` (``blockwise``,
     ``rowwise``, ``tensorwise``) on a device of ``capability`` (None: the CPU)."""
     if capability is None:
         return Fp8Path.REFERENCE
-    if capability == (9, 0) and kernels_available and k % ALIGN == 0:
+    if (capability == (9, 0) and kernels_available and k % ALIGN == 0
+            and num_experts <= kernel_max_experts):
         return Fp8Path.KERNEL_SM90
     if (capability == (9, 0) and has_torch_scaled and pair == "rowwise"
             and out_dtype == torch.bfloat16 and k % ALIGN == 0 and n % ALIGN == 0
@@ -101,17 +102,30 @@ def scaled_path(a: torch.Tensor, pair: str, k: int, n: int, out_dtype: torch.dty
     """The path of a validated call on ``a``'s device (the kernel module is imported
     only where it can run: on an sm_90 device)."""
     capability = device_capability(a)
+    kernels = gemm_kernels() if capability == (9, 0) else None
     return choose_fp8_path(capability, pair, k, n, out_dtype, num_experts,
-                           kernels_available=capability == (9, 0) and gemm_kernels() is not None,
+                           kernels_available=kernels is not None,
+                           kernel_max_experts=kernels.MAX_EXPERTS if kernels else 0,
                            has_torch_scaled=hasattr(torch, "_scaled_grouped_mm"))
 
 
 def quantize_kernel_for(x: torch.Tensor, recipe: str):
     """The quantize kernel module where ``x``'s call runs it (sm_90; a 2-D activation
-    of bf16, fp16 or fp32 with rows to quantize; ``blockwise_1x128`` with
-    K % 128 == 0), else None."""
+    of bf16, fp16 or fp32 with rows to quantize, K % 16 == 0; ``blockwise_1x128``
+    with K % 128 == 0), else None.  The kernel reads 16-byte rows: see
+    :func:`kernel_input`."""
     if (device_capability(x) != (9, 0) or x.dim() != 2 or recipe not in ACTIVATION_RECIPES
             or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-            or 0 in x.shape or (recipe == BLOCKWISE_1X128 and x.shape[1] % BLOCK)):
+            or 0 in x.shape or x.shape[1] % ALIGN
+            or (recipe == BLOCKWISE_1X128 and x.shape[1] % BLOCK)):
         return None
     return quantize_kernels()
+
+
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (M, K), K % 16 == 0, as the quantize kernel reads it: row-major with a
+    16-byte row stride and pointer; a contiguous copy otherwise."""
+    rows_ok = x.shape[0] <= 1 or (x.stride(0) * x.element_size()) % ALIGN == 0
+    if x.stride(-1) == 1 and rows_ok and x.data_ptr() % ALIGN == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)

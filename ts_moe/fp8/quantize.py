@@ -22,7 +22,7 @@ backward (:mod:`ts_moe.fp8.library`).
 import torch
 
 from .library import forbid_backward, lib
-from .paths import quantize_kernel_for
+from .paths import kernel_input, quantize_kernel_for
 from .recipes import E4M3, check_quantize_args, recipe_arg, scale_shape, scale_strides
 from .reference import quantize_reference
 
@@ -54,7 +54,7 @@ def _quantize_impl(x, recipe):
     recipe = check_quantize_args(x, recipe)
     kernels = quantize_kernel_for(x, recipe)
     if kernels is not None:
-        q, scale = kernels.quantize(x if x.stride(-1) == 1 else x.contiguous(), recipe)
+        q, scale = kernels.quantize(kernel_input(x), recipe)
     else:
         q, scale = _reference(x, recipe)
     return q, _in_fast_layout(scale, recipe, x.shape)
