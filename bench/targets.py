@@ -33,7 +33,7 @@ The decode-block targets (issue 21), per case of a moe_block run, for ``ts_moe``
 - FP8 (its ``ts_moe_fp8_*`` backends): the Mixtral-8x7B block at T = 1 under CUDA
   graphs in <= 0.11 ms.
 
-The FP8 targets (issue 35), per case of an fp8 run, for ``ts_moe_fp8`` (the case's
+The FP8 targets, per case of an fp8 run, for ``ts_moe_fp8`` (the case's
 step is its recipe):
 
 - T <= 128: >= 1.8x ``ts_moe_bf16`` on the same case, or >= 90 % of the roof that

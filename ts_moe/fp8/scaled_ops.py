@@ -78,12 +78,18 @@ def kernel_weights(b: torch.Tensor) -> torch.Tensor:
     return b.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-def _bf16_padded(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (..., R, C) in bf16 with 16-byte rows (what ts_moe.grouped_gemm reads)."""
+def dequantized_bf16(x: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tensor:
+    """``x`` (R, C) or (E, R, C) e4m3 times its scale, in bf16 with 16-byte rows (what
+    ts_moe.grouped_gemm reads); a stack a matrix at a time (fp32 temporaries of one
+    expert's size, not of the stack's)."""
     *lead, rows, cols = x.shape
     pad = -(-cols // 8) * 8
     out = torch.empty(*lead, rows, pad, dtype=torch.bfloat16, device=x.device)[..., :cols]
-    return out.copy_(x)
+    if x.dim() == 2:
+        return out.copy_(dequantize(x, scale, recipe))
+    for e in range(x.shape[0]):
+        out[e].copy_(dequantize(x[e], scale[e], recipe))
+    return out
 
 
 # --------------------------------------------------------------------- paths
@@ -108,8 +114,8 @@ def _torch_scaled(a, b, scale_a, scale_b, offs, a_index):
 
 def _dequantized(a, b_stored, scale_a, recipe_a, scale_b, recipe_b):
     """a (M, K) and the weights as stored, (E, N, K), in bf16 with 16-byte rows."""
-    return (_bf16_padded(dequantize(a, scale_a, recipe_a)),
-            _bf16_padded(dequantize(b_stored, scale_b, recipe_b)))
+    return (dequantized_bf16(a, scale_a, recipe_a),
+            dequantized_bf16(b_stored, scale_b, recipe_b))
 
 
 def run_gemm(path: Fp8Path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, offs,
