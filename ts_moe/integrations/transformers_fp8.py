@@ -72,10 +72,28 @@ def fp8_scales(experts: nn.Module) -> dict:
         return {}
     gate_up, down = experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
     if getattr(experts, "block_size", None) is None:  # (E, 1 or 2, 1) and (E, 1, 1)
-        rows = experts.gate_up_proj.shape[1]
-        gate_up = gate_up[..., 0].repeat_interleave(rows // max(gate_up.shape[1], 1), dim=1)
+        gate_up = _per_channel(experts, gate_up)
         down = down.reshape(-1)
     return {"gate_up_scale": gate_up, "down_scale": down}
+
+
+def _per_channel(experts: nn.Module, scale: torch.Tensor) -> torch.Tensor:
+    """Per-tensor gate/up scales (E, 1 or 2, 1) spread over the 2I channels, (E, 2I):
+    made once and kept on the module while the scales stay the same tensor, unchanged
+    (so that a decode graph, which keys on the weights' addresses, finds it again)."""
+    rows = experts.gate_up_proj.shape[1]
+
+    def spread(s):
+        return s[..., 0].repeat_interleave(rows // max(s.shape[1], 1), dim=1)
+
+    if torch.is_grad_enabled() and scale.requires_grad:
+        return spread(scale)  # in the autograd graph: a gradient through it raises
+    key = (scale.data_ptr(), scale._version, scale.shape)
+    kept = getattr(experts, "_ts_moe_gate_up_scale", None)
+    if kept is None or kept[0] != key:
+        kept = (key, spread(scale.detach()))
+        experts._ts_moe_gate_up_scale = kept
+    return kept[1]
 
 
 def ts_moe_fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
