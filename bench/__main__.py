@@ -9,6 +9,8 @@
                                                      # (host + GPU) and CUDA-graph ms
     python -m bench --suite moe_block --quick --models qwen3 --backends ts_moe,hf_grouped_mm
     python -m bench --out-dir bench/results          # a run to commit (see below)
+    python -m bench --suite fp8                      # FP8 GEMMs: blockwise and rowwise
+    python -m bench --suite moe_block --backends ts_moe,ts_moe_fp8_rowwise,ts_moe_fp8_blockwise
     python -m bench report bench/results/nvidia-h200-grouped_gemm.json   # its tables
     python -m bench report --readme                  # bench/RESULTS.md and the README's status
     python -m bench overhead                         # host time of one op call
@@ -52,7 +54,7 @@ from pathlib import Path
 import torch
 
 from . import cases as case_lib
-from . import moe_block, pages, provenance, report
+from . import fp8, moe_block, pages, provenance, report
 from .roofs import measure_roofs
 from .runner import SUITES, TOLERANCE, Settings, run_suite
 
@@ -196,7 +198,8 @@ def resolve(args, parser) -> dict:
     if args.graph_max_t is None:
         args.graph_max_t = suite.graph_max_t
     full_t = {"moe_layer": case_lib.LAYER_T, "training": case_lib.TRAIN_T,
-              "moe_block": case_lib.BLOCK_T}.get(args.suite, case_lib.GEMM_T)
+              "moe_block": case_lib.BLOCK_T, "fp8": case_lib.LAYER_T}.get(args.suite,
+                                                                         case_lib.GEMM_T)
     quick_t = {"training": case_lib.TRAIN_QUICK_T,
                "moe_block": case_lib.BLOCK_QUICK_T}.get(args.suite, case_lib.QUICK_T)
     routings = (case_lib.BLOCK_ROUTING,) if block else case_lib.ROUTINGS
@@ -266,6 +269,8 @@ def make_cases(args, sel) -> list:
         return case_lib.layer_cases(sel["models"], sel["T"], sel["routing"], args.seed)
     if args.suite == "moe_block":
         return moe_block.block_cases(sel["models"], sel["T"], args.seed)
+    if args.suite == "fp8":
+        return fp8.fp8_cases(sel["models"], sel["T"], sel["gemms"], sel["routing"], args.seed)
     if args.suite == "training":
         steps = [s for s in case_lib.GEMM_STEPS if s.lower() in sel["steps"]]
         return case_lib.training_cases(sel["models"], sel["T"], sel["gemms"], sel["routing"],

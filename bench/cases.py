@@ -229,6 +229,28 @@ def flops(case: Case) -> int:
     return 2 * case.M * case.N * case.K
 
 
+# the fp8 suite: a case's step is its scaling recipe (bench.fp8); its bytes count e4m3
+# operands, their fp32 scales and the bf16 output, its roof the dense FP8 one
+FP8_RECIPES = ("blockwise", "rowwise")
+FP8_BLOCK = 128
+
+
+def fp8_traffic(case: Case) -> dict[str, int]:
+    """Bytes an FP8 grouped GEMM must move: the touched experts' e4m3 weights and their
+    scales (per 128x128 block, or per channel), the e4m3 tokens and theirs (per 128
+    channels, or per token), the bf16 output."""
+    def blocks(n):
+        return -(-n // FP8_BLOCK)
+
+    if case.step == "blockwise":
+        w_scales, a_scales = blocks(case.N) * blocks(case.K), case.M * blocks(case.K)
+    else:
+        w_scales, a_scales = case.N, case.M
+    return {"weights": case.touched_experts * (case.K * case.N + 4 * w_scales),
+            "act_in": case.M * case.K + 4 * a_scales,
+            "out": case.M * case.N * 2}
+
+
 def traffic(case: Case) -> dict[str, int]:
     """Bytes that must cross HBM at least once (bf16): weights of the experts
     that got rows, activations in, results out.  Untouched experts are free,
@@ -240,6 +262,8 @@ def traffic(case: Case) -> dict[str, int]:
     output and x's gradient.  The ``block`` also reads the router (E, H)."""
     m = case.model
     touched = case.touched_experts
+    if case.step in FP8_RECIPES:
+        return fp8_traffic(case)
     if case.gemm == "block":
         rows = case.T * m.hidden * 2
         return {"weights": touched * 3 * m.inter * m.hidden * 2,

@@ -17,7 +17,9 @@ transformers' own ``MixtralSparseMoeBlock`` with each experts implementation
 (``hf_eager``, ``hf_grouped_mm``, ``hf_batched_mm``), one module per input
 copy, and on request ``ts_moe_unfused``, ``ts_moe_router_kernel`` (``ts_moe``
 after :func:`ts_moe.use_router_kernel`: the router's logits by ts_moe's kernel,
-not cuBLAS) and ``reference``.  All run under
+not cuBLAS), ``reference``, and the FP8 mode: ``ts_moe_fp8_blockwise`` and
+``ts_moe_fp8_rowwise`` (the experts quantized, :func:`ts_moe_fp8_block`; each
+checked against its own FP8 reference).  All run under
 ``torch.no_grad`` (as a decode step does).
 
 Timing (:class:`bench.runner.Suite` ``graph_timing``): each backend's eager
@@ -302,6 +304,75 @@ def ts_moe_hf(case: Case, device: torch.device) -> Bind:
     return bind
 
 
+# the FP8 mode: the block's expert weights quantized per recipe (bench.fp8's names)
+FP8_WEIGHT_RECIPES = {"blockwise": "blockwise_128x128", "rowwise": "rowwise"}
+
+
+def fp8_block_weights(inp: BlockInputs, recipe: str):
+    """(gate_up, its scale, down, its scale): the block's experts quantized by
+    :func:`ts_moe.quantize_fp8` with ``recipe``'s weight recipe (the same values for
+    every copy of the inputs)."""
+    import ts_moe
+
+    weight = FP8_WEIGHT_RECIPES[recipe]
+    return (*ts_moe.quantize_fp8(inp.gate_up, weight), *ts_moe.quantize_fp8(inp.down, weight))
+
+
+def reference_block_fp8(inp: BlockInputs, recipe: str, out_dtype=torch.float32) -> torch.Tensor:
+    """The FP8 block's math per expert in fp32 from the same quantized operands: the
+    router's routing, the tokens quantized as the layer quantizes them, the SwiGLU
+    output rounded to x's dtype and quantized per row, the weights dequantized."""
+    import ts_moe
+    from ts_moe.fp8.recipes import ACTIVATION_FOR
+    from ts_moe.fp8.reference import dequantize
+
+    weights, ids = router_routing(inp.x, inp.router, inp.top_k)
+    gq, gs, dq, ds = fp8_block_weights(inp, recipe)
+    weight = FP8_WEIGHT_RECIPES[recipe]
+    act = ACTIVATION_FOR[weight]
+    xs = dequantize(*ts_moe.quantize_fp8(inp.x, act), act)
+    inter = gq.shape[1] // 2
+    out = torch.zeros(inp.x.shape, dtype=torch.float32, device=inp.x.device)
+    for e in ids.unique().tolist():
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        h = xs[rows] @ dequantize(gq[e], gs[e], weight).t()
+        a = (F.silu(h[:, :inter]) * h[:, inter:]).to(inp.x.dtype)
+        y = dequantize(*ts_moe.quantize_fp8(a, act), act) @ dequantize(dq[e], ds[e], weight).t()
+        out.index_add_(0, rows, y * weights[rows, slots, None])
+    return out.to(out_dtype)
+
+
+def ts_moe_fp8_block(recipe: str) -> Factory:
+    """:func:`ts_moe.moe_forward` on the block's experts quantized with ``recipe``
+    (FP8 weights and activations; the router in bf16; a decode call replays its
+    graph), checked against :func:`reference_block_fp8`.  The case's bytes and floor
+    are the bf16 block's: the FP8 experts stream half the weight bytes.  On a GPU
+    without ts_moe's FP8 kernels: unavailable."""
+    def factory(case: Case, device: torch.device) -> Bind:
+        import ts_moe
+        from ts_moe.fp8 import paths
+
+        if device.type == "cuda" and (torch.cuda.get_device_capability(device) != (9, 0)
+                                      or paths.gemm_kernels() is None):
+            raise Unavailable("no ts_moe FP8 kernels for this GPU")
+
+        def bind(inp: BlockInputs):
+            gq, gs, dq, ds = fp8_block_weights(inp, recipe)
+
+            def run():
+                with torch.no_grad():
+                    return ts_moe.moe_forward(inp.x, inp.router, gq, dq, inp.top_k,
+                                              gate_up_scale=gs, down_scale=ds)
+            return run
+        return bind
+
+    factory.reference = lambda inp: reference_block_fp8(inp, recipe)
+    # blockwise activations: H and I in whole 128-channel blocks
+    factory.applies = lambda case: recipe != "blockwise" or (
+        case.model.hidden % 128 == 0 and case.model.inter % 128 == 0)
+    return factory
+
+
 def block_backends() -> dict[str, Factory]:
     """Backend name -> factory for the moe_block suite."""
     return {
@@ -312,4 +383,5 @@ def block_backends() -> dict[str, Factory]:
         "ts_moe_router_kernel": ts_moe_block(fused=True, router_kernel=True),
         "ts_moe_hf": ts_moe_hf,
         **{name: hf_block(impl) for name, impl in HF_IMPLEMENTATIONS.items()},
+        **{f"ts_moe_fp8_{recipe}": ts_moe_fp8_block(recipe) for recipe in FP8_WEIGHT_RECIPES},
     }

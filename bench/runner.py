@@ -19,7 +19,7 @@ import torch
 
 from . import backends as gemm_backends
 from . import cases as case_lib
-from . import moe_block, moe_layer, training
+from . import fp8, moe_block, moe_layer, training
 from .backends import Factory, Unavailable
 from .cases import Case
 from .roofs import roof_fraction
@@ -61,6 +61,8 @@ SUITES = {
                        moe_block.block_backends, moe_block.DEFAULT_BACKENDS,
                        graph_timing=True, graph_max_t=max(case_lib.BLOCK_T),
                        floor_bytes=moe_block.floor_bytes),
+    "fp8": Suite("fp8", fp8.make_fp8_inputs, fp8.reference_fp8, fp8.fp8_backends,
+                 fp8.DEFAULT_BACKENDS),
 }
 
 
@@ -137,6 +139,7 @@ def case_record(case: Case) -> dict:
         "skew": case_lib.skew(case.counts),
         "flops": case_lib.flops(case),
         "bytes": case_lib.bytes_moved(case),
+        **({"flop_roof": "fp8_dense_tflops"} if case.step in case_lib.FP8_RECIPES else {}),
     }
 
 
@@ -175,7 +178,9 @@ def prepare_backend(factory: Factory, case: Case, copies, ref, settings: Setting
             bind = factory(case, settings.device)
             runs = [bind(inp) for inp in copies]
         with nvtx_range(f"{name} check"):
-            err = check(runs, ref)
+            # a backend with a yardstick of its own (an FP8 block: its quantized weights)
+            own = getattr(factory, "reference", None)
+            err = check(runs, ref if own is None else own(copies[0]))
     except (ImportError, Unavailable) as exc:
         return _empty(base, name, "unavailable", reason=str(exc))
     except torch.OutOfMemoryError as exc:
@@ -228,7 +233,8 @@ def timed_record(base: dict, name: str, err: float, passes, roofs) -> dict:
         if isinstance(t, Exception):
             return _empty(base, name, "error", reason=f"{type(t).__name__}: {t}")
     ms = statistics.median([x for t in passes for x in t.samples])
-    frac, bound = roof_fraction(ms, base["flops"], base["bytes"], roofs)
+    frac, bound = roof_fraction(ms, base["flops"], base["bytes"], roofs,
+                                base.get("flop_roof", "bf16_dense_tflops"))
     seconds = ms * 1e-3
     return {**base, "backend": name, "status": "ok", "ms": ms,
             "tflops": base["flops"] / seconds / 1e12, "tbps": base["bytes"] / seconds / 1e12,
@@ -271,7 +277,8 @@ def graph_fields(record: dict, passes, skip_reason: str | None, roofs) -> dict:
             return {**record, "graph_status": "unavailable",
                     "graph_reason": f"capture or replay failed: {type(t).__name__}: {first}"}
     ms = statistics.median([x for t in passes for x in t.samples])
-    frac, _ = roof_fraction(ms, record["flops"], record["bytes"], roofs)
+    frac, _ = roof_fraction(ms, record["flops"], record["bytes"], roofs,
+                            record.get("flop_roof", "bf16_dense_tflops"))
     return {**record, "graph_ms": ms, "graph_status": "ok",
             "graph_iters": sum(t.iters for t in passes), "graph_pass_ms": [t.ms for t in passes],
             "graph_roof_frac": frac, **_floor_frac(record, ms, "graph_floor_frac")}

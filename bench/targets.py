@@ -33,6 +33,16 @@ The decode-block targets, per case of a moe_block run, for ``ts_moe``:
   faster than every transformers experts implementation timed (the fastest
   is the verdict's peer).  The host-time target (<= 60 us per call) is
   ``scripts/host_profile.py``'s.
+- FP8 (its ``ts_moe_fp8_*`` backends): the Mixtral-8x7B block at T = 1 under CUDA
+  graphs in <= 0.11 ms.
+
+The FP8 targets, per case of an fp8 run, for ``ts_moe_fp8`` (the case's
+step is its recipe):
+
+- T <= 128: >= 1.8x ``ts_moe_bf16`` on the same case, or >= 90 % of the roof that
+  bounds it (the HBM read roof, counting FP8 bytes);
+- T >= 4096: blockwise >= 1.6x ``ts_moe_bf16`` and >= 1.0x ``F_scaled_grouped_mm``
+  (where the run's torch accepted it); rowwise >= 1.10x ``torch_scaled_grouped_mm``.
 """
 
 import argparse
@@ -51,7 +61,7 @@ FORWARD = {
     "mid": ((("torch_grouped_mm", 1.20), ("cublas_grouped", 1.20), ("cublas_loop", 1.20)), 0.90),
     "large": ((("torch_grouped_mm", 1.10), ("cublas_loop", 1.00)), 0.95),
 }
-SUITES = ("grouped_gemm", "training", "moe_block")
+SUITES = ("grouped_gemm", "training", "moe_block", "fp8")
 # training: (peer, ratio) per step; dW's ratios are capped at FLOP_CAP x the bf16 roof
 DW_PEERS = (("torch_grouped_mm", 1.10), ("cublas_loop", 1.00))
 FLOP_CAP = 0.95
@@ -63,6 +73,13 @@ BLOCK_GRAPH_MS = {("mixtral-8x7b", 1): 0.18, ("deepseek-v3", 1): 0.18,
 BLOCK_EAGER_MS = {("mixtral-8x7b", 1): 0.22, ("qwen3-30b-a3b", 1): 0.080}
 BLOCK_FLOOR_RATIO, BLOCK_FLOOR_T = 1.15, (16, 64)
 HF_BACKENDS = ("hf_eager", "hf_grouped_mm", "hf_batched_mm")
+# FP8: the decode ratio over ts_moe bf16 or the roof fraction; T >= 4096 peers by recipe;
+# the FP8 block's graph bound
+FP8_DECODE_RATIO, FP8_DECODE_ROOF = 1.8, 0.90
+FP8_LARGE_PEERS = {"blockwise": (("ts_moe_bf16", 1.6), ("F_scaled_grouped_mm", 1.0)),
+                   "rowwise": (("torch_scaled_grouped_mm", 1.10),)}
+BLOCK_FP8_GRAPH_MS = {("mixtral-8x7b", 1): 0.11}
+FP8_BLOCK_BACKENDS = ("ts_moe_fp8_rowwise", "ts_moe_fp8_blockwise")
 
 
 @dataclass
@@ -197,13 +214,57 @@ def judge_block(group: list[dict], backend: str = "ts_moe") -> list[Verdict]:
     return out
 
 
+def judge_fp8(group: list[dict], backend: str = "ts_moe_fp8") -> list[Verdict]:
+    """The verdicts of one fp8 case (its step the recipe): T <= 128 one (the bf16 ratio
+    or the roof fraction, either meets it), T >= 4096 one per peer timed."""
+    timed = {r["backend"]: r for r in group if r["status"] == "ok"}
+    r = timed.get(backend)
+    if r is None:
+        return []
+    if r["T"] >= LARGE_T:
+        return [judge_peer(r, timed[p], want) for p, want in FP8_LARGE_PEERS.get(r["step"], ())
+                if p in timed]
+    if r["T"] > STREAM_T:
+        return []
+    key = (r["model"], r["gemm"], r["T"], r["routing"])
+    bf16, frac = timed.get("ts_moe_bf16"), r.get("roof_frac")
+    met = (bf16 is not None and bf16["ms"] / r["ms"] >= FP8_DECODE_RATIO) or (
+        frac is not None and frac >= FP8_DECODE_ROOF)
+    reached = "not measured" if frac is None else f"{100 * frac:.0f}%"
+    target = (f">= {FP8_DECODE_RATIO:.2f}x or >= {100 * FP8_DECODE_ROOF:.0f}% of the "
+              f"{r.get('bound') or 'hbm'} roof (reached: {reached})")
+    return [Verdict(key, r["ms"], "ts_moe_bf16" if bf16 else "roof",
+                    bf16["ms"] if bf16 else r["ms"], target, r["tbps"], met, step=r["step"],
+                    tflops=r["tflops"], roof=frac)]
+
+
+def judge_block_fp8(group: list[dict]) -> list[Verdict]:
+    """The FP8 block backends' graph times against their bound (Mixtral-8x7B at T = 1)."""
+    out = []
+    for r in group:
+        model_t = (r["model"], r["T"])
+        if (r["backend"] in FP8_BLOCK_BACKENDS and r["status"] == "ok"
+                and r.get("graph_ms") is not None and model_t in BLOCK_FP8_GRAPH_MS):
+            bound = BLOCK_FP8_GRAPH_MS[model_t]
+            out.append(Verdict((r["model"], r["gemm"], r["T"], r["routing"]), r["graph_ms"],
+                               "bound", bound, f"<= {bound:.3f} ms", r["tbps"],
+                               r["graph_ms"] <= bound, step=f"graph {r['backend']}",
+                               tflops=r["tflops"]))
+    return out
+
+
 def verdicts(result: dict, backend: str = "ts_moe") -> list[Verdict]:
     if result["suite"] not in SUITES:
-        raise ValueError(f"targets are for grouped_gemm, training and moe_block runs, not "
-                         f"{result['suite']!r}")
+        raise ValueError(f"targets are for grouped_gemm, training, moe_block and fp8 runs, "
+                         f"not {result['suite']!r}")
+    if result["suite"] == "fp8":  # ratios, and the roof fractions its records carry
+        groups = report.case_groups(result["cases"]).values()
+        fp8_backend = "ts_moe_fp8" if backend == "ts_moe" else backend
+        return [v for g in groups for v in judge_fp8(g, fp8_backend)]
     if result["suite"] == "moe_block":  # bounds in ms and the run's own floors
         groups = report.case_groups(result["cases"]).values()
-        return [v for g in groups for v in judge_block(g, backend)]
+        fp8 = [v for g in groups for v in judge_block_fp8(g)] if backend == "ts_moe" else []
+        return [v for g in groups for v in judge_block(g, backend)] + fp8
     if not result.get("roofs"):
         raise ValueError("the run has no measured roofs (a CPU run, or one with --no-roofs): "
                          "the targets need its HBM bandwidth and bf16 roof")
@@ -292,10 +353,12 @@ def main(argv) -> int:
     suite = result["suite"]
     if not vs:
         peers = {"training": "torch_grouped_mm, cublas_loop, hf_grouped_mm, torch_layer",
-                 "moe_block": ", ".join(HF_BACKENDS) + ", or a bound at its T"}.get(
+                 "moe_block": ", ".join(HF_BACKENDS) + ", or a bound at its T",
+                 "fp8": "ts_moe_bf16, torch_scaled_grouped_mm, F_scaled_grouped_mm, "
+                        "or the roof at T <= 128"}.get(
                      suite, "torch_grouped_mm, cublas_grouped, cublas_loop")
         parser.error(f"{args.json}: no case has {args.backend} and a peer ({peers}) both timed")
-    render = {"training": render_training_markdown,
-              "moe_block": render_block_markdown}.get(suite, render_markdown)
+    render = {"training": render_training_markdown, "moe_block": render_block_markdown,
+              "fp8": render_training_markdown}.get(suite, render_markdown)
     print(render(vs, args.backend), end="")
     return 0

@@ -411,7 +411,7 @@ def test_subcommands_on_a_bad_file_are_usage_errors(sub, content, message, tmp_p
 
 @pytest.mark.parametrize("changes, message", [
     ({"suite": "moe_layer"},
-     "targets are for grouped_gemm, training and moe_block runs, not 'moe_layer'"),
+     "targets are for grouped_gemm, training, moe_block and fp8 runs, not 'moe_layer'"),
     ({}, "no measured roofs (a CPU run, or one with --no-roofs)"),
     ({"roofs": {"hbm_read_tbps": 4.0}}, "no case has ts_moe and a peer"),
 ])

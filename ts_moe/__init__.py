@@ -21,6 +21,7 @@ from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, se
 from .moe import MoE, experts_forward, moe_forward
 from .loaders import load_mixtral_experts
 from .tiny import make_tiny_mixtral, make_tiny_moe_checkpoint
+from .fp8 import quantize_fp8, scaled_grouped_gemm
 
 __all__ = [
     "grouped_gemm",
@@ -42,4 +43,5 @@ __all__ = [
     "load_mixtral_experts",
     "make_tiny_mixtral",
     "make_tiny_moe_checkpoint",
+    "scaled_grouped_gemm", "quantize_fp8",
 ]

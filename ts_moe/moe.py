@@ -44,6 +44,7 @@ from torch import nn
 from . import block, reference
 from .block import check_layer_sizes
 from .block import check_tensor as _check_tensor
+from .fp8 import layer as fp8_layer
 from .decode_graphs import graphs
 
 
@@ -75,7 +76,9 @@ def _num_experts(gate_up_proj) -> int:
 
 def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
-                    fused: bool = True, decode_graphs: bool = True) -> torch.Tensor:
+                    fused: bool = True, decode_graphs: bool = True,
+                    gate_up_scale: torch.Tensor | None = None,
+                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The expert half of the layer for already-routed tokens: permute, GEMMs, combine.
 
     x: (T, H); experts, weights: (T, top_k) expert ids and their weights (as
@@ -91,7 +94,14 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     An eager call with few tokens replays a CUDA graph of itself
     (:mod:`ts_moe.decode_graphs`): the same result, three launches;
     ``decode_graphs=False`` runs every stage eagerly.
+
+    FP8 experts: e4m3 ``gate_up_proj`` / ``down_proj`` with their fp32
+    ``gate_up_scale`` / ``down_scale`` (:mod:`ts_moe.fp8.layer`).
     """
+    if fp8_layer.wants_fp8(gate_up_proj, gate_up_scale, down_scale):
+        return fp8_layer.experts_forward(x, experts, weights, gate_up_proj, gate_up_scale,
+                                         down_proj, down_scale, fused=fused,
+                                         decode_graphs=decode_graphs)
     if not decode_graphs:
         return block.experts_forward(x, experts, weights, gate_up_proj, down_proj, fused)
     return graphs.call(block.experts_forward, _num_experts(gate_up_proj), (x, experts, weights),
@@ -100,7 +110,9 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
 
 def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, top_k: int, *, fused: bool = True,
-                return_router_logits: bool = False, decode_graphs: bool = True):
+                return_router_logits: bool = False, decode_graphs: bool = True,
+                gate_up_scale: torch.Tensor | None = None,
+                down_scale: torch.Tensor | None = None):
     """Mixtral's sparse MoE block as a function.
 
     hidden: (..., H); router_weight (E, H), ``logits = hidden @ router_weight.T``
@@ -115,7 +127,15 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     microseconds of host time; its NVTX ranges then mark the capture only.
     ``decode_graphs=False`` (or ``TS_MOE_DECODE_GRAPHS=0``) runs and marks
     every stage of every call.
+
+    FP8 experts: e4m3 ``gate_up_proj`` / ``down_proj`` with their fp32
+    ``gate_up_scale`` / ``down_scale`` (:mod:`ts_moe.fp8.layer`).
     """
+    if fp8_layer.wants_fp8(gate_up_proj, gate_up_scale, down_scale):
+        return fp8_layer.moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale,
+                                     down_proj, down_scale, top_k, fused=fused,
+                                     return_router_logits=return_router_logits,
+                                     decode_graphs=decode_graphs)
     if not decode_graphs:
         return block.moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
                                  return_router_logits)
@@ -179,7 +199,9 @@ class MoE(nn.Module):
         """(..., H) -> (..., H); with ``return_router_logits`` also the logits (T, E)."""
         return moe_forward(x, self.router, self.gate_up_proj, self.down_proj, self.top_k,
                            fused=self.fused, return_router_logits=return_router_logits,
-                           decode_graphs=getattr(self, "decode_graphs", True))  # older pickles
+                           decode_graphs=getattr(self, "decode_graphs", True),  # older pickles
+                           gate_up_scale=getattr(self, "gate_up_proj_scale", None),  # FP8
+                           down_scale=getattr(self, "down_proj_scale", None))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -192,7 +214,11 @@ class MoE(nn.Module):
 
         weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``.
         The parameters do not require grad (call ``requires_grad_()`` to train).
+        FP8 experts (e.g. from :func:`ts_moe.fp8.loaders.load_fp8_experts`): also
+        ``gate_up_proj_scale`` and ``down_proj_scale`` (:func:`ts_moe.fp8.layer.moe_from_weights`).
         """
+        if "gate_up_proj_scale" in weights or "down_proj_scale" in weights:
+            return fp8_layer.moe_from_weights(cls, weights, top_k, fused=fused)
         missing = {"router", "gate_up_proj", "down_proj"} - set(weights)
         if missing:
             raise KeyError(f"weights lacks {sorted(missing)}")
@@ -214,11 +240,15 @@ class MoE(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, layer: int, *, device=None, fused: bool = True) -> "MoE":
-        """Layer ``layer`` of the local Mixtral checkpoint directory ``path``; top-k
-        from config.json.  ``device``: as :func:`ts_moe.load_mixtral_experts`
+        """Layer ``layer`` of the local Mixtral checkpoint directory ``path`` (or of an FP8
+        Mixtral or Qwen3-MoE one: :mod:`ts_moe.fp8.loaders`); top-k from config.json.
+        ``device``: as :func:`ts_moe.load_mixtral_experts`
         (None: CUDA when there is one, else the CPU)."""
+        from .fp8.loaders import pretrained_layer
         from .loaders import load_mixtral_experts
 
-        weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
+        weights = pretrained_layer(path, layer, device)  # an FP8 checkpoint's, else None
+        if weights is None:
+            weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
         config = json.loads((Path(path) / "config.json").read_text())
         return cls.from_weights(weights, config["num_experts_per_tok"], fused=fused)

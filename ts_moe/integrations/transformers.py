@@ -25,6 +25,7 @@ from torch import nn
 from ..moe import check_layer_sizes, experts_forward
 from ..nvtx import nvtx_range
 from ..ops import route
+from . import transformers_fp8
 
 EXPERTS_IMPLEMENTATION = "ts_moe"
 
@@ -63,7 +64,8 @@ class _V5Forward:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         with nvtx_range("route"):
             _, weights, ids = self.gate(x)
-        out = experts_forward(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        out = experts_forward(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj,
+                              **transformers_fp8.fp8_scales(self.experts))  # FP8 experts
         return out.view(hidden_states.shape)
 
 
@@ -102,6 +104,8 @@ def _layout(name: str, block: nn.Module) -> type:
         acts, layout = [e.act_fn for e in experts], _V4Forward
     elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
         acts, layout = [experts.act_fn], _V5Forward
+        if transformers_fp8.is_fp8_experts(experts):
+            transformers_fp8.check_fp8_experts(experts, name)
     else:
         raise ValueError(
             f"{name}: unknown Mixtral experts layout {type(experts).__name__} (expected a "
@@ -218,4 +222,5 @@ def register() -> None:
             "ts_moe.integrations.transformers.register needs transformers >= 5 "
             "(transformers.integrations.moe.ExpertsInterface)") from e
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, ts_moe_experts_forward)
+    transformers_fp8.register()  # FP8Experts modules (FineGrainedFP8Config checkpoints)
     _hf()  # before any compiled forward reaches the checks

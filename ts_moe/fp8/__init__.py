@@ -1,0 +1,20 @@
+"""FP8 (e4m3) experts: the scaled grouped GEMM ops, quantization, the layer, loaders.
+
+* :mod:`.recipes`: recipe names, scale shapes and layouts, argument checks;
+* :mod:`.reference`: plain-torch quantization, dequantization and GEMM references;
+* :mod:`.paths`: which path a call takes on each device, and the kernel modules;
+* :mod:`.library`: the ops' ``torch.library`` fragment and their refusing backward;
+* :mod:`.scaled_ops`: ``torch.ops.ts_moe.scaled_grouped_gemm`` (and its SwiGLU form);
+* :mod:`.quantize`: ``torch.ops.ts_moe.quantize_fp8``;
+* :mod:`.layer`: the MoE layer on FP8 experts (what ``ts_moe.moe_forward`` runs for them);
+* :mod:`.loaders`, :mod:`.tiny`: FP8 checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3 namings).
+"""
+
+from .loaders import load_fp8_experts
+from .quantize import quantize_fp8
+from .recipes import RECIPES
+from .scaled_ops import scaled_grouped_gemm, scaled_grouped_gemm_swiglu
+from .tiny import make_tiny_fp8_checkpoint
+
+__all__ = ["quantize_fp8", "scaled_grouped_gemm", "scaled_grouped_gemm_swiglu",
+           "load_fp8_experts", "make_tiny_fp8_checkpoint", "RECIPES"]

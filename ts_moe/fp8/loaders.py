@@ -1,0 +1,263 @@
+"""Load the experts of FP8 MoE checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3 namings) into
+the FP8 layer's layouts, lazily and per layer, as :mod:`ts_moe.loaders` does for bf16.
+
+What a release holds, per expert linear (``w1``/``w3``/``w2`` in Mixtral's naming,
+``gate_proj``/``up_proj``/``down_proj`` in Qwen3-MoE's and DeepSeek-V3's): an e4m3
+``weight`` and its scale, read with config.json's ``quantization_config``:
+
+- ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``: ``weight_scale_inv``
+  (ceil(N/128), ceil(K/128)) per 128x128 block (DeepSeek-V3, Qwen ``-FP8``);
+- ``compressed-tensors`` with float weights of strategy ``channel``: ``weight_scale``
+  (N, 1) (llm-compressor FP8-dynamic); strategy ``tensor``: a one-element one;
+- ``{"quant_method": "fp8"}`` without a block size: ``weight_scale`` per tensor (AutoFP8).
+
+Scales are dequantization multipliers in every format (``weight_scale_inv`` is named
+for the quantizer's view; the checkpoints multiply by it).  Static activation scales
+(``input_scale``) are not read: the layer quantizes activations per token.  The
+experts of DeepSeek-V3 are loaded as any others; its router (sigmoid scores, a
+score bias, expert groups) is not the layer's softmax top-k, so serve its experts
+through :func:`ts_moe.experts_forward` with its own routing.
+"""
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..loaders import _Checkpoint, _weight_index, resolve_device
+from .recipes import BLOCK
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_ROLES = {"block_sparse_moe": {"gate": "w1", "up": "w3", "down": "w2"},
+          "mlp": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
+_FLOAT = {"BF16", "F16", "F32"}
+_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_INTER_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+
+def _config(path: Path) -> dict:
+    """config.json of the checkpoint directory (``{}`` without one), opened only as a
+    regular file inside it (:class:`ts_moe.loaders._Checkpoint`)."""
+    return _Checkpoint(path).json("config.json") or {}
+
+
+def _index(path: Path):
+    """(key -> shard, shard file of a key): the checkpoint's weight map and the file to
+    open for a key, each a regular file inside the checkpoint (as :mod:`ts_moe.loaders`
+    reads and checks them)."""
+    ckpt = _Checkpoint(path)
+    names, index_file = _weight_index(ckpt)
+
+    def shard_file(key):
+        f = ckpt.file(names[key], f"{index_file}: weight_map[{key!r}]")
+        if f is None:
+            raise FileNotFoundError(f"{index_file}: weight_map[{key!r}] names no file")
+        return f
+
+    return names, shard_file
+
+
+def fp8_scheme(config: dict) -> str | None:
+    """The FP8 weight scheme config.json declares: ``blockwise``, ``channel``, ``tensor``,
+    or None (no quantization_config).  ValueError for a quantization ts_moe does not
+    serve (another method, block size or format)."""
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config fmt {q['fmt']!r}: only e4m3 is served")
+        block = q.get("weight_block_size")
+        if block is None:
+            return "tensor"
+        if list(block) != [BLOCK, BLOCK]:
+            raise ValueError(f"quantization_config weight_block_size {block}: only "
+                             f"[{BLOCK}, {BLOCK}] is served")
+        return "blockwise"
+    if method == "compressed-tensors":
+        for group in q.get("config_groups", {}).values():
+            w = group.get("weights") or {}
+            if w.get("type") == "float" and w.get("num_bits") == 8 and \
+                    w.get("strategy") in ("channel", "tensor"):
+                return w["strategy"]
+        raise ValueError("quantization_config: compressed-tensors without 8-bit float weights "
+                         "of strategy channel or tensor is not served")
+    raise ValueError(f"quantization_config quant_method {method!r} is not an FP8 format "
+                     f"ts_moe serves (fp8, compressed-tensors)")
+
+
+def _expected_scale(scheme: str, n: int, k: int) -> tuple[tuple, ...]:
+    if scheme == "blockwise":
+        return ((-(-n // BLOCK), -(-k // BLOCK)),)
+    if scheme == "channel":
+        return ((n, 1), (n,))
+    return ((), (1,))
+
+
+def _plan(layer: int, block: str, num_experts: int, scheme: str, experts: range) -> dict:
+    """Checkpoint keys of one layer: router, and per expert and role (weight, scale)."""
+    prefix = f"model.layers.{layer}.{block}."
+    scale = "weight_scale_inv" if scheme == "blockwise" else "weight_scale"
+    plan = {"router": prefix + "gate.weight"}
+    for e in experts:
+        for role, name in _ROLES[block].items():
+            base = f"{prefix}experts.{e}.{name}."
+            plan[(role, e)] = (base + "weight", base + scale)
+    return plan
+
+
+def load_fp8_experts(path, layers=None, device=None,
+                     experts=None) -> dict[int, dict[str, torch.Tensor]]:
+    """Read the FP8 experts of a checkpoint directory into the FP8 layer's layouts.
+
+    ``layers``, ``device``, ``experts``: as :func:`ts_moe.load_mixtral_experts` (a
+    local directory; None: every MoE layer; None: CUDA when there is one, else the
+    CPU; a ``range`` of experts for an expert-parallel rank).  Returns ``{layer:
+    {"router": (E, H), "gate_up_proj": (E, 2I, H) e4m3 (gate rows, then up),
+    "gate_up_proj_scale", "down_proj": (E, H, I) e4m3, "down_proj_scale"}}``,
+    ready for :meth:`ts_moe.MoE.from_weights` and :func:`ts_moe.experts_forward`.
+    Scales, fp32: blockwise (E, 2I/128, H/128) and (E, H/128, I/128) (I a multiple of
+    128, so that gate and up blocks stack); per channel (E, 2I) and (E, H); per
+    tensor, each linear's one scale spread over its channels (gate and up keep their
+    own), the same shapes.  Every key, shape and dtype is checked from the headers
+    before any data is read; each shard is opened once, only the layers asked for
+    are read.  Errors: as :func:`ts_moe.load_mixtral_experts`, and ValueError for a
+    config.json without an FP8 ``quantization_config`` ts_moe serves.
+    """
+    device = resolve_device(device)
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{str(path)!r} is not a local checkpoint directory (download "
+                                f"one first, e.g. with huggingface_hub.snapshot_download)")
+    config = _config(path)
+    scheme = fp8_scheme(config)
+    if scheme is None:
+        raise ValueError(f"{path}/config.json has no quantization_config: not an FP8 "
+                         f"checkpoint (bf16 Mixtral: ts_moe.load_mixtral_experts)")
+    if experts is not None and (not isinstance(experts, range) or experts.step != 1
+                                or len(experts) == 0 or experts.start < 0):
+        raise ValueError(f"experts must be None or a non-empty range of expert indices "
+                         f"(step 1), got {experts!r}")
+    index, shard_file = _index(path)
+    present: dict[int, tuple[str, set]] = {}
+    for key in index:
+        if m := _EXPERT.match(key):
+            present.setdefault(int(m.group(1)), (m.group(2), set()))[1].add(int(m.group(3)))
+    layers = sorted(present) if layers is None else (
+        [layers] if isinstance(layers, int) and not isinstance(layers, bool) else list(layers))
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layers must hold ints, got {layer!r}")
+        if layer not in present:
+            raise KeyError(f"layer {layer} is not an MoE layer of the checkpoint {path} "
+                           f"(its MoE layers: {sorted(present)})")
+    total = next((config[k] for k in _EXPERTS_KEYS if k in config), None)
+    plans = {}
+    for layer in layers:
+        block, found = present[layer]
+        count = total if total is not None else max(found) + 1
+        if experts is not None and experts.stop > count:
+            raise ValueError(f"experts {experts!r} is past the checkpoint's {count} experts")
+        plans[layer] = _plan(layer, block, count, scheme, experts or range(count))
+    keys = [k for plan in plans.values() for v in plan.values()
+            for k in ((v,) if isinstance(v, str) else v)]
+    for key in keys:
+        if key not in index:
+            raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
+
+    with ExitStack() as stack:
+        handles = {}
+
+        def handle(key):
+            shard = index[key]
+            if shard not in handles:
+                handles[shard] = stack.enter_context(
+                    safe_open(shard_file(key), framework="pt", device=str(device)))
+            return handles[shard]
+
+        headers = {key: handle(key).get_slice(key) for key in keys}
+        shapes = {key: tuple(h.get_shape()) for key, h in headers.items()}
+        dtypes = {key: h.get_dtype() for key, h in headers.items()}
+        for plan in plans.values():
+            _check_layer(plan, shapes, dtypes, config, scheme)
+        return {layer: _read_layer(plan, handle, shapes, scheme, device)
+                for layer, plan in plans.items()}
+
+
+def _check_layer(plan: dict, shapes: dict, dtypes: dict, config: dict, scheme: str) -> None:
+    router = plan["router"]
+    if len(shapes[router]) != 2 or dtypes[router] not in _FLOAT:
+        raise ValueError(f"{router}: expected a 2-D bf16/fp16/fp32 (E, H) router, got shape "
+                         f"{shapes[router]} and dtype {dtypes[router]}")
+    hidden = shapes[router][1]
+    first_gate = next(v[0] for k, v in plan.items() if k != "router" and k[0] == "gate")
+    inter = next((config[k] for k in _INTER_KEYS if k in config), shapes[first_gate][0])
+    if scheme == "blockwise" and inter % BLOCK:
+        raise ValueError(f"intermediate size {inter}: blockwise gate and up scales stack into "
+                         f"one gate_up scale only for a multiple of {BLOCK}")
+    for key, keys in plan.items():
+        if key == "router":
+            continue
+        weight, scale = keys
+        n, k = (hidden, inter) if key[0] == "down" else (inter, hidden)
+        if dtypes[weight] != "F8_E4M3" or shapes[weight] != (n, k):
+            raise ValueError(f"{weight}: expected F8_E4M3 of shape {(n, k)}, got "
+                             f"{dtypes[weight]} of shape {shapes[weight]}")
+        expected = _expected_scale(scheme, n, k)
+        if dtypes[scale] not in _FLOAT or shapes[scale] not in expected:
+            raise ValueError(f"{scale}: expected a float scale of shape "
+                             f"{' or '.join(map(str, expected))} ({scheme}), got "
+                             f"{dtypes[scale]} of shape {shapes[scale]}")
+
+
+def _read_layer(plan: dict, handle, shapes: dict, scheme: str, device) -> dict:
+    def read(key):
+        return handle(key).get_tensor(key)
+
+    router = read(plan["router"])
+    hidden = router.shape[1]
+    experts = sorted({k[1] for k in plan if k != "router"})
+    inter = shapes[plan[("gate", experts[0])][0]][0]
+    e4m3 = torch.float8_e4m3fn
+    gate_up = torch.empty(len(experts), 2 * inter, hidden, dtype=e4m3, device=device)
+    down = torch.empty(len(experts), hidden, inter, dtype=e4m3, device=device)
+    if scheme == "blockwise":
+        rows = -(-inter // BLOCK)
+        gu_scale = torch.empty(len(experts), 2 * rows, -(-hidden // BLOCK), device=device)
+        down_scale = torch.empty(len(experts), -(-hidden // BLOCK), rows, device=device)
+    else:
+        gu_scale = torch.empty(len(experts), 2 * inter, device=device)
+        down_scale = torch.empty(len(experts), hidden, device=device)
+    for i, e in enumerate(experts):
+        for role, w_dst, s_dst in (
+                ("gate", gate_up[i, :inter], gu_scale[i, :gu_scale.shape[1] // 2]),
+                ("up", gate_up[i, inter:], gu_scale[i, gu_scale.shape[1] // 2:]),
+                ("down", down[i], down_scale[i])):
+            weight, scale = plan[(role, e)]
+            w_dst.copy_(read(weight))
+            s = read(scale).float()
+            s_dst.copy_(s if scheme == "blockwise" else s.reshape(-1).expand(s_dst.shape))
+    return {"router": router, "gate_up_proj": gate_up, "gate_up_proj_scale": gu_scale,
+            "down_proj": down, "down_proj_scale": down_scale}
+
+
+def pretrained_layer(path, layer: int, device=None) -> dict | None:
+    """Layer ``layer`` of an FP8 checkpoint for :meth:`ts_moe.MoE.from_pretrained`, or None
+    where config.json declares no quantization (a bf16 checkpoint).  DeepSeek-V3 is
+    refused: the MoE module routes by softmax top-k, which is not its router."""
+    if not Path(path).is_dir():
+        return None  # the bf16 loader says what is wrong
+    config = _config(Path(path))
+    if fp8_scheme(config) is None:
+        return None
+    if config.get("model_type", "").startswith("deepseek"):
+        raise ValueError(f"{path}: DeepSeek-V3 routes by sigmoid scores with a bias and expert "
+                         f"groups, not the MoE module's softmax top-k; load its experts with "
+                         f"ts_moe.fp8.loaders.load_fp8_experts and run ts_moe.experts_forward "
+                         f"with its routing")
+    return load_fp8_experts(path, layers=[layer], device=device)[layer]

@@ -1,0 +1,131 @@
+"""How an FP8 call runs: the path policy of the FP8 ops, and their kernel modules.
+
+=================  ==========================================================  ==========
+device             scaled_grouped_gemm (and its SwiGLU form)                   host sync
+=================  ==========================================================  ==========
+sm_90 (H100/H200)  ts_moe's CuTeDSL FP8 kernels (every recipe; K % 16 == 0)    no
+sm_90, no kernel   rowwise, bf16 out, K and N % 16 == 0, E < 1024:             no
+                   ``torch._scaled_grouped_mm``; otherwise as below
+other CUDA GPUs    operands dequantized to bf16 (a transient bf16 copy of the  as
+(sm_100, sm_89..)  weights each call), then ``ts_moe.grouped_gemm``, which     grouped_gemm
+                   runs torch's grouped_mm on sm_90/sm_10x (no sync) and its
+                   reference elsewhere (a sync)
+CPU, or            the plain-torch reference (:mod:`ts_moe.fp8.reference`),   yes (GPU)
+TS_MOE_REFERENCE=1 fp32 accumulation
+=================  ==========================================================  ==========
+
+``quantize_fp8`` of a 2-D activation (bf16/fp16/fp32; ``blockwise_1x128``
+with K % 128 == 0, ``rowwise``, ``tensorwise``) on sm_90 runs the quantize
+kernel (one pass, scales in the GEMM's fast layout); everything else runs the
+reference, which never syncs.
+
+``torch._scaled_grouped_mm`` has no blockwise recipe and runs rowwise on sm_90
+only (its sm_100 grouped path is MX formats only): notes at
+/work/shared/notes/fp8.md section 2.
+"""
+
+import enum
+import functools
+import os
+
+import torch
+
+from .recipes import ACTIVATION_RECIPES, BLOCK, BLOCKWISE_1X128
+
+ALIGN = 16  # bytes: the kernels' (and torch's) row strides and pointers
+TORCH_SCALED_MAX_EXPERTS = 1023  # torch._scaled_grouped_mm: group_count < 1024
+
+
+class Fp8Path(enum.Enum):
+    KERNEL_SM90 = "ts_moe CuTeDSL FP8 kernels (sm_90a)"
+    TORCH_SCALED = "torch._scaled_grouped_mm (rowwise, sm_90)"
+    DEQUANTIZE = "dequantized to bf16, then ts_moe.grouped_gemm"
+    REFERENCE = "plain-torch reference (reads offs on the host)"
+
+
+def choose_fp8_path(capability: tuple[int, int] | None, pair: str, k: int, n: int,
+                    out_dtype: torch.dtype, num_experts: int, *,
+                    kernels_available: bool = True, kernel_max_experts: int = 512,
+                    has_torch_scaled: bool = True) -> Fp8Path:
+    """The path of a scaled grouped GEMM with recipe ``pair`` (``blockwise``,
+    ``rowwise``, ``tensorwise``) on a device of ``capability`` (None: the CPU)."""
+    if capability is None:
+        return Fp8Path.REFERENCE
+    if (capability == (9, 0) and kernels_available and k % ALIGN == 0
+            and num_experts <= kernel_max_experts):
+        return Fp8Path.KERNEL_SM90
+    if (capability == (9, 0) and has_torch_scaled and pair == "rowwise"
+            and out_dtype == torch.bfloat16 and k % ALIGN == 0 and n % ALIGN == 0
+            and num_experts <= TORCH_SCALED_MAX_EXPERTS):
+        return Fp8Path.TORCH_SCALED
+    return Fp8Path.DEQUANTIZE
+
+
+@functools.cache
+def gemm_kernels():
+    """``csrc_free_kernels.grouped_gemm_fp8_sm90_launch``, or None where it cannot be
+    imported (no nvidia-cutlass-dsl, or a build without the FP8 kernels)."""
+    try:
+        from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+@functools.cache
+def quantize_kernels():
+    """``csrc_free_kernels.quantize_fp8_sm90_launch``, or None (as :func:`gemm_kernels`)."""
+    try:
+        from csrc_free_kernels import quantize_fp8_sm90_launch as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int] | None:
+    """The device's compute capability; None (the reference) with ``TS_MOE_REFERENCE=1``,
+    read at a device's first FP8 call."""
+    if os.environ.get("TS_MOE_REFERENCE") == "1":
+        return None
+    return torch.cuda.get_device_capability(device_index)
+
+
+def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """The capability whose path ``t``'s calls take: None off CUDA (and with
+    ``TS_MOE_REFERENCE=1``)."""
+    return _capability(t.get_device()) if t.device.type == "cuda" else None
+
+
+def scaled_path(a: torch.Tensor, pair: str, k: int, n: int, out_dtype: torch.dtype,
+                num_experts: int) -> Fp8Path:
+    """The path of a validated call on ``a``'s device (the kernel module is imported
+    only where it can run: on an sm_90 device)."""
+    capability = device_capability(a)
+    kernels = gemm_kernels() if capability == (9, 0) else None
+    return choose_fp8_path(capability, pair, k, n, out_dtype, num_experts,
+                           kernels_available=kernels is not None,
+                           kernel_max_experts=kernels.MAX_EXPERTS if kernels else 0,
+                           has_torch_scaled=hasattr(torch, "_scaled_grouped_mm"))
+
+
+def quantize_kernel_for(x: torch.Tensor, recipe: str):
+    """The quantize kernel module where ``x``'s call runs it (sm_90; a 2-D activation
+    of bf16, fp16 or fp32 with rows to quantize, K % 16 == 0; ``blockwise_1x128``
+    with K % 128 == 0), else None.  The kernel reads 16-byte rows: see
+    :func:`kernel_input`."""
+    if (device_capability(x) != (9, 0) or x.dim() != 2 or recipe not in ACTIVATION_RECIPES
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or 0 in x.shape or x.shape[1] % ALIGN
+            or (recipe == BLOCKWISE_1X128 and x.shape[1] % BLOCK)):
+        return None
+    return quantize_kernels()
+
+
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (M, K), K % 16 == 0, as the quantize kernel reads it: row-major with a
+    16-byte row stride and pointer; a contiguous copy otherwise."""
+    rows_ok = x.shape[0] <= 1 or (x.stride(0) * x.element_size()) % ALIGN == 0
+    if x.stride(-1) == 1 and rows_ok and x.data_ptr() % ALIGN == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)

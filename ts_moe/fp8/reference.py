@@ -1,0 +1,119 @@
+"""Plain-torch references of the FP8 ops: the CPU kernels, the fallback's dequantization,
+and the tests' yardstick (any accumulation dtype: fp32 for the op, float64 for checks).
+
+Quantization (:func:`quantize_reference`): per group (:mod:`ts_moe.fp8.recipes`)
+``scale = amax / 448`` in fp32 and ``x_fp8 = satfinite(x / scale)`` (round to
+nearest even), as the sm_90 quantize kernel does; a group whose scale is 0 (all
+zeros, or an amax so small that amax / 448 underflows) gets scale 0 and zero
+elements, so that it dequantizes to exactly 0 and nothing is NaN.
+"""
+
+import torch
+
+from ..reference import gather_rows, segment_ends, swiglu
+from .recipes import (BLOCK, BLOCKWISE_1X128, BLOCKWISE_128X128, E4M3, E4M3_MAX, ROWWISE,
+                      TENSORWISE)
+
+
+def expand_scale(scale: torch.Tensor, recipe: str, shape) -> torch.Tensor:
+    """``scale`` of ``recipe`` broadcast to every element of a tensor of ``shape``
+    (..., R, C) (a view where it can be one)."""
+    *lead, rows, cols = shape
+    if recipe == TENSORWISE:
+        return scale.reshape(*lead, 1, 1).expand(shape)
+    if recipe == ROWWISE:
+        return scale.unsqueeze(-1).expand(shape)
+    if recipe == BLOCKWISE_1X128:
+        return scale.repeat_interleave(BLOCK, dim=-1)[..., :cols]
+    return scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[
+        ..., :rows, :cols]
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor, recipe: str,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x`` (..., R, C) e4m3 times its ``scale`` of ``recipe``, in ``dtype`` (the product
+    formed in fp32, or float64 for float64)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return (x.to(acc) * expand_scale(scale.to(acc), recipe, x.shape)).to(dtype)
+
+
+def _amax(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """Largest magnitude per group of ``recipe`` over x (..., R, C), fp32 (or float64)."""
+    mag = x.abs()
+    if recipe == TENSORWISE:
+        return mag.amax(dim=(-2, -1)) if mag.numel() else mag.new_zeros(mag.shape[:-2])
+    if recipe == ROWWISE:
+        return mag.amax(dim=-1) if mag.shape[-1] else mag.new_zeros(mag.shape[:-1])
+    *lead, rows, cols = mag.shape
+    pad_c = -cols % BLOCK
+    pad_r = -rows % BLOCK if recipe == BLOCKWISE_128X128 else 0
+    mag = torch.nn.functional.pad(mag, (0, pad_c, 0, pad_r))
+    blocks = mag.unflatten(-1, (-1, BLOCK))  # (..., R, C/128, 128)
+    if recipe == BLOCKWISE_1X128:
+        return blocks.amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:-1])
+    tiles = blocks.unflatten(-3, (-1, BLOCK))  # (..., R/128, 128, C/128, 128)
+    if not tiles.numel():
+        return tiles.new_zeros(*lead, tiles.shape[-4], tiles.shape[-2])
+    return tiles.amax(dim=(-3, -1))
+
+
+def quantize_reference(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale)`` of ``x`` (..., R, C) by ``recipe``: x_fp8 e4m3 of x's shape
+    (contiguous), scale fp32 of :func:`ts_moe.fp8.recipes.scale_shape` (contiguous)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    scale = (_amax(xf, recipe) / E4M3_MAX).to(torch.float32)
+    full = expand_scale(scale.to(acc), recipe, x.shape)
+    q = torch.where(full > 0, xf / torch.where(full > 0, full, 1), 0)
+    return q.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale.contiguous()
+
+
+def gather_fp8_rows(a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
+    """``a[a_index]`` of an e4m3 ``a`` (M, K); an index outside [0, M) reads as a zero row
+    (:func:`ts_moe.reference.gather_rows` on the bytes: +0 is the byte 0x00)."""
+    return gather_rows(a.view(torch.uint8), a_index).view(E4M3)
+
+
+def gather_scale_rows(scale: torch.Tensor, recipe: str, a_index: torch.Tensor) -> torch.Tensor:
+    """The activation scale of the rows ``a[a_index]`` (0 for an index out of range; a
+    tensorwise scale as it is)."""
+    if recipe == TENSORWISE:
+        return scale
+    if recipe == ROWWISE:
+        return gather_rows(scale.unsqueeze(1), a_index).squeeze(1)
+    return gather_rows(scale, a_index)
+
+
+def scaled_grouped_gemm_reference(a, b, scale_a, recipe_a, scale_b, recipe_b, offs,
+                                  out_dtype=torch.bfloat16, a_index=None,
+                                  acc: torch.dtype = torch.float32) -> torch.Tensor:
+    """``out[r] = dequant(a)[r] @ dequant(b[e])`` for the rows of expert ``e``, zeros
+    past the last one, accumulated in ``acc`` (fp32: the op's CPU kernel; float64:
+    the tests' yardstick).  ``b`` (E, K, N) is dequantized as stored, (E, N, K).
+    Reads ``offs`` on the host (a sync on a GPU)."""
+    if a_index is not None:
+        scale_a = gather_scale_rows(scale_a, recipe_a, a_index)
+        a = gather_fp8_rows(a, a_index)
+    m, n = a.shape[0], b.shape[2]
+    out = torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    if out.numel() == 0 or b.shape[0] == 0:
+        return out
+    x = dequantize(a, scale_a, recipe_a, acc)
+    start = 0
+    for e, end in enumerate(segment_ends(offs, m).tolist()):
+        if end > start:
+            w = dequantize(b[e].transpose(0, 1), scale_b[e], recipe_b, acc)  # (N, K)
+            out[start:end] = (x[start:end] @ w.t()).to(out_dtype)
+        start = end
+    return out
+
+
+def scaled_grouped_gemm_swiglu_reference(a, gate_up, scale_a, recipe_a, scale_b, recipe_b,
+                                         offs, out_dtype=torch.bfloat16, a_index=None,
+                                         acc: torch.dtype = torch.float32) -> torch.Tensor:
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert of the dequantized operands, ``gate_up``
+    (E, 2I, K) e4m3, gate rows first: the GEMM in ``acc``, the activation in ``acc``,
+    one rounding to ``out_dtype``."""
+    h = scaled_grouped_gemm_reference(a, gate_up.transpose(-2, -1), scale_a, recipe_a, scale_b,
+                                      recipe_b, offs, acc, a_index, acc)
+    return swiglu(h, out_dtype)
