@@ -118,7 +118,10 @@ def test_cpu_smoke_run_writes_the_suite(cpu_machine, tmp_path, capsys):
         assert r["status"] in ("ok", "unavailable"), r
         assert r["status"] == "ok" or r["backend"] in ("torch_scaled_grouped_mm",
                                                        "F_scaled_grouped_mm")
-    assert "cpu-qwen3 | gate_up blockwise | 16" in (tmp_path / "RESULTS.md").read_text()
+    assert {"commit", "dirty"} <= set(data["provenance"])
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "cpu-fp8-kmajor.json")]) == 0
+    assert "cpu-qwen3 | gate_up blockwise | 16" in capsys.readouterr().out
 
 
 def test_moe_block_fp8_mode_checks_each_backend_against_its_own_reference():

@@ -17,7 +17,7 @@ from ts_moe.fp8.layer import dequantize_experts  # noqa: E402
 from ts_moe.integrations.transformers import register, replace_moe_blocks  # noqa: E402
 from ts_moe.integrations.transformers_fp8 import fp8_scales  # noqa: E402
 
-from .conftest import OpRecorder, rel_err  # noqa: E402
+from .helpers import OpRecorder, rel_err  # noqa: E402
 from .test_fp8_layer import experts_reference64  # noqa: E402
 
 PROMPT = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))

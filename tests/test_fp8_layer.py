@@ -13,7 +13,7 @@ from ts_moe.fp8.layer import dequantize_experts
 from ts_moe.fp8.recipes import ACTIVATION_FOR
 from ts_moe.fp8.reference import dequantize
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 RECIPES = ("blockwise_128x128", "rowwise", "tensorwise")
 

@@ -16,7 +16,7 @@ from ts_moe.fp8.loaders import fp8_scheme, load_fp8_experts
 from ts_moe.fp8.tiny import (NAMINGS, SCHEMES, make_tiny_fp8_checkpoint, quantization_config,
                              tiny_moe_weights)
 
-from .conftest import rel_err
+from .helpers import rel_err
 from .test_fp8_layer import reference64
 
 EXPERT_KEYS = {"mixtral": "model.layers.{}.block_sparse_moe.experts.{}.{}",

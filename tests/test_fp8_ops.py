@@ -12,7 +12,7 @@ from ts_moe.fp8.recipes import E4M3
 from ts_moe.fp8.reference import dequantize
 from ts_moe.reference import segment_ends
 
-from .conftest import rel_err
+from .helpers import rel_err
 
 PAIRS = [("blockwise_1x128", "blockwise_128x128"), ("rowwise", "rowwise"),
          ("tensorwise", "tensorwise")]
