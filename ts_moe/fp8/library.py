@@ -1,5 +1,6 @@
-"""Registration plumbing of the FP8 ops: their ``torch.library`` fragment of the ``ts_moe``
-namespace, the output allocation every path shares, and the backward that refuses.
+"""Registration plumbing of the FP8 ops: they register with the one ``ts_moe``
+library object (:data:`ts_moe.ops.library.LIBRARY`); the output allocation every
+path shares, and the backward that refuses.
 
 The FP8 ops have no backward (FP8 training is not supported).  A forward on
 inputs that require grad runs and gives an output that requires grad, so an
@@ -12,7 +13,9 @@ compiled graph that holds it be built).  No gradient is ever silently missing.
 
 import torch
 
-lib = torch.library.Library("ts_moe", "FRAGMENT")
+from ..ops.library import _AFTER_AUTOGRAD, LIBRARY, _plain_keyset
+
+lib = LIBRARY
 lib.define("fp8_no_backward(Tensor grad, Tensor like, str op) -> Tensor")
 
 ALIGN_BYTES = 16
@@ -45,15 +48,7 @@ for _key in ("CPU", "CUDA"):
     lib.impl("fp8_no_backward", _no_backward_impl, _key)
 
 
-_after_autograd = torch._C._after_autograd_keyset
-
-
-def _plain_keyset(backend: str) -> int:
-    """The keyset a plain tensor of ``backend`` reaches the Autograd kernel with (raw bits)."""
-    key = torch._C.DispatchKey
-    return torch._C.DispatchKeySet(getattr(key, backend)).add(
-        getattr(key, "Autograd" + backend)).raw_repr()
-
+_after_autograd = _AFTER_AUTOGRAD
 
 _PLAIN = {_plain_keyset("CPU"), _plain_keyset("CUDA")}
 

@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from ..ops import kernels
 from .recipes import ACTIVATION_RECIPES, BLOCK, BLOCKWISE_1X128
 
 ALIGN = 16  # bytes: the kernels' (and torch's) row strides and pointers
@@ -64,22 +65,14 @@ def choose_fp8_path(capability: tuple[int, int] | None, pair: str, k: int, n: in
 @functools.cache
 def gemm_kernels():
     """``csrc_free_kernels.grouped_gemm_fp8_sm90_launch``, or None where it cannot be
-    imported (no nvidia-cutlass-dsl, or a build without the FP8 kernels)."""
-    try:
-        from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as kernels
-    except ImportError:
-        return None
-    return kernels
+    imported (no nvidia-cutlass-dsl): :mod:`ts_moe.ops.kernels`, the one import."""
+    return kernels.sm90_fp8
 
 
 @functools.cache
 def quantize_kernels():
     """``csrc_free_kernels.quantize_fp8_sm90_launch``, or None (as :func:`gemm_kernels`)."""
-    try:
-        from csrc_free_kernels import quantize_fp8_sm90_launch as kernels
-    except ImportError:
-        return None
-    return kernels
+    return kernels.quantize_fp8_sm90
 
 
 @functools.cache
