@@ -134,15 +134,16 @@ def test_compile_command_builds_each_family_in_its_own_process(tmp_path):
     code = (
         "import sys, torch; from functools import partial; import ts_moe.__main__ as m\n"
         "def families():\n"
-        "    from csrc_free_kernels import swiglu_sm90 as act  # after the arch is set\n"
+        "    from csrc_free_kernels import swiglu_sm90_launch as act\n"
         "    return [('SwiGLU', [partial(act.compiled_kernel, torch.bfloat16, False)])]\n"
         "m.kernel_families = families\n"
         "rc = m.main(['compile'])\n"
         "import os; print(os.environ['CUTE_DSL_ARCH'],\n"
         "                 'csrc_free_kernels.ptx_dump' in sys.modules)\n"
         "sys.exit(rc)\n")
-    env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    env.pop("CUTE_DSL_ARCH", None)
+    # the arch as the demo's child process gets it: set before ts_moe imports the DSL
+    env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
+           "CUTE_DSL_ARCH": "sm_90a"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -155,12 +156,15 @@ def test_compile_command_builds_each_family_in_its_own_process(tmp_path):
 
 def test_kernel_families_name_the_shipped_configurations():
     families = dict(demo_main.kernel_families())
-    from csrc_free_kernels import grouped_gemm_dw_sm90 as dw
-    from csrc_free_kernels import grouped_gemm_sm90 as gemm
+    from csrc_free_kernels import grouped_gemm_dw_sm90_config as dw
+    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as fp8
+    from csrc_free_kernels import grouped_gemm_sm90_config as gemm
 
     assert [b.args[0] for b in families["grouped GEMM"]] == list(gemm.CONFIGS.values())
     assert len(families["grouped GEMM + SwiGLU"]) == len(gemm.CONFIGS)
     assert len(families["k-grouped GEMM (weight gradient)"]) == len(dw.CONFIGS)
+    fp8_family = next(v for k, v in families.items() if k.startswith("FP8"))
+    assert len(fp8_family) == 2 * len(fp8.CONFIGS) + 1
 
 
 @pytest.mark.parametrize("tokens", ["0", "-3", "many"])

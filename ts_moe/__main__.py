@@ -75,31 +75,41 @@ def _say(text: str = "") -> None:
 def kernel_families() -> list[tuple[str, list[Callable[[], object]]]]:
     """The kernel families the layer runs on sm_90, each as thunks that compile one
     configuration through the path the op takes (bf16; the layer's K-major weights)."""
-    from csrc_free_kernels import grouped_gemm_dw_sm90 as dw
-    from csrc_free_kernels import grouped_gemm_sm90 as gemm
-    from csrc_free_kernels import swiglu_sm90 as act
+    from csrc_free_kernels import grouped_gemm_dw_sm90_config as dw_configs
+    from csrc_free_kernels import grouped_gemm_dw_sm90_launch as dw
+    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as fp8_configs
+    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as fp8
+    from csrc_free_kernels import grouped_gemm_sm90 as gemm_classes
+    from csrc_free_kernels import grouped_gemm_sm90_config as gemm_configs
+    from csrc_free_kernels import grouped_gemm_sm90_launch as gemm
+    from csrc_free_kernels import quantize_fp8_sm90_launch as quantize
+    from csrc_free_kernels import swiglu_sm90_launch as act
 
     bf16 = torch.bfloat16
     return [
         ("grouped GEMM", [partial(gemm.compiled_kernel, c, bf16, bf16, False)
-                          for c in gemm.CONFIGS.values()]),
+                          for c in gemm_configs.CONFIGS.values()]),
         ("grouped GEMM + SwiGLU", [partial(gemm.compiled_kernel, c, bf16, bf16, False,
-                                           gemm.GroupedGemmSwigluSm90)
-                                   for c in gemm.CONFIGS.values()]),
+                                           gemm_classes.GroupedGemmSwigluSm90)
+                                   for c in gemm_configs.CONFIGS.values()]),
         ("k-grouped GEMM (weight gradient)", [partial(dw.compiled_kernel, c, bf16, bf16)
-                                              for c in dw.CONFIGS.values()]),
+                                              for c in dw_configs.CONFIGS.values()]),
         ("SwiGLU activation and its gradient", [partial(act.compiled_kernel, bf16, backward)
                                                 for backward in (False, True)]),
+        ("FP8 grouped GEMM, blockwise (plain and SwiGLU), and the quantizer",
+         [partial(fp8.compiled_kernel, c, "blockwise", bf16, swiglu)
+          for c in fp8_configs.CONFIGS.values() for swiglu in (False, True)]
+         + [partial(quantize.compiled_kernel, "blockwise_1x128", bf16)]),
     ]
 
 
 def compile_kernels() -> int:
     """Compile every family for :data:`ARCH` in this process, a line per family."""
-    if "cutlass" in sys.modules and os.environ.get("CUTE_DSL_ARCH") != ARCH:
-        print(f"python -m ts_moe compile: the DSL was imported for another arch; run it in "
-              f"a process of its own", file=sys.stderr)
-        return 2
-    os.environ["CUTE_DSL_ARCH"] = ARCH  # read once, when the DSL is imported
+    if os.environ.get("CUTE_DSL_ARCH") != ARCH:
+        if "cutlass" in sys.modules:  # it read its arch when imported (with ts_moe's ops)
+            return subprocess.call([sys.executable, "-m", "ts_moe", "compile"],
+                                   env=_child_env())
+        os.environ["CUTE_DSL_ARCH"] = ARCH
     os.environ["TS_MOE_NO_DISK_CACHE"] = "1"  # build only: nothing written to the cache
     start = time.perf_counter()
     built = 0
@@ -122,11 +132,17 @@ def _root() -> str:
     return str(Path(__file__).resolve().parent.parent)
 
 
+def _child_env() -> dict:
+    """This environment, the DSL's arch set (it is read when ``cutlass`` is imported, which
+    ``import ts_moe`` does) and this checkout first on the path."""
+    return dict(os.environ, CUTE_DSL_ARCH=ARCH, PYTHONPATH=os.pathsep.join(
+        [_root(), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 def build_in_child(args=("-m", "ts_moe", "compile")) -> str | None:
     """``python -m ts_moe compile`` in a fresh process, its lines shown as they come;
     None on success, else what went wrong."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [_root(), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = _child_env()
     with tempfile.TemporaryFile("w+") as stderr:  # a file: a full pipe would block the child
         proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
                                 stderr=stderr, text=True)
