@@ -6,8 +6,9 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
 (the torch entry points: compile once, launch on the current stream).
 
 - ``grouped_gemm_sm90``: ragged grouped GEMM and fused SwiGLU, Hopper (WGMMA +
-  TMA); ``sm90_epilogue`` its epilogue pieces; ``grouped_gemm_sm90_store_warp``
-  its store-warp variant (opt-in, awaiting a GPU A/B).
+  TMA); ``sm90_mma`` its MMA warpgroups (the walk, the mainloop and its hooks);
+  ``sm90_epilogue`` its epilogue pieces; ``grouped_gemm_sm90_store_warp`` its
+  store-warp variant (opt-in, awaiting a GPU A/B).
 - ``grouped_gemm_dw_sm90``: the k-grouped GEMM (weight gradient), Hopper.
 - ``grouped_gemm_sm100``: ragged grouped GEMM, Blackwell (compile- and
   model-verified only).

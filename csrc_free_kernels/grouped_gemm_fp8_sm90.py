@@ -23,20 +23,18 @@ k32 WGMMAs.  Register budgets and tile limits:
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as cp
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
-from . import pdl
 from .grouped_gemm_fp8_sm90_config import RECIPES, SCALE_BLOCK
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90, Warp
 from .grouped_gemm_sm90_config import SMEM_CAPACITY, TileConfig
-from .sm90_epilogue import mma_operands, stage_to_shared
-from .tile_schedule import TileScheduler
+from .sm90_epilogue import MmaOperands
+from .tile_schedule import WorkTile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,28 +65,46 @@ class FragmentScaleMap:
         return FragmentScaleMap(slot, rep, tuple(c // part_cols for _, c in coords))
 
 
+class ScaleParams(NamedTuple):
+    """The FP8 kernel's ``extra`` (the hooks' parameter of
+    :class:`~csrc_free_kernels.grouped_gemm_sm90.GroupedGemmSm90`): its kernel
+    parameters, then what the kernel binds to them."""
+
+    tma_atom: object          # blockwise: TMA of a k-block's activation scales (else unused)
+    sfa_tma: object           # its (M, KB) tensor (else sfa)
+    sfa: object
+    sfb: object
+    smem_layout: object       # (tile_m, 1, stages): the stages' activation scales
+    smem: object = None       # ...that buffer (bind_shared)
+    part: object = None       # the MMA thread's partial accumulator (bind_mma)
+    coords: object = None     # its (row, col) per accumulator element (bind_mma)
+    fmap: object = None       # the static FragmentScaleMap (bind_mma)
+
+
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
     """Persistent ragged grouped GEMM on e4m3 tokens and weights, fp32 accumulation.
 
     The roles, ring, schedule and epilogue are the base kernel's (LOAD_A loads the token
     box and arms each stage, the LOAD_B warps the weight parts, SCHEDULE builds the
     schedule, one or two MMA warpgroups); weights K-major only (``MmaF8Op`` reads both operands
-    K-major: the (E, K, N) transpose view of the (E, N, K) checkpoint stack).
+    K-major: the (E, K, N) transpose view of the (E, N, K) checkpoint stack).  What differs
+    lives in the base kernel's hooks, with the scales as their ``extra``
+    (:class:`ScaleParams`).
 
     ``recipe`` blockwise: LOAD_A also loads the k-block's column of activation scales
     (``rows`` fp32, one TMA box of the M-major ``sfa``) into the stage, so the scales ride
-    under the stage's one armed byte count.  Per stage, an MMA warpgroup issues four k32
-    WGMMAs into ``part`` (the first overwriting it), waits for them, reads its two rows'
-    scales from the stage, gives the stage back and promotes:
+    under the stage's one armed byte count (:meth:`load_a`).  Per stage, an MMA warpgroup
+    issues four k32 WGMMAs into ``part`` (the first overwriting it), waits for them, reads
+    its two rows' scales from the stage, gives the stage back and promotes:
     ``acc += part * (sfa[row] * sfb[e, block, kb])`` (``sfb`` a uniform global load issued
-    before the stage wait).  With two warpgroups on a 128-row tile one promotes while the
-    other's WGMMAs run: within one warpgroup, keeping a second partial in flight makes
-    ptxas serialize the WGMMAs (C7514).  A warpgroup whose rows are all past the expert's
-    end skips its WGMMAs and promotion, as in the base kernel.
+    before the stage wait; :meth:`mainloop`).  With two warpgroups on a 128-row tile one
+    promotes while the other's WGMMAs run: within one warpgroup, keeping a second partial
+    in flight makes ptxas serialize the WGMMAs (C7514).  A warpgroup whose rows are all
+    past the expert's end skips its WGMMAs and promotion, as in the base kernel.
 
     ``rowwise`` / ``tensorwise``: the same mainloop with ``acc += part``; before the
     epilogue each accumulator is multiplied by ``sfa[row] * sfb[e, col]`` (or the two
-    scalars).
+    scalars; :meth:`scale_accumulators`).
 
     Not supported here: ``pair_tiles`` (refused) and the weight prefetch under PDL.
     """
@@ -149,145 +165,81 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                  num_ctas: cutlass.Int32, stream):
         """mA (M, K) e4m3, mB_ekn (E, K, N) e4m3 K-major, mC (M, N'), mOffs (E,), the
         scales in the recipe's layout (module docstring)."""
-        mB = cute.make_tensor(mB_ekn.iterator, cute.select(mB_ekn.layout, mode=[2, 1, 0]))
-        self._setup(mA.element_type, mC.element_type, LayoutEnum.from_tensor(mA),
-                    LayoutEnum.from_tensor(mB), LayoutEnum.from_tensor(mC))
-        cfg = self.cfg
-        tma_atom_a, mA_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, self.a_box_smem_layout,
-            (cfg.rows, cfg.tile_k))
-        tma_atom_b, mB_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1
-            else cpasync.CopyBulkTensorTileG2SOp(),
-            mB, self.b_part_smem_layout, (self.b_part_n, cfg.tile_k),
-            num_multicast=cfg.cluster_m)
-        # blockwise: a k-block's activation scales, (rows, 1) of the M-major (M, KB) sfa
+        self.launch(mA, mB_ekn, mC, mOffs, (mSFA, mSFB), num_ctas, stream)
+
+    def pair_params(self, mB, tma_atom_b, mB_tma) -> tuple:
+        """None: no pair_tiles here."""
+        return ()
+
+    def extra_params(self, tma_atom_a, mSFA, mSFB) -> ScaleParams:
+        """The scales; blockwise with the TMA atom of a k-block's activation scales,
+        a (rows, 1) box of the M-major (M, KB) ``sfa``.  The other recipes pass the
+        token atom and ``sfa`` in its place, unused."""
         tma_atom_s, mSFA_tma = tma_atom_a, mSFA
         if cutlass.const_expr(self.blockwise):
             tma_atom_s, mSFA_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), mSFA,
-                cute.make_layout((cfg.rows, 1)), (cfg.rows, 1))
-        sfa_words = cute.cosize(self.sfa_smem_layout) if self.blockwise else 32
+                cute.make_layout((self.cfg.rows, 1)), (self.cfg.rows, 1))
+        return ScaleParams(tma_atom_s, mSFA_tma, mSFA, mSFB, self.sfa_smem_layout)
 
-        @cute.struct
-        class SharedStorage:
-            ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            seg_end: cute.struct.MemRange[cutlass.Int32, self.schedule.table_words]
-            tile_end: cute.struct.MemRange[cutlass.Int32, self.schedule.table_words]
-            sSFA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_words], 1024]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout)], 1024]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout)], 1024]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
+    def shared_buffers(self) -> dict:
+        """The stages' activation scales (``sSFA``; one 32-word block, unused, for
+        the recipes without), ahead of the base kernel's buffers."""
+        words = cute.cosize(self.sfa_smem_layout) if self.blockwise else 32
+        return {"sSFA": (cutlass.Float32, words), **super().shared_buffers()}
 
-        self.shared_storage = SharedStorage
-        self.kernel(
-            tma_atom_a, mA_tma, tma_atom_b, mB_tma, tma_atom_s, mSFA_tma, mSFA, mSFB, mC, mOffs,
-            self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
-            self.sfa_smem_layout,
-        ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
-                 cluster=(cfg.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream,
-                 use_pdl=pdl.ENABLED)
+    # ----------------------------------------------------- device: producers
+    @cute.jit
+    def prefetch_extra(self, extra: ScaleParams):
+        if cutlass.const_expr(self.blockwise):
+            cpasync.prefetch_descriptor(extra.tma_atom)
 
-    # -------------------------------------------------------------- device
-    @cute.kernel
-    def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
-               mB: cute.Tensor, tma_atom_s: cute.CopyAtom, mSFA_tma: cute.Tensor,
-               mSFA: cute.Tensor, mSFB: cute.Tensor, mC: cute.Tensor, mOffs: cute.Tensor,
-               tiled_mma: cute.TiledMma, a_smem_layout: cute.ComposedLayout,
-               b_smem_layout: cute.ComposedLayout, epi_smem_layout, sfa_smem_layout):
-        cfg = self.cfg
-        pdl.enter()  # before the first global access (offs, tokens, weights, scales, out)
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        sched = TileScheduler.create(self.schedule, cta_rank, bidx, grid)
-        if warp_idx == Warp.LOAD_A:
-            cpasync.prefetch_descriptor(tma_atom_a)
-            cpasync.prefetch_descriptor(tma_atom_b)
-            if cutlass.const_expr(self.blockwise):
-                cpasync.prefetch_descriptor(tma_atom_s)
-
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        m_rows, n_cols = mC.shape
-        sched = sched.bind(storage, mOffs.shape[0], n_cols, self.out_tile_n)
-        k_tiles = (mA.shape[1] + cfg.tile_k - 1) // cfg.tile_k
-        if warp_idx == Warp.SCHEDULE:
-            sched.build(mOffs, m_rows)
-        cute.arch.sync_threads()  # the schedule, for every role
-
-        ring = self.make_ring(storage.ring_barriers.data_ptr(), warp_idx)  # syncs the cluster
-        sched = sched.with_total()
-
-        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
-        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
-        sC = self.epilogue_buffers(storage, epi_smem_layout)
-        sSFA = storage.sSFA.get_tensor(sfa_smem_layout)
-
-        if warp_idx < Warp.MMA:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx <= Warp.LOAD_B + cfg.b_warps - 1:
-                self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_s, mSFA_tma, sA, sB, sSFA,
-                             ring, warp_idx, sched, k_tiles, n_cols)
-        else:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tiled_mma, mC, mSFA, mSFB, sA, sB, sC, sSFA, ring,
-                         tidx - 32 * Warp.MMA, sched, k_tiles)
+    def bind_shared(self, storage, extra: ScaleParams) -> ScaleParams:
+        return extra._replace(smem=storage.sSFA.get_tensor(extra.smem_layout))
 
     @cute.jit
-    def produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_s, mSFA, sA, sB, sSFA, ring,
-                warp_idx, sched: TileScheduler, k_tiles, n_cols):
-        """LOAD_A: each stage's token box (and, blockwise, its k-block of activation
-        scales), arming the stage with all its bytes; the LOAD_B warps: a weight part
-        each (:meth:`GroupedGemmSm90.load_b`)."""
+    def load_stage(self, warp_idx, k, stage, bar, a_load, b_load, issued, extra):
+        # the loading warps are LOAD_A and the LOAD_B warps: one test tells them
+        # apart (the branch these builds compile; no weight prefetch to count)
+        if warp_idx == Warp.LOAD_A:
+            self.load_a(*a_load, k, stage, bar, extra)
+        else:
+            self.load_weights(warp_idx, k, stage, bar, b_load)
+        return issued
+
+    def token_tiles(self, tma_atom_a, mA, sA_box, row0, extra: ScaleParams) -> tuple:
+        """The base kernel's token partitions ``(dst, src)``, then the same of the
+        stages' scale columns and, blockwise, of the (rows, 1, k-blocks)
+        activation scales from ``row0`` (else the token partitions again)."""
         cfg = self.cfg
-        cta_rank, lead, total_tiles = sched.cta_rank, sched.lead, sched.total_tiles
-        sA_box = cute.flat_divide(sA, (cfg.rows, cfg.tile_k))[None, None, 0, 0, None]
-        # (rows, 1, stages): the filled rows of each stage's scale column
-        sS_box = cute.flat_divide(sSFA, (cfg.rows, 1))[None, None, 0, 0, None]
-        sB_parts = cute.flat_divide(sB, (self.b_part_n, cfg.tile_k))
-        gB = cute.local_tile(mB, (self.b_part_n, cfg.tile_k), (None, None, None))
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b, cta_rank, cute.make_layout(cfg.cluster_m),
-            cute.group_modes(sB_parts, 0, 2), cute.group_modes(gB, 0, 2))
-        state = cp.make_pipeline_state(cp.PipelineUserType.Producer, self.stages)
-        t = sched.first
-        while t - lead < total_tiles:
-            expert, row0, _, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
-            if expert < sched.num_experts:
-                gA = cute.local_tile(cute.domain_offset((row0, 0), mA),
-                                     (cfg.rows, cfg.tile_k), (0, None))
-                tAsA, tAgA = cpasync.tma_partition(
-                    tma_atom_a, 0, cute.make_layout(1),
-                    cute.group_modes(sA_box, 0, 2), cute.group_modes(gA, 0, 2))
-                tSsS, tSgS = tAsA, tAgA
-                if cutlass.const_expr(self.blockwise):
-                    # (rows, 1, k-blocks) of scales starting at row0
-                    gS = cute.local_tile(cute.domain_offset((row0, 0), mSFA), (cfg.rows, 1),
-                                         (0, None))
-                    tSsS, tSgS = cpasync.tma_partition(
-                        tma_atom_s, 0, cute.make_layout(1),
-                        cute.group_modes(sS_box, 0, 2), cute.group_modes(gS, 0, 2))
-                for k in cutlass.range(k_tiles, unroll=1):
-                    ring.producer_acquire(state)
-                    bar = ring.producer_get_barrier(state)
-                    if warp_idx == Warp.LOAD_A:
-                        cute.copy(tma_atom_a, tAgA[None, k], tAsA[None, state.index],
-                                  tma_bar_ptr=bar)
-                        if cutlass.const_expr(self.blockwise):
-                            cute.copy(tma_atom_s, tSgS[None, k], tSsS[None, state.index],
-                                      tma_bar_ptr=bar)
-                    else:
-                        self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b, tBgB, tBsB,
-                                    cutlass.Int32(1), warp_idx - Warp.LOAD_B, n_tile, n_cols, k,
-                                    expert, state.index, bar)
-                    state.advance()
-            t += sched.step
-        ring.producer_tail(state)
+        tAsA, tAgA = super().token_tiles(tma_atom_a, mA, sA_box, row0, extra)
+        tSsS, tSgS = tAsA, tAgA
+        if cutlass.const_expr(self.blockwise):
+            # (rows, 1, stages): the filled rows of each stage's scale column
+            sS_box = cute.flat_divide(extra.smem, (cfg.rows, 1))[None, None, 0, 0, None]
+            gS = cute.local_tile(cute.domain_offset((row0, 0), extra.sfa_tma), (cfg.rows, 1),
+                                 (0, None))
+            tSsS, tSgS = cpasync.tma_partition(
+                extra.tma_atom, 0, cute.make_layout(1),
+                cute.group_modes(sS_box, 0, 2), cute.group_modes(gS, 0, 2))
+        return tAsA, tAgA, tSsS, tSgS
+
+    @cute.jit
+    def load_a(self, tma_atom_a, a_tiles, k, stage, bar, extra: ScaleParams):
+        """The token box and, blockwise, the k-block's activation scales: two TMA
+        loads under the stage's one armed byte count (``stage_bytes``)."""
+        tAsA, tAgA, tSsS, tSgS = a_tiles
+        cute.copy(tma_atom_a, tAgA[None, k], tAsA[None, stage], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.blockwise):
+            cute.copy(extra.tma_atom, tSgS[None, k], tSsS[None, stage], tma_bar_ptr=bar)
+
+    # ------------------------------------------------- device: MMA warpgroups
+    def bind_mma(self, tiled_mma, acc, ctid, extra: ScaleParams) -> ScaleParams:
+        """With the partial accumulator, the thread's (row, col) per accumulator
+        element and the static scale map."""
+        return extra._replace(part=cute.make_rmem_tensor(acc.layout, self.acc_dtype),
+                              coords=self.tile_coords(tiled_mma, ctid),
+                              fmap=self.fragment_scale_map(tiled_mma))
 
     def tile_coords(self, tiled_mma, ctid):
         """MMA thread ``ctid``'s ``(row, col)`` in the tile of each accumulator element
@@ -302,91 +254,66 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             [tuple(coords[i]) for i in range(cute.size(coords))],
             self.cfg.tile_n // self.scale_parts)
 
+    @cute.jit
+    def mainloop(self, tiled_mma, ops: MmaOperands, ring, read, release, k_tiles, mma_rows,
+                 wg_row0, tile: WorkTile, n_cols, extra: ScaleParams):
+        """Per stage: four k32 WGMMAs into ``part``, waited for, the stage given
+        back, then promoted into ``acc`` (blockwise times ``sfa[row] * sfb``, else
+        as they are).  Each stage is released as soon as its WGMMAs are done:
+        ``release`` is returned as it came."""
+        acc, part, cC, fmap = ops.acc, extra.part, extra.coords, extra.fmap
+        tCrA, tCrB, sSFA = ops.a, ops.b, extra.smem
+        n_slots = len(fmap.row_rep)
+        k_blocks = cute.size(tCrA, mode=[2])
+        for k in cutlass.range(k_tiles, unroll=1):
+            sb = [cutlass.Float32(1.0)]
+            if cutlass.const_expr(self.blockwise):
+                sb = self.load_sfb(extra.sfb, tile.expert, tile.n_tile, n_cols, k)
+            ring.consumer_wait(read)
+            if mma_rows > wg_row0:
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
+                    cute.gemm(tiled_mma, part, tCrA[None, None, kb, read.index],
+                              tCrB[None, None, kb, read.index], part)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.blockwise):
+                    # scale_a of the thread's rows in this stage, times scale_b
+                    sa = [sSFA[cC[fmap.row_rep[h]][0], 0, read.index]
+                          for h in range(n_slots)]
+                    ring.consumer_release(read)
+                    scale = [[sa[h] * sb[p] for p in range(self.scale_parts)]
+                             for h in range(n_slots)]
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] + part[i] * scale[fmap.row_slot[i]][fmap.part[i]]
+                else:
+                    ring.consumer_release(read)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] + part[i]
+            else:
+                ring.consumer_release(read)
+            read.advance()
+        return read, release
+
     def load_sfb(self, mSFB, expert, n_tile, n_cols, k):
         """Blockwise: the tile's weight scales of k-block ``k``, one per scale part."""
         return [mSFB[expert, self.scale_block_row(n_tile, p, n_cols) // SCALE_BLOCK, k]
                 for p in range(self.scale_parts)]
 
     @cute.jit
-    def consume(self, tiled_mma, mC, mSFA, mSFB, sA, sB, sC, sSFA, ring, ctid,
-                sched: TileScheduler, k_tiles):
-        """Each tile of the CTA's walk: the promoting mainloop, the recipe's epilogue
-        scales, then the base kernel's epilogue (registers -> ``stmatrix`` -> 16-byte
-        predicated stores of the expert's rows)."""
-        cfg = self.cfg
-        tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
-                                       self.acc_dtype)
-        part = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
-        # this thread's (row, col) per accumulator element, and the static scale map
-        cC = self.tile_coords(tiled_mma, ctid)
-        fmap = self.fragment_scale_map(tiled_mma)
-        n_slots = len(fmap.row_rep)
-        k_blocks = cute.size(tCrA, mode=[2])
-
-        staged = stage_to_shared(
-            tiled_mma, acc, sC, ctid, self.c_layout, self.c_dtype, self.acc_dtype)
-        stores = self.tile_stores(sC, ctid)
-        wg_row0 = 0
-        if cutlass.const_expr(cfg.mma_warpgroups > 1):
-            wg_row0 = cute.arch.make_warp_uniform(ctid // 128) * 64
-
-        read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
-        lead, total_tiles = sched.lead, sched.total_tiles
-        n_cols = mC.shape[1]
-        t = sched.first
-        epi_count = cutlass.Int32(0)
-        while t - lead < total_tiles:
-            expert, row0, seg_end, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
-            rows_valid = self.stored_rows(row0, seg_end, t, total_tiles)
-            acc.fill(0.0)
-            if expert < sched.num_experts:
-                for k in cutlass.range(k_tiles, unroll=1):
-                    sb = [cutlass.Float32(1.0)]
-                    if cutlass.const_expr(self.blockwise):
-                        sb = self.load_sfb(mSFB, expert, n_tile, n_cols, k)
-                    ring.consumer_wait(read)
-                    if rows_valid > wg_row0:
-                        warpgroup.fence()
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb > 0)
-                            cute.gemm(tiled_mma, part, tCrA[None, None, kb, read.index],
-                                      tCrB[None, None, kb, read.index], part)
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        if cutlass.const_expr(self.blockwise):
-                            # scale_a of the thread's rows in this stage, times scale_b
-                            sa = [sSFA[cC[fmap.row_rep[h]][0], 0, read.index]
-                                  for h in range(n_slots)]
-                            ring.consumer_release(read)
-                            scale = [[sa[h] * sb[p] for p in range(self.scale_parts)]
-                                     for h in range(n_slots)]
-                            for i in cutlass.range_constexpr(cute.size(acc)):
-                                acc[i] = acc[i] + part[i] * scale[fmap.row_slot[i]][fmap.part[i]]
-                        else:
-                            ring.consumer_release(read)
-                            for i in cutlass.range_constexpr(cute.size(acc)):
-                                acc[i] = acc[i] + part[i]
-                    else:
-                        ring.consumer_release(read)
-                    read.advance()
-                if cutlass.const_expr(not self.blockwise):
-                    self.scale_accumulators(acc, cC, fmap, mSFA, mSFB, expert, row0, n_tile,
-                                            n_cols)
-
-            epi_count = self.epilogue(staged, stores, mC, row0, n_tile, rows_valid, epi_count)
-            t += sched.step
-
-    @cute.jit
-    def scale_accumulators(self, acc, cC, fmap: FragmentScaleMap, mSFA, mSFB, expert, row0,
-                           n_tile, n_cols):
+    def scale_accumulators(self, acc, tile: WorkTile, n_cols, extra: ScaleParams):
         """Rowwise: ``acc[i] *= sfa[row] * sfb[e, col]`` (weight column ``col`` of the
         element's part, row and column clamped in bounds: rows past M and columns past N
-        are never stored); tensorwise: ``acc *= sfa[0] * sfb[e]``."""
+        are never stored); tensorwise: ``acc *= sfa[0] * sfb[e]``; blockwise: nothing
+        (the mainloop applied the scales)."""
+        mSFA, mSFB, cC, fmap = extra.sfa, extra.sfb, extra.coords, extra.fmap
+        expert, row0, _, n_tile = tile
         if cutlass.const_expr(self.recipe == "tensorwise"):
             s = mSFA[0] * mSFB[expert]
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = acc[i] * s
-        else:
+        elif cutlass.const_expr(self.recipe == "rowwise"):
             last_row = mSFA.shape[0] - 1
             last_col = mSFB.shape[1] - 1
             sa = [mSFA[cutlass.min(row0 + cC[fmap.row_rep[h]][0], last_row)]

@@ -14,15 +14,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as cp
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 import ts_pipeline
 
 from . import pdl
 from .grouped_gemm_sm90_config import MAX_EXPERTS, SMEM_CAPACITY, TileConfig
-from .sm90_epilogue import (RaggedTileEpilogue, mma_operands, mma_stage, release_stage,
-                            stage_to_shared)
+from .sm90_mma import RaggedTileMma
 from .tile_schedule import RaggedTileSchedule, TileScheduler
 
 
@@ -41,7 +40,7 @@ class Barrier(enum.IntEnum):
     EPILOGUE = 1   # an epilogue sub-tile is in shared memory
 
 
-class GroupedGemmSm90(RaggedTileEpilogue):
+class GroupedGemmSm90(RaggedTileMma):
     """Persistent ragged grouped GEMM, ``C[rows of e] = A[rows of e] @ B[e]``.
 
     Warp roles (:class:`Warp`; one CTA per SM, ``128 * (1 + mma_warpgroups)`` threads):
@@ -80,9 +79,16 @@ class GroupedGemmSm90(RaggedTileEpilogue):
     told so).  Honoured with one CTA per cluster (:meth:`prefetch_supported`);
     otherwise off.
 
-    Hooks for variants (subclasses): :meth:`b_part_coord` (where a weight part
-    lies), :meth:`extra_roles` (work for the producer warps that load
-    nothing), and the epilogue's, inherited from
+    Hooks for variants (subclasses; the FP8 kernel's scales use them):
+    :meth:`extra_params` builds the kernel's ``extra`` parameters, handed to
+    every device hook; :meth:`shared_buffers` adds shared memory,
+    :meth:`bind_shared` binds it; the producers' :meth:`prefetch_extra`,
+    :meth:`token_tiles` and :meth:`load_a` (LOAD_A's loads of a tile and of a
+    stage), :meth:`load_stage` (which warp loads what), :meth:`b_part_coord`
+    (where a weight part lies), :meth:`extra_roles` (work for the producer
+    warps that load nothing); the MMA warpgroups' ``bind_mma``, ``mainloop``
+    and ``scale_accumulators``, inherited from
+    :class:`csrc_free_kernels.sm90_mma.RaggedTileMma`; the epilogue's, from
     :class:`csrc_free_kernels.sm90_epilogue.RaggedTileEpilogue`:
     ``epilogue_fragment`` (the accumulators -> output values),
     ``make_epi_smem_layout``, ``epilogue_buffers``, ``tile_stores`` and
@@ -174,6 +180,12 @@ class GroupedGemmSm90(RaggedTileEpilogue):
     def __call__(self, mA: cute.Tensor, mB_ekn: cute.Tensor, mC: cute.Tensor,
                  mOffs: cute.Tensor, num_ctas: cutlass.Int32, stream):
         """mA (M, K), mB_ekn (E, K, N) as torch lays it out, mC (M, N), mOffs (E,)."""
+        self.launch(mA, mB_ekn, mC, mOffs, (), num_ctas, stream)
+
+    @cute.jit
+    def launch(self, mA, mB_ekn, mC, mOffs, inputs: tuple, num_ctas, stream):
+        """Set up for these operands and launch :meth:`kernel`; ``inputs``: the
+        tensors a subclass's ``__call__`` takes besides (for :meth:`extra_params`)."""
         # (N, K, E): CuTe's B convention
         mB = cute.make_tensor(mB_ekn.iterator, cute.select(mB_ekn.layout, mode=[2, 1, 0]))
         self._setup(mA.element_type, mC.element_type, LayoutEnum.from_tensor(mA),
@@ -187,41 +199,58 @@ class GroupedGemmSm90(RaggedTileEpilogue):
             else cpasync.CopyBulkTensorTileG2SOp(),
             mB, self.b_part_smem_layout, (self.b_part_n, cfg.tile_k),
             num_multicast=cfg.cluster_m)
-        # pair_tiles: whole weight parts for a pair whose tiles differ
-        tma_atom_b1, mB1_tma = tma_atom_b, mB_tma
-        if cutlass.const_expr(cfg.pair_tiles):
-            tma_atom_b1, mB1_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mB, self.b_part_smem_layout,
-                (self.b_part_n, cfg.tile_k))
-
-        @cute.struct
-        class SharedStorage:
-            ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            seg_end: cute.struct.MemRange[cutlass.Int32, self.schedule.table_words]
-            tile_end: cute.struct.MemRange[cutlass.Int32, self.schedule.table_words]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout)], 1024]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout)], 1024]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.storage_struct = self.shared_storage()  # sized on the host
         self.kernel(
-            tma_atom_a, mA_tma, tma_atom_b, mB_tma, tma_atom_b1, mB1_tma, mC, mOffs,
-            self.tiled_mma,
+            tma_atom_a, mA_tma, tma_atom_b, mB_tma, self.pair_params(mB, tma_atom_b, mB_tma),
+            self.extra_params(tma_atom_a, *inputs), mC, mOffs, self.tiled_mma,
             self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout,
         ).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
                  cluster=(cfg.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream,
                  use_pdl=pdl.ENABLED)
 
+    def pair_params(self, mB, tma_atom_b, mB_tma) -> tuple:
+        """The kernel's ``pair`` parameters: with ``pair_tiles``, the TMA atom and
+        tensor of whole weight parts (for a pair whose tiles differ, each CTA loads
+        its own); otherwise the multicast atom's again, unused (the compiled
+        signature is the same for every configuration)."""
+        if cutlass.const_expr(self.cfg.pair_tiles):
+            tma_atom_b, mB_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mB, self.b_part_smem_layout,
+                (self.b_part_n, self.cfg.tile_k))
+        return tma_atom_b, mB_tma
+
+    def extra_params(self, tma_atom_a) -> tuple:
+        """The kernel's ``extra`` parameters, from the token atom and the
+        ``inputs`` of :meth:`launch`: what a subclass's hooks read (none here)."""
+        return ()
+
+    def shared_buffers(self) -> dict:
+        """The 1024-aligned shared-memory buffers, in order: name -> (element type,
+        elements).  A subclass adds its own (the kernel binds them in
+        :meth:`bind_shared`)."""
+        return {"sA": (self.a_dtype, cute.cosize(self.a_smem_layout)),
+                "sB": (self.b_dtype, cute.cosize(self.b_smem_layout)),
+                "sC": (self.c_dtype, cute.cosize(self.epi_smem_layout))}
+
+    def shared_storage(self):
+        """The kernel's shared memory: the ring's barriers, the schedule's tables,
+        then :meth:`shared_buffers`."""
+        fields = {
+            "ring_barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
+            "seg_end": cute.struct.MemRange[cutlass.Int32, self.schedule.table_words],
+            "tile_end": cute.struct.MemRange[cutlass.Int32, self.schedule.table_words],
+            **{name: cute.struct.Align[cute.struct.MemRange[dtype, size], 1024]
+               for name, (dtype, size) in self.shared_buffers().items()}}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     # -------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA: cute.Tensor, tma_atom_b: cute.CopyAtom,
-               mB: cute.Tensor, tma_atom_b1: cute.CopyAtom, mB1: cute.Tensor, mC: cute.Tensor,
-               mOffs: cute.Tensor, tiled_mma: cute.TiledMma,
-               a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
-               epi_smem_layout):
+               mB: cute.Tensor, pair: tuple, extra: tuple, mC: cute.Tensor, mOffs: cute.Tensor,
+               tiled_mma: cute.TiledMma, a_smem_layout: cute.ComposedLayout,
+               b_smem_layout: cute.ComposedLayout, epi_smem_layout):
+        """``pair``: :meth:`pair_params`; ``extra``: :meth:`extra_params`, handed to
+        the hooks."""
         cfg = self.cfg
         early = self.prefetch_weights
         if cutlass.const_expr(not early):
@@ -236,9 +265,10 @@ class GroupedGemmSm90(RaggedTileEpilogue):
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
             if cutlass.const_expr(cfg.pair_tiles):
-                cpasync.prefetch_descriptor(tma_atom_b1)
+                cpasync.prefetch_descriptor(pair[0])
+            self.prefetch_extra(extra)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage_struct)
         m_rows, n_cols = mC.shape
         sched = sched.bind(storage, mOffs.shape[0], n_cols, self.out_tile_n)
         k_tiles = (mA.shape[1] + cfg.tile_k - 1) // cfg.tile_k
@@ -252,6 +282,7 @@ class GroupedGemmSm90(RaggedTileEpilogue):
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sC = self.epilogue_buffers(storage, epi_smem_layout)
+        extra = self.bind_shared(storage, extra)
 
         last_b_warp = Warp.LOAD_B + cfg.b_warps - 1
         if warp_idx < Warp.MMA:
@@ -260,14 +291,24 @@ class GroupedGemmSm90(RaggedTileEpilogue):
                 if warp_idx == Warp.LOAD_A or warp_idx > last_b_warp:
                     pdl.enter()  # the weight warps wait in produce()
             if warp_idx <= last_b_warp:
-                self.produce(tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring,
-                             warp_idx, sched, k_tiles, n_cols)
+                self.produce(tma_atom_a, mA, tma_atom_b, mB, pair, sA, sB, ring, warp_idx,
+                             sched, k_tiles, n_cols, extra)
             self.extra_roles(warp_idx, mC, sC, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             if cutlass.const_expr(early):
                 pdl.enter()
-            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 32 * Warp.MMA, sched, k_tiles)
+            self.consume(tiled_mma, mC, sA, sB, sC, ring, tidx - 32 * Warp.MMA, sched, k_tiles,
+                         extra)
+
+    def prefetch_extra(self, extra):
+        """LOAD_A, at start: prefetch the descriptors of the ``extra`` TMA atoms
+        (none here)."""
+
+    def bind_shared(self, storage, extra):
+        """``extra`` with the subclass's shared-memory buffers of ``storage``
+        bound (as tensors), for every role: ``extra`` as is here."""
+        return extra
 
     def extra_roles(self, warp_idx, mC, sC, sched: TileScheduler):
         """Work for the producer warpgroup's warps besides the loads, traced after
@@ -289,8 +330,10 @@ class GroupedGemmSm90(RaggedTileEpilogue):
             is_task_warp_leader=warp_idx == Warp.LOAD_A)
 
     @cute.jit
-    def produce(self, tma_atom_a, mA, tma_atom_b, mB, tma_atom_b1, mB1, sA, sB, ring, warp_idx,
-                sched: TileScheduler, k_tiles, n_cols):
+    def produce(self, tma_atom_a, mA, tma_atom_b, mB, pair, sA, sB, ring, warp_idx,
+                sched: TileScheduler, k_tiles, n_cols, extra):
+        """LOAD_A: each stage's token box (:meth:`load_a`), arming the stage with all
+        its bytes; the LOAD_B warps: a weight part each (:meth:`load_b`)."""
         cfg = self.cfg
         cta_rank, lead, total_tiles = sched.cta_rank, sched.lead, sched.total_tiles
         # (rows, tile_k, stages): the token box, the first rows of each A stage
@@ -303,9 +346,10 @@ class GroupedGemmSm90(RaggedTileEpilogue):
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b, cta_rank, cute.make_layout(cfg.cluster_m),
             cute.group_modes(sB_parts, 0, 2), cute.group_modes(gB, 0, 2))
-        tBsB1, tBgB1 = tBsB, tBgB
+        tma_atom_b1, tBsB1, tBgB1 = tma_atom_b, tBsB, tBgB
         if cutlass.const_expr(cfg.pair_tiles):
             # the same, whole parts, loaded by this CTA alone
+            tma_atom_b1, mB1 = pair
             tBsB1, tBgB1 = cpasync.tma_partition(
                 tma_atom_b1, 0, cute.make_layout(1), cute.group_modes(sB_parts, 0, 2),
                 cute.group_modes(cute.local_tile(mB1, (self.b_part_n, cfg.tile_k),
@@ -332,33 +376,60 @@ class GroupedGemmSm90(RaggedTileEpilogue):
                     shared = cutlass.Int32(0)
                 run = t - lead < total_tiles
             if run:
-                # (rows, tile_k, k-tiles) of tokens starting at row0
-                gA = cute.local_tile(cute.domain_offset((row0, 0), mA),
-                                     (cfg.rows, cfg.tile_k), (0, None))
-                tAsA, tAgA = cpasync.tma_partition(
-                    tma_atom_a, 0, cute.make_layout(1),
-                    cute.group_modes(sA_box, 0, 2), cute.group_modes(gA, 0, 2))
+                a_load = (tma_atom_a, self.token_tiles(tma_atom_a, mA, sA_box, row0, extra))
+                b_load = (tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1, shared, n_tile,
+                          n_cols, expert)
                 for k in cutlass.range(k_tiles, unroll=1):
                     ring.producer_acquire(state)
                     bar = ring.producer_get_barrier(state)
-                    if warp_idx == Warp.LOAD_A:
-                        cute.copy(tma_atom_a, tAgA[None, k], tAsA[None, state.index],
-                                  tma_bar_ptr=bar)
-                    if warp_idx >= Warp.LOAD_B:
-                        self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1,
-                                    shared, warp_idx - Warp.LOAD_B, n_tile, n_cols, k, expert,
-                                    state.index, bar)
-                        if cutlass.const_expr(self.prefetch_weights):
-                            # the ring is full: wait for the kernel ahead
-                            issued += 1
-                            if issued == self.stages:
-                                pdl.enter()
+                    issued = self.load_stage(warp_idx, k, state.index, bar, a_load, b_load,
+                                             issued, extra)
                     state.advance()
             t += sched.step
         if cutlass.const_expr(self.prefetch_weights):
             if warp_idx >= Warp.LOAD_B and issued < self.stages:
                 pdl.enter()  # fewer k-tiles than stages in the whole walk
         ring.producer_tail(state)
+
+    @cute.jit
+    def load_stage(self, warp_idx, k, stage, bar, a_load, b_load, issued, extra):
+        """This warp's loads of k-tile ``k`` into ``stage``: LOAD_A's token box
+        (:meth:`load_a` of ``a_load``), a LOAD_B warp's weight part (:meth:`load_b`
+        of ``b_load``).  Returns ``issued``, the weight stages loaded (counted with
+        ``prefetch_weights``: the ring is full after ``stages``, then the weight
+        warps wait for the kernel ahead)."""
+        if warp_idx == Warp.LOAD_A:
+            self.load_a(*a_load, k, stage, bar, extra)
+        if warp_idx >= Warp.LOAD_B:
+            self.load_weights(warp_idx, k, stage, bar, b_load)
+            if cutlass.const_expr(self.prefetch_weights):
+                issued += 1
+                if issued == self.stages:
+                    pdl.enter()
+        return issued
+
+    def load_weights(self, warp_idx, k, stage, bar, b_load):
+        """A LOAD_B warp's part of k-tile ``k`` (``b_load``: the atoms and
+        partitions of :meth:`load_b`, ``shared``, ``n_tile``, ``n_cols``, ``expert``)."""
+        tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1, shared, n_tile, n_cols, expert = b_load
+        self.load_b(tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1, shared,
+                    warp_idx - Warp.LOAD_B, n_tile, n_cols, k, expert, stage, bar)
+
+    def token_tiles(self, tma_atom_a, mA, sA_box, row0, extra) -> tuple:
+        """LOAD_A, per tile: the TMA partition of the (rows, tile_k, k-tiles) tokens
+        from ``row0`` (source) and of the stages' token boxes ``sA_box``
+        (destination), as ``(dst, src)``."""
+        cfg = self.cfg
+        gA = cute.local_tile(cute.domain_offset((row0, 0), mA), (cfg.rows, cfg.tile_k), (0, None))
+        return cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1),
+                                     cute.group_modes(sA_box, 0, 2), cute.group_modes(gA, 0, 2))
+
+    @cute.jit
+    def load_a(self, tma_atom_a, a_tiles, k, stage, bar, extra):
+        """LOAD_A: k-tile ``k`` of the token box into ``stage`` (``a_tiles``:
+        :meth:`token_tiles`), counted by the stage's full barrier ``bar``."""
+        tAsA, tAgA = a_tiles
+        cute.copy(tma_atom_a, tAgA[None, k], tAsA[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
     def load_b(self, tma_atom_b, tBgB, tBsB, tma_atom_b1, tBgB1, tBsB1, shared, part, n_tile,
@@ -383,79 +454,6 @@ class GroupedGemmSm90(RaggedTileEpilogue):
     def b_part_coord(self, n_tile, part, n_cols):
         """Index (in ``b_part_n`` rows) of weight part ``part`` of n-tile ``n_tile``."""
         return n_tile * self.cfg.b_warps + part
-
-    @cute.jit
-    def consume(self, tiled_mma, mC, sA, sB, sC, ring, ctid, sched: TileScheduler, k_tiles):
-        """The MMAs and epilogue of every tile of the CTA's walk; ``ctid`` the
-        thread's index among the MMA threads."""
-        cfg = self.cfg
-        tCrA, tCrB, acc = mma_operands(tiled_mma, sA, sB, ctid, (cfg.tile_m, cfg.tile_n),
-                                       self.acc_dtype)
-
-        # epilogue: registers -> shared (stmatrix) -> global (16-byte predicated)
-        staged = stage_to_shared(
-            tiled_mma, acc, sC, ctid, self.c_layout, self.c_dtype, self.acc_dtype)
-        stores = self.tile_stores(sC, ctid)
-        m_subs, _, _ = self.epi_subtiles()
-        assert cute.size(staged.acc, mode=[1]) == m_subs and cute.size(staged.acc, mode=[2]) == 1, \
-            (staged.acc.layout, self.epi_tile)
-        # the first tile row of this thread's warpgroup: with both warpgroups
-        # on one tile (64 rows each), one whose rows are all past the
-        # expert's end skips its MMAs, and the tensor cores run the other's
-        # alone: a part-empty last m-tile costs about what its rows need
-        wg_row0 = 0
-        if cutlass.const_expr(cfg.mma_warpgroups > 1):
-            wg_row0 = cute.arch.make_warp_uniform(ctid // 128) * 64
-
-        read = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
-        release = cp.make_pipeline_state(cp.PipelineUserType.Consumer, self.stages)
-        lead, total_tiles = sched.lead, sched.total_tiles
-        t = sched.first
-        epi_count = cutlass.Int32(0)
-        while t - lead < total_tiles:
-            expert, row0, seg_end, n_tile = sched.work_tile(cutlass.min(t, total_tiles - 1))
-            # rows of this expert in this CTA's tile (<= 0: the spare half of a
-            # cluster tile, which still takes its share of the multicast but
-            # skips the MMAs: idle tensor cores leave power to clock the others
-            # higher)
-            rows_valid = self.stored_rows(row0, seg_end, t, total_tiles)
-            mma_rows = rows_valid
-            run = expert < sched.num_experts
-            if cutlass.const_expr(cfg.pair_tiles):
-                # every stage the pair's producers fill: the tile missing from
-                # a pair stores nothing (stored_rows), the zero tail computes nothing
-                if expert >= sched.num_experts:
-                    run = t - lead < total_tiles  # true in the loop: run the stages
-                    mma_rows = cutlass.Int32(0)
-            acc.fill(0.0)
-            if run:
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.fence()
-                for k in cutlass.range(k_tiles, unroll=1):
-                    ring.consumer_wait(read)
-                    if mma_rows > wg_row0:
-                        mma_stage(tiled_mma, acc, tCrA, tCrB, read.index)
-                    warpgroup.commit_group()
-                    # keep one k-tile of WGMMA in flight; free the one before it
-                    if k > 0:
-                        release_stage(ring, release, 1)
-                        release.advance()
-                    read.advance()
-                release_stage(ring, release, 0)
-                release.advance()
-            epi_count = self.epilogue(staged, stores, mC, row0, n_tile, rows_valid, epi_count)
-            t += sched.step
-
-    @cute.jit
-    def stored_rows(self, row0, seg_end, t, total_tiles):
-        """Rows of tile ``t`` that its epilogue stores: the expert's rows in this
-        CTA's tile (<= 0: the spare half of a cluster tile); none for the tile
-        missing from a pair (``t`` past the walk's end)."""
-        rows = cutlass.min(seg_end - row0, self.cfg.rows)
-        if cutlass.const_expr(self.cfg.pair_tiles):
-            if t >= total_tiles:
-                rows = cutlass.Int32(0)
-        return rows
 
 
 class GroupedGemmSwigluSm90(GroupedGemmSm90):
