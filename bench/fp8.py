@@ -137,8 +137,9 @@ def reference(case: Case, device: torch.device) -> Bind:
 
 
 def ts_moe_fp8(case: Case, device: torch.device) -> Bind:
-    """:func:`ts_moe.scaled_grouped_gemm` with the case's recipe; on a CUDA device where
-    it would not run ts_moe's FP8 kernel (its fallback would be timed): unavailable."""
+    """:func:`ts_moe.scaled_grouped_gemm` with the case's recipe, ts_moe's FP8 kernels
+    turned on (:func:`ts_moe.use_fp8_kernels`: opt-in until they pass on a GPU); on a
+    CUDA device where it would not run them (its fallback would be timed): unavailable."""
     import ts_moe
     from ts_moe.fp8 import paths
     from ts_moe.fp8.recipes import PAIRS
@@ -147,6 +148,7 @@ def ts_moe_fp8(case: Case, device: torch.device) -> Bind:
 
     def bind(inp: Fp8Inputs):
         if device.type == "cuda":
+            paths.use_fp8_kernels(True)
             path = paths.scaled_path(inp.a, PAIRS[(act, weight)], case.K, case.N,
                                      torch.bfloat16, case.E)
             if path is not paths.Fp8Path.KERNEL_SM90:

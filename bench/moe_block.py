@@ -352,6 +352,8 @@ def ts_moe_fp8_block(recipe: str) -> Factory:
         import ts_moe
         from ts_moe.fp8 import paths
 
+        if device.type == "cuda":
+            paths.use_fp8_kernels(True)  # opt-in until they pass on a GPU
         if device.type == "cuda" and (torch.cuda.get_device_capability(device) != (9, 0)
                                       or paths.gemm_kernels() is None):
             raise Unavailable("no ts_moe FP8 kernels for this GPU")

@@ -12,6 +12,15 @@ from ts_moe.fp8.paths import Fp8Path
 from ts_moe.fp8.recipes import PAIRS as RECIPE_PAIRS
 from ts_moe.fp8.reference import dequantize, quantize_reference
 
+
+@pytest.fixture(autouse=True)
+def fp8_kernels():
+    """The op's sm_90 FP8 kernel path is opt-in (ts_moe.use_fp8_kernels): these
+    tests are what takes it out of opt-in."""
+    ts_moe.use_fp8_kernels(True)
+    yield
+    ts_moe.use_fp8_kernels(False)
+
 from .test_fp8_layer import fp8_layer, reference64
 from .test_fp8_ops import BAD, PAIRS, _call, _outcome, assert_rows_close, ref64
 

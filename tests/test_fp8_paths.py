@@ -11,6 +11,7 @@ from ts_moe.fp8 import paths, quantize, scaled_ops
 from ts_moe.fp8.paths import Fp8Path, choose_fp8_path
 from ts_moe.fp8.recipes import PAIRS as RECIPE_PAIRS
 from ts_moe.fp8.reference import quantize_reference, scaled_grouped_gemm_reference
+from ts_moe.ops import kernels
 
 from .test_fp8_ops import PAIRS, assert_rows_close, problem, ref64
 
@@ -240,5 +241,5 @@ def test_stand_ins_speak_the_kernel_modules_api():
     assert list(inspect.signature(gemm.swiglu_supported).parameters)[:2] == ["two_i", "recipe"]
     assert gemm.MAX_EXPERTS == StandInKernels.MAX_EXPERTS
     assert list(inspect.signature(quant.quantize).parameters) == ["x", "recipe"]
-    assert set(paths.gemm_kernels.__wrapped__().__all__) >= {
+    assert set(kernels.sm90_fp8.__all__) >= {
         "scaled_grouped_gemm", "scaled_grouped_gemm_swiglu", "swiglu_supported"}

@@ -21,13 +21,14 @@ from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, se
 from .moe import MoE, experts_forward, moe_forward
 from .loaders import load_mixtral_experts
 from .tiny import make_tiny_mixtral, make_tiny_moe_checkpoint
-from .fp8 import quantize_fp8, scaled_grouped_gemm
+from .fp8 import quantize_fp8, scaled_grouped_gemm, use_fp8_kernels
 
 __all__ = [
     "grouped_gemm",
     "grouped_gemm_swiglu",
     "use_sm100_kernel",
     "use_router_kernel",
+    "use_fp8_kernels",
     "route",
     "route_slots",
     "sort_slots",

@@ -11,10 +11,12 @@
 """
 
 from .loaders import load_fp8_experts
+from .paths import fp8_kernels_enabled, use_fp8_kernels
 from .quantize import quantize_fp8
 from .recipes import RECIPES
 from .scaled_ops import scaled_grouped_gemm, scaled_grouped_gemm_swiglu
 from .tiny import make_tiny_fp8_checkpoint
 
 __all__ = ["quantize_fp8", "scaled_grouped_gemm", "scaled_grouped_gemm_swiglu",
-           "load_fp8_experts", "make_tiny_fp8_checkpoint", "RECIPES"]
+           "load_fp8_experts", "make_tiny_fp8_checkpoint", "RECIPES", "use_fp8_kernels",
+           "fp8_kernels_enabled"]

@@ -3,8 +3,9 @@
 =================  ==========================================================  ==========
 device             scaled_grouped_gemm (and its SwiGLU form)                   host sync
 =================  ==========================================================  ==========
-sm_90 (H100/H200)  ts_moe's CuTeDSL FP8 kernels (every recipe; K % 16 == 0)    no
-sm_90, no kernel   rowwise, bf16 out, K and N % 16 == 0, E < 1024:             no
+sm_90 (H100/H200)  after use_fp8_kernels(): ts_moe's CuTeDSL FP8 kernels      no
+                   (every recipe; K % 16 == 0)
+sm_90, by default   rowwise, bf16 out, K and N % 16 == 0, E < 1024:             no
                    ``torch._scaled_grouped_mm``; otherwise as below
 other CUDA GPUs    operands dequantized to bf16 (a transient bf16 copy of the  as
 (sm_100, sm_89..)  weights each call), then ``ts_moe.grouped_gemm``, which     grouped_gemm
@@ -15,8 +16,8 @@ TS_MOE_REFERENCE=1 fp32 accumulation
 =================  ==========================================================  ==========
 
 ``quantize_fp8`` of a 2-D activation (bf16/fp16/fp32; ``blockwise_1x128``
-with K % 128 == 0, ``rowwise``, ``tensorwise``) on sm_90 runs the quantize
-kernel (one pass, scales in the GEMM's fast layout); everything else runs the
+with K % 128 == 0, ``rowwise``, ``tensorwise``) on sm_90 after
+:func:`use_fp8_kernels` runs the quantize kernel (one pass, scales in the GEMM's fast layout); everything else runs the
 reference, which never syncs.
 
 ``torch._scaled_grouped_mm`` has no blockwise recipe and runs rowwise on sm_90
@@ -62,17 +63,37 @@ def choose_fp8_path(capability: tuple[int, int] | None, pair: str, k: int, n: in
     return Fp8Path.DEQUANTIZE
 
 
-@functools.cache
+_kernel_opt_in = False
+
+
+def use_fp8_kernels(enabled: bool = True) -> None:
+    """Run FP8 calls on sm_90 on ts_moe's CuTeDSL FP8 kernels (the GEMM and the
+    activation quantizer).
+
+    Off by default: they compile and their PTX, registers and scale maps are
+    checked on the CPU, but on an H200 the GEMM stopped with an illegal
+    instruction at its first launch (bench/notes/2026-12-05-fp8-kernel-first-gpu-run.md),
+    so sm_90 takes ``torch._scaled_grouped_mm`` (rowwise) or the dequantize path
+    until it passes there.  Takes effect on the next call; the layer's decode
+    graphs captured before it keep the path they captured."""
+    global _kernel_opt_in
+    _kernel_opt_in = bool(enabled)
+
+
+def fp8_kernels_enabled() -> bool:
+    return _kernel_opt_in
+
+
 def gemm_kernels():
-    """``csrc_free_kernels.grouped_gemm_fp8_sm90_launch``, or None where it cannot be
-    imported (no nvidia-cutlass-dsl): :mod:`ts_moe.ops.kernels`, the one import."""
-    return kernels.sm90_fp8
+    """``csrc_free_kernels.grouped_gemm_fp8_sm90_launch`` after :func:`use_fp8_kernels`,
+    else None (and None without nvidia-cutlass-dsl): :mod:`ts_moe.ops.kernels`, the one
+    import."""
+    return kernels.sm90_fp8 if _kernel_opt_in else None
 
 
-@functools.cache
 def quantize_kernels():
     """``csrc_free_kernels.quantize_fp8_sm90_launch``, or None (as :func:`gemm_kernels`)."""
-    return kernels.quantize_fp8_sm90
+    return kernels.quantize_fp8_sm90 if _kernel_opt_in else None
 
 
 @functools.cache
