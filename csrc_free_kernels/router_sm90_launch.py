@@ -30,7 +30,7 @@ ROUTER_KERNEL_MAX_READ = 32 << 20
 # DeepSeek-V3 T=64).  From this many tokens x logits per lane (E / 32) the
 # routing runs a warp a token on many CTAs (RouteTopK) and the slot order in a
 # second launch (an estimate: Qwen3 from T=32, DeepSeek-V3 from T=16, Mixtral
-# from T=128; bench/RESULTS.md "Issue 21")
+# from T=128; bench/notes/2026-12-04-routing-packed-topk.md)
 ROUTE_SPLIT_MIN_WORK = 128
 
 
@@ -147,7 +147,7 @@ def route_topk(logits: torch.Tensor, top_k: int, weights: torch.Tensor | None = 
                experts: torch.Tensor | None = None):
     """(weights (T, k) fp32, experts (T, k) int64): ``ts_moe.route`` of ``logits``
     (T, E) contiguous, E <= MAX_EXPERTS, a warp a token on many CTAs; the
-    experts and weights of :func:`route_slots`, bit for bit.  ``weights`` and
+    experts and weights of :func:`.route_sm90_launch.route_slots`, bit for bit.  ``weights`` and
     ``experts``: contiguous outputs to write, or None."""
     tokens, num_experts = logits.shape
     if not 0 < num_experts <= MAX_EXPERTS:
