@@ -16,7 +16,7 @@ import torch
 
 from . import compile as kcompile
 from .route_sm90 import MAX_EXPERTS
-from .route_sm90_launch import _TORCH_TO_CUTE, _check_top_k, _compact, _rows, lane_width, rows_ok
+from .route_sm90_launch import _check_top_k, _compact, _rows, lane_width, rows_ok
 from .router_sm90 import (ROUTER_EXPERTS_PER_CTA, ROUTER_MAX_TOKENS, ROUTER_TOKENS_PER_CTA,
                           RouterLogits, RouteTopK)
 
@@ -51,14 +51,14 @@ def topk_fake_args(dtype) -> tuple:
 def _router_kernel(dtype: torch.dtype):
     key = ("RouterLogits", str(dtype), "sm_90a")
     return kcompile.get_compiled(key, lambda: (RouterLogits(),
-                                               router_fake_args(_TORCH_TO_CUTE[dtype])))
+                                               router_fake_args(kcompile.CUTE_DTYPES[dtype])))
 
 
 @functools.cache
 def _topk_kernel(dtype: torch.dtype, per_lane: int):
     key = ("RouteTopK", str(dtype), per_lane, "sm_90a")
     return kcompile.get_compiled(key, lambda: (RouteTopK(per_lane),
-                                               topk_fake_args(_TORCH_TO_CUTE[dtype])))
+                                               topk_fake_args(kcompile.CUTE_DTYPES[dtype])))
 
 
 def router_read_bytes(tokens: int, experts: int, hidden: int) -> int:
