@@ -10,9 +10,9 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
   its store-warp variant (opt-in, awaiting a GPU A/B).
 - ``grouped_gemm_dw_sm90``: the k-grouped GEMM (weight gradient), Hopper.
 - ``grouped_gemm_fp8_sm90``: the FP8 (e4m3) grouped GEMM and fused SwiGLU,
-  Hopper, on the bf16 kernel's roles with the scales applied per k-block;
-  ``quantize_fp8_sm90``: activations to e4m3 with their scales in the GEMM's
-  layout.
+  Hopper: the bf16 kernel's subclass with an FP8 mainloop (blockwise, rowwise
+  and tensorwise scales; not yet run on a GPU); ``quantize_fp8_sm90``:
+  activations to e4m3, their scales in the GEMM's layout.
 - ``grouped_gemm_sm100``: ragged grouped GEMM, Blackwell (compile- and
   model-verified only).
 - ``swiglu_sm90``: the SwiGLU activation and its gradient, elementwise.
