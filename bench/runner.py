@@ -213,7 +213,7 @@ def graph_skip_reason(case: Case, settings: Settings) -> str | None:
 
 def time_backend(runs, case: Case, settings: Settings, target_ms: float,
                  graph: bool | None = None):
-    """One timing pass of a checked backend: a :class:`Timing`, or the exception.
+    """One timing pass of a checked backend: a :class:`bench.timing.Timing`, or the exception.
     ``graph`` None: CUDA-graph replays where ``settings.graphs`` asks for them."""
     device = settings.device
     if graph is None:

@@ -10,6 +10,10 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
   ``sm90_epilogue`` its epilogue pieces; ``grouped_gemm_sm90_store_warp`` its
   store-warp variant (opt-in, awaiting a GPU A/B).
 - ``grouped_gemm_dw_sm90``: the k-grouped GEMM (weight gradient), Hopper.
+- ``grouped_gemm_fp8_sm90``: the FP8 (e4m3) grouped GEMM and fused SwiGLU,
+  Hopper: the bf16 kernel's subclass with an FP8 mainloop (blockwise, rowwise
+  and tensorwise scales; not yet run on a GPU); ``quantize_fp8_sm90``:
+  activations to e4m3, their scales in the GEMM's layout.
 - ``grouped_gemm_sm100``: ragged grouped GEMM, Blackwell (compile- and
   model-verified only).
 - ``swiglu_sm90``: the SwiGLU activation and its gradient, elementwise.
@@ -20,8 +24,9 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
   walk, and its k-grouped sibling.
 - ``pipeline_probe_sm90`` / ``pipeline_probe_sm100``: small kernels that exercise
   ``ts_pipeline`` (the sm_100a ones are compile-verified only).
-- ``compile``: in-memory and on-disk cache of compiled kernels; ``pdl``:
-  programmatic dependent launch.
+- ``compile``: in-memory and on-disk cache of compiled kernels, the fake
+  arguments' helpers and the torch -> DSL dtype table; ``pdl``: programmatic
+  dependent launch.
 - ``kernel_cache``: the on-disk cache's rules (a directory only this uid can write,
   sha256-checked objects).
 - ``ptx_dump``: GPU-free compilation for one arch, keeping the PTX.

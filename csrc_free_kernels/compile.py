@@ -14,8 +14,14 @@ import time
 
 import cutlass
 import cutlass.cute as cute
+import torch
 
 from . import kernel_cache, pdl
+
+# the DSL's element type of each torch dtype a kernel's fake arguments take
+CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+               torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
+               torch.int64: cutlass.Int64}
 
 _memory: dict = {}
 _lock = threading.Lock()

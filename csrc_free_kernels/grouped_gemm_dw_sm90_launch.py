@@ -17,7 +17,6 @@ import torch
 from . import compile as kcompile
 from .grouped_gemm_dw_sm90 import GroupedGemmDwSm90
 from .grouped_gemm_dw_sm90_config import MAX_EXPERTS, DwConfig, choose_config, output_tiles
-from .grouped_gemm_sm90_launch import _TORCH_TO_CUTE
 
 __all__ = ["GROUPED_GEMM_K", "grouped_gemm_k", "choose_config", "MAX_EXPERTS"]
 
@@ -45,7 +44,7 @@ def compiled_kernel(config: DwConfig, ab_dtype, c_dtype):
 
     def build():
         return GroupedGemmDwSm90(config), (
-            *_fake_args(_TORCH_TO_CUTE[ab_dtype], _TORCH_TO_CUTE[c_dtype]),
+            *_fake_args(kcompile.CUTE_DTYPES[ab_dtype], kcompile.CUTE_DTYPES[c_dtype]),
             cutlass.Int32(1), kcompile.fake_stream())
 
     return kcompile.get_compiled(key, build)

@@ -1,6 +1,6 @@
 """Tile configurations of the FP8 grouped GEMM (sm_90a) and the heuristic that picks one.
 
-Every configuration is a :class:`~csrc_free_kernels.grouped_gemm_sm90.TileConfig` with
+Every configuration is a :class:`~csrc_free_kernels.grouped_gemm_sm90_config.TileConfig` with
 ``tile_k = 128``: an e4m3 row of 128 elements is one 128-byte swizzle atom (as a bf16
 ``tile_k = 64`` row is), so the weight-part split rules of the bf16 family hold, and one
 ring stage is exactly one 128-K scale block of the blockwise recipe.
@@ -56,7 +56,7 @@ def choose_config(num_experts: int, n: int, k: int, m: int, *, recipe: str = "bl
     """Tiles from shapes only (no sync): rows per expert ``m / num_experts``, ``n`` the
     weight's columns (``2I`` for the fused SwiGLU), ``k``.
 
-    The bf16 kernel's measured rules (``grouped_gemm_sm90.choose_config``) on the FP8
+    The bf16 kernel's measured rules (``grouped_gemm_sm90_config.choose_config``) on the FP8
     tiles: a 16-row token box for a few rows per expert (64 columns where 128-column
     tiles fill the SMs' slots markedly worse), the 64-row tile below 48 rows, 128-row
     tiles above (one per expert while that leaves under four waves), CTA pairs sharing

@@ -16,10 +16,6 @@ from . import compile as kcompile
 from .grouped_gemm_sm100 import GroupedGemmSm100
 from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100, choose_config, swiglu_config
 
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                  torch.float32: cutlass.Float32}
-
-
 def fake_args(a_dtype, c_dtype, b_n_major: bool, swiglu: bool = False, gather: bool = True):
     """Symbolic (M, K), (E, K, N), (M', N'), (E,) and row-index tensors (``N' = N / 2``
     for SwiGLU; gathering: M' rows, the index's length; else M' = M and the index
@@ -36,8 +32,9 @@ def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, 
 
     def build():
         kernel = GroupedGemmSm100(config, gather=gather, b_n_major=b_n_major, swiglu=swiglu)
-        return kernel, (*fake_args(_TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype], b_n_major,
-                                   swiglu, gather), cutlass.Int32(2), kcompile.fake_stream())
+        ca, cc = kcompile.CUTE_DTYPES[a_dtype], kcompile.CUTE_DTYPES[c_dtype]
+        return kernel, (*fake_args(ca, cc, b_n_major, swiglu, gather), cutlass.Int32(2),
+                        kcompile.fake_stream())
 
     return kcompile.get_compiled(key, build)
 

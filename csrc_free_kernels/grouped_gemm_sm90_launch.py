@@ -19,10 +19,6 @@ from . import compile as kcompile
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90
 from .grouped_gemm_sm90_config import MAX_EXPERTS, TileConfig, choose_config, swiglu_config
 
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                  torch.float32: cutlass.Float32}
-
-
 def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
     """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides
     (``N' = N`` except for the SwiGLU kernel, whose output has half the
@@ -52,7 +48,7 @@ def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
            *(("prefetch_weights",) if kernel.prefetch_weights else ()))
 
     def build():
-        ca, cc = _TORCH_TO_CUTE[a_dtype], _TORCH_TO_CUTE[c_dtype]
+        ca, cc = kcompile.CUTE_DTYPES[a_dtype], kcompile.CUTE_DTYPES[c_dtype]
         return kernel, (*_fake_args(ca, cc, b_n_major, kernel_cls),
                         cutlass.Int32(1), kcompile.fake_stream())
 

@@ -14,10 +14,6 @@ import torch
 from . import compile as kcompile
 from .quantize_fp8_sm90 import FP8_MAX, GROUP, RECIPES, QuantizeFp8Sm90
 
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                  torch.float32: cutlass.Float32}
-
-
 def fake_args(recipe: str, dtype) -> tuple:
     """Symbolic (M, K) input and e4m3 output (rows of 16-byte multiples, K a multiple
     of 16), the recipe's scale tensor, the (1,) amax, the CTA cap and the stream."""
@@ -45,7 +41,7 @@ def compiled_kernel(recipe: str, dtype: torch.dtype):
     key = ("QuantizeFp8Sm90", recipe, str(dtype), "sm_90a")
 
     def build():
-        return QuantizeFp8Sm90(recipe), fake_args(recipe, _TORCH_TO_CUTE[dtype])
+        return QuantizeFp8Sm90(recipe), fake_args(recipe, kcompile.CUTE_DTYPES[dtype])
 
     return kcompile.get_compiled(key, build)
 

@@ -18,10 +18,6 @@ import torch
 from . import compile as kcompile
 from .route_sm90 import LANE_WIDTHS, MAX_EXPERTS, MAX_SLOTS, RouteSlots, WeightedRowSum
 
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                  torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
-                  torch.int64: cutlass.Int64}
-
 
 def _compact(dtype, *shape):
     return cute.runtime.make_fake_compact_tensor(
@@ -67,7 +63,7 @@ def _route_kernel(from_logits: bool, dtype: torch.dtype, per_lane: int = 1):
 
     def build():
         return (RouteSlots(from_logits, per_lane),
-                route_fake_args(_TORCH_TO_CUTE[dtype], from_logits))
+                route_fake_args(kcompile.CUTE_DTYPES[dtype], from_logits))
 
     return kcompile.get_compiled(key, build)
 
@@ -78,7 +74,7 @@ def _rowsum_kernel(weighted: bool, dtype: torch.dtype, index_dtype: torch.dtype)
 
     def build():
         return WeightedRowSum(weighted), rowsum_fake_args(
-            _TORCH_TO_CUTE[dtype], _TORCH_TO_CUTE[index_dtype], weighted)
+            kcompile.CUTE_DTYPES[dtype], kcompile.CUTE_DTYPES[index_dtype], weighted)
 
     return kcompile.get_compiled(key, build)
 

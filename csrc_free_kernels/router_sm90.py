@@ -31,7 +31,7 @@ class RouterLogits:
 
     The router GEMV of a decode batch, x (T, H) and w (E, H) bf16/fp16 with
     16-byte rows, out (T, E) in their dtype.  Every CTA reads its experts' and
-    its tokens' rows (:func:`router_read_bytes`), so the rows of x are read
+    its tokens' rows (:func:`.router_sm90_launch.router_read_bytes`), so the rows of x are read
     ``E / experts_per_cta`` times: a kernel for small T (larger batches are
     cuBLAS's, on tensor cores; ``ts_moe.ops`` chooses).
 
@@ -127,15 +127,15 @@ class RouterLogits:
 
 
 class RouteTopK(TokenRouting):
-    """:class:`RouteSlots`'s routing phase alone, on ``ceil(T / warps)`` CTAs.
+    """:class:`.route_sm90.RouteSlots`'s routing phase alone, on ``ceil(T / warps)`` CTAs.
 
     Warp ``w`` of CTA ``b`` routes token ``b * warps + w`` (softmax, top-k,
     renormalise: :meth:`TokenRouting.route_token`, so the experts and weights
-    are bit for bit those of :class:`RouteSlots`) and writes ``mWeights`` and
-    ``mExperts``.  The slot order then comes from :class:`RouteSlots` on the
+    are bit for bit those of :class:`.route_sm90.RouteSlots`) and writes ``mWeights`` and
+    ``mExperts``.  The slot order then comes from :class:`.route_sm90.RouteSlots` on the
     ids (``from_logits=False``): two launches, where one CTA's top-k rounds
     would keep one SM issue-bound for many tokens (about 900 warp
-    instructions a token at E = 128: bench/notes/2026-12-04-routing-issue-bound.md).
+    instructions a token at E = 128: bench/notes/2026-12-04-routing-packed-topk.md).
     """
 
     def __init__(self, per_lane: int = MAX_EXPERTS // 32, warps: int = 4):

@@ -16,7 +16,7 @@ import torch
 
 from . import compile as kcompile
 from .route_sm90 import MAX_EXPERTS
-from .route_sm90_launch import _TORCH_TO_CUTE, _check_top_k, _compact, _rows, lane_width, rows_ok
+from .route_sm90_launch import _check_top_k, _compact, _rows, lane_width, rows_ok
 from .router_sm90 import (ROUTER_EXPERTS_PER_CTA, ROUTER_MAX_TOKENS, ROUTER_TOKENS_PER_CTA,
                           RouterLogits, RouteTopK)
 
@@ -30,7 +30,7 @@ ROUTER_KERNEL_MAX_READ = 32 << 20
 # DeepSeek-V3 T=64).  From this many tokens x logits per lane (E / 32) the
 # routing runs a warp a token on many CTAs (RouteTopK) and the slot order in a
 # second launch (an estimate: Qwen3 from T=32, DeepSeek-V3 from T=16, Mixtral
-# from T=128; bench/RESULTS.md "Issue 21")
+# from T=128; bench/notes/2026-12-04-routing-packed-topk.md)
 ROUTE_SPLIT_MIN_WORK = 128
 
 
@@ -51,14 +51,14 @@ def topk_fake_args(dtype) -> tuple:
 def _router_kernel(dtype: torch.dtype):
     key = ("RouterLogits", str(dtype), "sm_90a")
     return kcompile.get_compiled(key, lambda: (RouterLogits(),
-                                               router_fake_args(_TORCH_TO_CUTE[dtype])))
+                                               router_fake_args(kcompile.CUTE_DTYPES[dtype])))
 
 
 @functools.cache
 def _topk_kernel(dtype: torch.dtype, per_lane: int):
     key = ("RouteTopK", str(dtype), per_lane, "sm_90a")
     return kcompile.get_compiled(key, lambda: (RouteTopK(per_lane),
-                                               topk_fake_args(_TORCH_TO_CUTE[dtype])))
+                                               topk_fake_args(kcompile.CUTE_DTYPES[dtype])))
 
 
 def router_read_bytes(tokens: int, experts: int, hidden: int) -> int:
@@ -147,7 +147,7 @@ def route_topk(logits: torch.Tensor, top_k: int, weights: torch.Tensor | None = 
                experts: torch.Tensor | None = None):
     """(weights (T, k) fp32, experts (T, k) int64): ``ts_moe.route`` of ``logits``
     (T, E) contiguous, E <= MAX_EXPERTS, a warp a token on many CTAs; the
-    experts and weights of :func:`route_slots`, bit for bit.  ``weights`` and
+    experts and weights of :func:`.route_sm90_launch.route_slots`, bit for bit.  ``weights`` and
     ``experts``: contiguous outputs to write, or None."""
     tokens, num_experts = logits.shape
     if not 0 < num_experts <= MAX_EXPERTS:

@@ -9,14 +9,13 @@ launch :class:`csrc_free_kernels.swiglu_sm90.SwigluElementwise` on the current s
 
 import functools
 
-import cutlass
 import cutlass.cute as cute
 import torch
 
 from . import compile as kcompile
 from .swiglu_sm90 import MAX_VECTORS, SwigluElementwise
 
-_TORCH_TO_CUTE = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+DTYPES = (torch.bfloat16, torch.float16)  # the kernels' element types
 
 
 def fake_args(dtype, backward: bool) -> tuple:
@@ -44,7 +43,7 @@ def compiled_kernel(dtype: torch.dtype, backward: bool):
     key = ("SwigluElementwise", "backward" if backward else "forward", str(dtype), "sm_90a")
 
     def build():
-        return SwigluElementwise(backward), fake_args(_TORCH_TO_CUTE[dtype], backward)
+        return SwigluElementwise(backward), fake_args(kcompile.CUTE_DTYPES[dtype], backward)
 
     return kcompile.get_compiled(key, build)
 
@@ -68,7 +67,7 @@ def _normalized(t: torch.Tensor) -> torch.Tensor:
 
 
 def _validate(h: torch.Tensor, *others) -> tuple:
-    if h.dim() != 2 or h.dtype not in _TORCH_TO_CUTE:
+    if h.dim() != 2 or h.dtype not in DTYPES:
         raise ValueError(f"h must be (M, 2I) bfloat16 or float16, got {tuple(h.shape)} {h.dtype}")
     m, two_i = h.shape
     inter = two_i // 2
@@ -93,7 +92,7 @@ class SwigluActivationBackend:
 
     def choose_config(self, h, dy) -> torch.dtype | None:
         m, two_i = h.shape
-        if (h.dtype not in _TORCH_TO_CUTE or two_i % 16 or m * (two_i // 16) > MAX_VECTORS
+        if (h.dtype not in DTYPES or two_i % 16 or m * (two_i // 16) > MAX_VECTORS
                 or h.data_ptr() % 16 or (dy is not None and dy.data_ptr() % 16)):
             return None
         return h.dtype

@@ -4,9 +4,10 @@
     python scripts/dw_bench.py [--iters 20] [--out-dtype bfloat16|float32]
 
 For each shape (M token rows, K, N, E experts, uniform routing), on
-``torch.randn`` bf16 inputs: ``csrc_free_kernels.grouped_gemm_dw_sm90`` in
-each configuration (``*`` marks the one ``choose_config`` picks; ``_st``: the
-same tiles with the thread-store epilogue instead of the TMA store, for A/B) and
+``torch.randn`` bf16 inputs: the kernel
+(``csrc_free_kernels.grouped_gemm_dw_sm90_launch.grouped_gemm_k``) in each
+configuration of ``grouped_gemm_dw_sm90_config.CONFIGS`` (``*`` marks the one
+``choose_config`` picks) and
 ``torch._grouped_mm(a.t(), dy, offs=ends)``; CUDA-event time per call (ms),
 TFLOP/s (``2 M K N`` flops) and the relative difference to torch's result.
 """

@@ -136,13 +136,13 @@ def main(argv=None) -> int:
             if args.compile:
                 # the eager row keeps the default (dynamic) cache: with a static
                 # one, transformers' generate compiles the forward by itself
-                # (its rows of 2026-12-04 19:58 UTC were not eager).  The
+                # (bench/notes/2026-12-04-generate-latency.md).  The
                 # compiled row is that path, as a user takes it: a static
                 # cache, and generate compiles its decode step with
                 # torch.compile(fullgraph=True, mode="reduce-overhead") (the
                 # prefill stays eager).  A forward compiled by hand instead
                 # fails in generate: it reads a CUDA-graph output after the
-                # next replay (2026-12-04 21:20 UTC, every implementation)
+                # next replay, with every implementation (the same note)
                 from transformers import CompileConfig
 
                 compiled = build(name, args.layers, args.tiny, device, impl)

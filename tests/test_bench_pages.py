@@ -114,9 +114,9 @@ def repo(tmp_path):
     """A checkout whose kernels changed on 2026-12-20, and a README change after."""
     _git(tmp_path, "init", "-q")
     (tmp_path / "ts_moe").mkdir()
-    (tmp_path / "ts_moe" / "ops.py").write_text("x = 1\n")
+    (tmp_path / "ts_moe" / "moe.py").write_text("x = 1\n")
     _git(tmp_path, "add", ".")
-    _git(tmp_path, "commit", "-qm", "ops", when="2026-12-20T12:00:00+00:00")
+    _git(tmp_path, "commit", "-qm", "moe", when="2026-12-20T12:00:00+00:00")
     (tmp_path / "README.md").write_text("r\n")
     _git(tmp_path, "add", ".")
     _git(tmp_path, "commit", "-qm", "readme", when="2026-12-22T12:00:00+00:00")
@@ -136,8 +136,8 @@ def test_staleness_by_commit_time(repo):
     assert provenance.staleness(fresh, repo) is None
     first = _git(repo, "rev-list", "--max-parents=0", "HEAD")
     assert provenance.staleness({**fresh, "provenance": {"commit": first}}, repo) is None
-    (repo / "ts_moe" / "ops.py").write_text("x = 2\n")
-    _git(repo, "commit", "-qam", "ops again", when="2026-12-23T12:00:00+00:00")
+    (repo / "ts_moe" / "moe.py").write_text("x = 2\n")
+    _git(repo, "commit", "-qam", "moe again", when="2026-12-23T12:00:00+00:00")
     assert f"its commit {head[:12]}" in provenance.staleness(fresh, repo)
     assert provenance.collect(None, repo)["dirty"] is False
     (repo / "README.md").write_text("changed\n")

@@ -169,6 +169,32 @@ def _expected_shapes(plan: dict[str, str], shapes: dict[str, tuple], config: dic
     return {role: expected[role.split(".")[0]] for role in plan}
 
 
+def check_experts_range(experts) -> None:
+    """``experts``: None or a non-empty ``range`` of expert indices, step 1, else a ValueError."""
+    if experts is not None and (not isinstance(experts, range) or experts.step != 1
+                                or len(experts) == 0 or experts.start < 0):
+        raise ValueError(f"experts must be None or a non-empty range of expert indices "
+                         f"(step 1), got {experts!r}")
+
+
+def selected_layers(layers, present, path) -> list[int]:
+    """``layers`` (None: every MoE layer in ``present``; an int; ints) as a list, each an
+    MoE layer of the checkpoint at ``path``, else a TypeError/KeyError naming it."""
+    if layers is None:
+        layers = sorted(present)
+    elif isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    else:
+        layers = list(layers)
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layers must hold ints, got {layer!r}")
+        if layer not in present:
+            raise KeyError(f"layer {layer} is not an MoE layer of the checkpoint {path} "
+                           f"(its MoE layers: {sorted(present)})")
+    return layers
+
+
 def resolve_device(device) -> torch.device:
     """``device`` as a ``torch.device`` that exists on this machine; None: CUDA when
     torch sees a GPU, else the CPU.
@@ -251,10 +277,7 @@ def load_mixtral_experts(path, layers=None, device=None,
     directory (``../x``, an absolute path, a link out of it, a FIFO).
     """
     device = resolve_device(device)
-    if experts is not None and (not isinstance(experts, range) or experts.step != 1
-                                or len(experts) == 0 or experts.start < 0):
-        raise ValueError(f"experts must be None or a non-empty range of expert indices "
-                         f"(step 1), got {experts!r}")
+    check_experts_range(experts)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(
@@ -277,18 +300,7 @@ def load_mixtral_experts(path, layers=None, device=None,
             layer, e = int(m.group(1)), int(m.group(2))
             if e >= last_expert.get(layer, (-1,))[0]:
                 last_expert[layer] = (e, key)
-    if layers is None:
-        layers = sorted(present)
-    elif isinstance(layers, int) and not isinstance(layers, bool):
-        layers = [layers]
-    else:
-        layers = list(layers)
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layers must hold ints, got {layer!r}")
-        if layer not in present:
-            raise KeyError(f"layer {layer} is not in the checkpoint {path} "
-                           f"(its MoE layers: {sorted(present)})")
+    layers = selected_layers(layers, present, path)
 
     with ExitStack() as stack:
         handles = {}

@@ -2,8 +2,10 @@
 
 * :mod:`.recipes`: recipe names, scale shapes and layouts, argument checks;
 * :mod:`.reference`: plain-torch quantization, dequantization and GEMM references;
-* :mod:`.paths`: which path a call takes on each device, and the kernel modules;
-* :mod:`.library`: the ops' ``torch.library`` fragment and their refusing backward;
+* :mod:`.paths`: which path a call takes on each device, and its kernel modules (the
+  ones :mod:`ts_moe.ops.kernels` imports);
+* :mod:`.library`: how the ops register (:func:`ts_moe.ops.library.define`) with an
+  Autograd kernel that refuses a backward;
 * :mod:`.scaled_ops`: ``torch.ops.ts_moe.scaled_grouped_gemm`` (and its SwiGLU form);
 * :mod:`.quantize`: ``torch.ops.ts_moe.quantize_fp8``;
 * :mod:`.layer`: the MoE layer on FP8 experts (what ``ts_moe.moe_forward`` runs for them);

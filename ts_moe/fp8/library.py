@@ -1,6 +1,6 @@
-"""Registration plumbing of the FP8 ops: they register with the one ``ts_moe``
-library object (:data:`ts_moe.ops.library.LIBRARY`); the output allocation every
-path shares, and the backward that refuses.
+"""Registration of the FP8 ops: schema, CPU/CUDA kernel and fake kernel through
+:func:`ts_moe.ops.library.define` (the one ``ts_moe`` library object), and the
+Autograd kernel that refuses a backward (:func:`define_inference_op`).
 
 The FP8 ops have no backward (FP8 training is not supported).  A forward on
 inputs that require grad runs and gives an output that requires grad, so an
@@ -13,20 +13,7 @@ compiled graph that holds it be built).  No gradient is ever silently missing.
 
 import torch
 
-from ..ops.library import _AFTER_AUTOGRAD, LIBRARY, _plain_keyset
-
-lib = LIBRARY
-lib.define("fp8_no_backward(Tensor grad, Tensor like, str op) -> Tensor")
-
-ALIGN_BYTES = 16
-
-
-def empty_output(like: torch.Tensor, m, n, dtype: torch.dtype) -> torch.Tensor:
-    """(m, n) on ``like``'s device, rows padded to 16 bytes (the kernels store whole
-    16-byte vectors; torch pads grouped_mm outputs alike)."""
-    align = ALIGN_BYTES // dtype.itemsize
-    pad = (n + align - 1) // align * align
-    return like.new_empty_strided((m, n), (pad, 1), dtype=dtype)
+from ..ops.library import AFTER_AUTOGRAD, LIBRARY, below_autograd, define, plain_kernels
 
 
 def no_backward_message(op: str) -> str:
@@ -39,36 +26,32 @@ def _no_backward_impl(grad, like, op):
     raise NotImplementedError(no_backward_message(op))
 
 
-@torch.library.register_fake("ts_moe::fp8_no_backward", lib=lib)
 def _no_backward_fake(grad, like, op):
     return torch.empty_like(like)
 
 
-for _key in ("CPU", "CUDA"):
-    lib.impl("fp8_no_backward", _no_backward_impl, _key)
+_no_backward = define("fp8_no_backward(Tensor grad, Tensor like, str op) -> Tensor",
+                      _no_backward_impl, _no_backward_impl, _no_backward_fake)
 
 
-_after_autograd = _AFTER_AUTOGRAD
-
-_PLAIN = {_plain_keyset("CPU"), _plain_keyset("CUDA")}
-
-
-def forbid_backward(name: str, public: str, differentiable: tuple[int, ...], impl) -> None:
-    """The Autograd kernel of op ``ts_moe::<name>`` (module docstring):
-    ``differentiable``: the positions of its floating-point tensor arguments;
-    ``impl``: its CPU/CUDA kernel, called right here for plain tensors when no
-    gradient is wanted (a second trip through the dispatcher, or
-    ``torch.library.register_autograd``'s Python wrapper, would cost more host time
-    than the op's checks and launch together)."""
-    op = getattr(torch.ops.ts_moe, name).default
+def define_inference_op(schema: str, impl, fake, public: str,
+                        differentiable: tuple[int, ...]) -> torch._ops.OpOverload:
+    """Register ``ts_moe::<schema>`` (``impl`` its CPU and CUDA kernel) with an
+    Autograd kernel whose backward raises (module docstring), and return its
+    overload.  ``public``: the name the error gives; ``differentiable``: the
+    positions of its floating-point tensor arguments.  When no gradient is wanted,
+    plain tensors go to ``impl`` right here (a second trip through the dispatcher,
+    or ``torch.library.register_autograd``'s Python wrapper, would cost more host
+    time than the op's checks and launch together)."""
+    op = define(schema, impl, impl, fake)
+    direct = plain_kernels({"CPU": impl, "CUDA": impl})
 
     class NoBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, keyset, *args):
             ctx.save_for_backward(*(args[i] for i in differentiable))
             ctx.num_inputs = len(args)
-            with torch._C._AutoDispatchBelowAutograd():
-                return op.redispatch(keyset & _after_autograd, *args)
+            return below_autograd(op, keyset, *args)
 
         @staticmethod
         def backward(ctx, *grads):
@@ -76,7 +59,7 @@ def forbid_backward(name: str, public: str, differentiable: tuple[int, ...], imp
             out = [None] * (1 + ctx.num_inputs)
             for pos, t in zip(differentiable, ctx.saved_tensors):
                 if ctx.needs_input_grad[1 + pos]:
-                    out[1 + pos] = torch.ops.ts_moe.fp8_no_backward(grad, t, public)
+                    out[1 + pos] = _no_backward(grad, t, public)
             return tuple(out)
 
     def kernel(keyset, *args):
@@ -84,8 +67,10 @@ def forbid_backward(name: str, public: str, differentiable: tuple[int, ...], imp
                 isinstance(args[i], torch.Tensor) and args[i].requires_grad
                 for i in differentiable if i < len(args)):
             return NoBackward.apply(keyset, *args)
-        if keyset.raw_repr() in _PLAIN:
-            return impl(*args)
-        return op.redispatch(keyset & _after_autograd, *args)
+        fn = direct.get(keyset.raw_repr())
+        if fn is not None:
+            return fn(*args)
+        return op.redispatch(keyset & AFTER_AUTOGRAD, *args)
 
-    lib.impl(name, kernel, "Autograd", with_keyset=True)
+    LIBRARY.impl(schema.split("(", 1)[0], kernel, "Autograd", with_keyset=True)
+    return op

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..loaders import _Checkpoint, _weight_index, resolve_device
+from ..loaders import (_Checkpoint, _weight_index, check_experts_range, resolve_device,
+                       selected_layers)
 from .recipes import BLOCK
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -139,23 +140,13 @@ def load_fp8_experts(path, layers=None, device=None,
     if scheme is None:
         raise ValueError(f"{path}/config.json has no quantization_config: not an FP8 "
                          f"checkpoint (bf16 Mixtral: ts_moe.load_mixtral_experts)")
-    if experts is not None and (not isinstance(experts, range) or experts.step != 1
-                                or len(experts) == 0 or experts.start < 0):
-        raise ValueError(f"experts must be None or a non-empty range of expert indices "
-                         f"(step 1), got {experts!r}")
+    check_experts_range(experts)
     index, shard_file = _index(path)
     present: dict[int, tuple[str, set]] = {}
     for key in index:
         if m := _EXPERT.match(key):
             present.setdefault(int(m.group(1)), (m.group(2), set()))[1].add(int(m.group(3)))
-    layers = sorted(present) if layers is None else (
-        [layers] if isinstance(layers, int) and not isinstance(layers, bool) else list(layers))
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layers must hold ints, got {layer!r}")
-        if layer not in present:
-            raise KeyError(f"layer {layer} is not an MoE layer of the checkpoint {path} "
-                           f"(its MoE layers: {sorted(present)})")
+    layers = selected_layers(layers, present, path)
     total = next((config[k] for k in _EXPERTS_KEYS if k in config), None)
     plans = {}
     for layer in layers:

@@ -21,8 +21,8 @@ with K % 128 == 0, ``rowwise``, ``tensorwise``) on sm_90 after
 reference, which never syncs.
 
 ``torch._scaled_grouped_mm`` has no blockwise recipe and runs rowwise on sm_90
-only (its sm_100 grouped path is MX formats only): notes at
-/work/shared/notes/fp8.md section 2.
+only (its sm_100 grouped path is MX formats only; torch 2.13's
+``_meta_registrations.py`` and ``aten/src/ATen/native/cuda/GroupedBlas.cpp``).
 """
 
 import enum
@@ -113,8 +113,8 @@ def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
 
 def scaled_path(a: torch.Tensor, pair: str, k: int, n: int, out_dtype: torch.dtype,
                 num_experts: int) -> Fp8Path:
-    """The path of a validated call on ``a``'s device (the kernel module is imported
-    only where it can run: on an sm_90 device)."""
+    """The path of a validated call on ``a``'s device (the kernel module is asked
+    only on an sm_90 device, where it can run)."""
     capability = device_capability(a)
     kernels = gemm_kernels() if capability == (9, 0) else None
     return choose_fp8_path(capability, pair, k, n, out_dtype, num_experts,

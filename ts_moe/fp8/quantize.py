@@ -21,12 +21,10 @@ backward (:mod:`ts_moe.fp8.library`).
 
 import torch
 
-from .library import forbid_backward, lib
+from .library import define_inference_op
 from .paths import kernel_input, quantize_kernel_for
 from .recipes import E4M3, check_quantize_args, recipe_arg, scale_shape, scale_strides
 from .reference import quantize_reference
-
-lib.define("quantize_fp8(Tensor x, str recipe) -> (Tensor, Tensor)")
 
 
 def _in_fast_layout(scale: torch.Tensor, recipe: str, shape) -> torch.Tensor:
@@ -60,7 +58,6 @@ def _quantize_impl(x, recipe):
     return q, _in_fast_layout(scale, recipe, x.shape)
 
 
-@torch.library.register_fake("ts_moe::quantize_fp8", lib=lib)
 def _quantize_fake(x, recipe):
     recipe = check_quantize_args(x, recipe)
     return (x.new_empty(x.shape, dtype=E4M3),
@@ -68,10 +65,8 @@ def _quantize_fake(x, recipe):
                                 dtype=torch.float32))
 
 
-for _key in ("CPU", "CUDA"):
-    lib.impl("quantize_fp8", _quantize_impl, _key)
-forbid_backward("quantize_fp8", "ts_moe.quantize_fp8", (0,), _quantize_impl)
-_quantize_op = torch.ops.ts_moe.quantize_fp8.default
+_quantize_op = define_inference_op("quantize_fp8(Tensor x, str recipe) -> (Tensor, Tensor)",
+                                   _quantize_impl, _quantize_fake, "ts_moe.quantize_fp8", (0,))
 
 
 def quantize_fp8(x: torch.Tensor, recipe) -> tuple[torch.Tensor, torch.Tensor]:

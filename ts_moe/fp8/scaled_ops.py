@@ -34,7 +34,8 @@ ValueError naming the argument before any kernel, on every path and under
 import torch
 
 from ..reference import segment_ends, swiglu
-from .library import empty_output, forbid_backward, lib
+from ..ops.layout import empty_output
+from .library import define_inference_op
 from .paths import ALIGN, Fp8Path, gemm_kernels, scaled_path
 from .recipes import ROWWISE, check_scaled_args, recipe_arg
 from .reference import (dequantize, gather_fp8_rows, gather_scale_rows,
@@ -42,8 +43,6 @@ from .reference import (dequantize, gather_fp8_rows, gather_scale_rows,
 
 _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale_b, "
          "str scale_recipe_b, Tensor offs, ScalarType? out_dtype=None, Tensor? a_index=None")
-lib.define("scaled_grouped_gemm(" + _ARGS.format(b="b") + ") -> Tensor")
-lib.define("scaled_grouped_gemm_swiglu(" + _ARGS.format(b="gate_up") + ") -> Tensor")
 # (out_dtype and a_index are not keyword-only in the schema, so that every kernel,
 # the Autograd one included, takes the arguments positionally; the Python functions
 # below keep them keyword-only)
@@ -187,7 +186,6 @@ def _swiglu_impl(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, o
                       out_dtype, a_index)
 
 
-@torch.library.register_fake("ts_moe::scaled_grouped_gemm", lib=lib)
 def _gemm_fake(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                out_dtype=None, a_index=None):
     check_scaled_args(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs, out_dtype,
@@ -196,7 +194,6 @@ def _gemm_fake(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
     return empty_output(a, m, b.shape[2], out_dtype or torch.bfloat16)
 
 
-@torch.library.register_fake("ts_moe::scaled_grouped_gemm_swiglu", lib=lib)
 def _swiglu_fake(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                  out_dtype=None, a_index=None):
     check_scaled_args(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
@@ -205,14 +202,12 @@ def _swiglu_fake(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, o
     return empty_output(a, m, gate_up.shape[1] // 2, out_dtype or torch.bfloat16)
 
 
-for _key in ("CPU", "CUDA"):
-    lib.impl("scaled_grouped_gemm", _gemm_impl, _key)
-    lib.impl("scaled_grouped_gemm_swiglu", _swiglu_impl, _key)
-forbid_backward("scaled_grouped_gemm", "ts_moe.scaled_grouped_gemm", (0, 1, 2, 4), _gemm_impl)
-forbid_backward("scaled_grouped_gemm_swiglu", "ts_moe.scaled_grouped_gemm_swiglu", (0, 1, 2, 4),
-                _swiglu_impl)
-_gemm_op = torch.ops.ts_moe.scaled_grouped_gemm.default
-_swiglu_op = torch.ops.ts_moe.scaled_grouped_gemm_swiglu.default
+_gemm_op = define_inference_op("scaled_grouped_gemm(" + _ARGS.format(b="b") + ") -> Tensor",
+                               _gemm_impl, _gemm_fake, "ts_moe.scaled_grouped_gemm",
+                               (0, 1, 2, 4))
+_swiglu_op = define_inference_op(
+    "scaled_grouped_gemm_swiglu(" + _ARGS.format(b="gate_up") + ") -> Tensor",
+    _swiglu_impl, _swiglu_fake, "ts_moe.scaled_grouped_gemm_swiglu", (0, 1, 2, 4))
 
 
 def _call(op, a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs, out_dtype,

@@ -6,12 +6,14 @@ Modules, one job each:
 - :mod:`.swiglu`: ``grouped_gemm_swiglu``, ``swiglu``, ``swiglu_backward``;
 - :mod:`.routing`: ``router_logits``, ``route_slots``, ``sort_slots``,
   ``combine``, and the router-kernel switch;
-- :mod:`.library`: the ``torch.library.Library`` and how an op registers;
+- :mod:`.library`: the ``torch.library.Library`` and how an op registers (the
+  FP8 ops of :mod:`ts_moe.fp8` register with it too);
 - :mod:`.paths`: which backends a call runs on (device and dtypes only);
 - :mod:`.backend`: the interface every backend of an op family offers
   (``choose_config``, ``run``);
-- :mod:`.kernels`: the kernel backends (``csrc_free_kernels.*_launch``),
-  imported once; :mod:`.torch_backend`, :mod:`.reference_backend`: the others;
+- :mod:`.kernels`: the kernel backends (``csrc_free_kernels.*_launch``, the
+  FP8 ones that :mod:`ts_moe.fp8.paths` takes included), imported once;
+  :mod:`.torch_backend`, :mod:`.reference_backend`: the others;
 - :mod:`.layout`: what the ops allocate and the views backends receive.
 
 From ``ts_moe.grouped_gemm`` to the pipeline, a bf16 call on an H100/H200::

@@ -1,7 +1,10 @@
-"""The kernel backends, imported once and statically: the only place ts_moe
-imports ``csrc_free_kernels``.  Without ``nvidia-cutlass-dsl`` (``cutlass``)
+"""The kernel backends, imported once and statically: the only place the ops
+import ``csrc_free_kernels`` (the bf16 ops' paths, :mod:`ts_moe.ops.paths`, and
+the FP8 ops', :mod:`ts_moe.fp8.paths`; only the command line reaches the
+package's build tools directly: ``python -m ts_moe compile`` and ``cache``).
+Importing them imports the DSL.  Without ``nvidia-cutlass-dsl`` (``cutlass``)
 the imports fail and every name here is None: the kernel paths are then
-unavailable and :mod:`ts_moe.ops.paths` never chooses them."""
+unavailable and the paths never choose them."""
 
 try:
     from csrc_free_kernels import grouped_gemm_dw_sm90_launch as sm90_dw

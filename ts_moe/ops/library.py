@@ -4,6 +4,9 @@
 (:func:`define`): schema, CPU and CUDA kernels, fake kernel, and for the
 differentiable ops the Autograd-key kernel (:func:`autograd_kernel`).
 
+The FP8 ops (:mod:`ts_moe.fp8.library`) register with the same object through
+:func:`define`, with an Autograd kernel of their own that refuses a backward.
+
 ``torch.library.Library`` rather than ``custom_op``: the latter's Python
 wrapper alone costs more than the 20 us host budget allows for a whole call.
 """
@@ -11,7 +14,7 @@ wrapper alone costs more than the 20 us host budget allows for a whole call.
 import torch
 
 LIBRARY = torch.library.Library("ts_moe", "DEF")
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 
 
 def define(schema: str, cpu, cuda, fake, *, with_grad=None,
@@ -38,7 +41,7 @@ def below_autograd(op: torch._ops.OpOverload, keyset, *args, **kwargs):
     """``op`` for the dispatch keys after autograd's (the forward of an
     ``autograd.Function`` that is the op's Autograd kernel)."""
     with torch._C._AutoDispatchBelowAutograd():
-        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+        return op.redispatch(keyset & AFTER_AUTOGRAD, *args, **kwargs)
 
 
 def autograd_kernel(op: torch._ops.OpOverload, backends: dict, with_grad, inputs: int = 2):
@@ -50,9 +53,7 @@ def autograd_kernel(op: torch._ops.OpOverload, backends: dict, with_grad, inputs
     enters costs about 1.3 us of the 20 us host budget); anything else
     redispatches.  (``torch.library.register_autograd`` would install such a
     kernel too, but one that always redispatches: the 1.3 us again.)"""
-    # the exact keyset a plain tensor of each backend arrives with, as an int
-    # (a DispatchKeySet is not hashable; comparing raw bits costs 0.1 us)
-    plain = {_plain_keyset(key): fn for key, fn in backends.items()}
+    plain = plain_kernels(backends)
 
     def kernel(keyset, *args, **kwargs):
         if torch.is_grad_enabled() and (args[0].requires_grad
@@ -61,12 +62,15 @@ def autograd_kernel(op: torch._ops.OpOverload, backends: dict, with_grad, inputs
         direct = plain.get(keyset.raw_repr())
         if direct is not None:
             return direct(*args, **kwargs)
-        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+        return op.redispatch(keyset & AFTER_AUTOGRAD, *args, **kwargs)
 
     return kernel
 
 
-def _plain_keyset(backend: str) -> int:
+def plain_kernels(backends: dict) -> dict:
+    """``{keyset: backends[key]}``, keyed by the exact keyset a plain tensor of each
+    backend (``"CPU"``, ``"CUDA"``) reaches the Autograd kernel with, as an int (a
+    DispatchKeySet is not hashable; comparing raw bits costs 0.1 us)."""
     key = torch._C.DispatchKey
-    return torch._C.DispatchKeySet(getattr(key, backend)).add(
-        getattr(key, "Autograd" + backend)).raw_repr()
+    return {torch._C.DispatchKeySet(getattr(key, backend)).add(
+        getattr(key, "Autograd" + backend)).raw_repr(): fn for backend, fn in backends.items()}

@@ -36,7 +36,7 @@ def use_router_kernel(enabled: bool = True) -> bool:
     :func:`route_slots` of batches from ``ROUTE_SPLIT_MIN_WORK`` to the top-k on
     many CTAs and the slot order in a second launch (the same experts, weights
     and order, bit for bit).  Off by default until it has been measured on the
-    GPU (bench/RESULTS.md, "Issue 21").  Returns the previous setting; takes
+    GPU (bench/notes/2026-12-04-router-kernel.md).  Returns the previous setting; takes
     effect on the next call (the layer's decode graphs key on it; a
     ``torch.compile(mode="reduce-overhead")`` graph keeps the router it was
     recorded with: set this before compiling)."""

@@ -31,7 +31,7 @@ BACKWARD_SCHEMA = "swiglu_backward(Tensor dy, Tensor h) -> Tensor"
 
 # The fused op under autograd keeps its pre-activation h (M, 2I) from the
 # forward (True) or recomputes it in the backward (False): measured both, see
-# bench/RESULTS.md "training: keep or recompute h"
+# bench/notes/2026-12-04-swiglu-keep-h.md
 SWIGLU_KEEPS_H = True
 
 
