@@ -243,3 +243,18 @@ def test_stand_ins_speak_the_kernel_modules_api():
     assert list(inspect.signature(quant.quantize).parameters) == ["x", "recipe"]
     assert set(kernels.sm90_fp8.__all__) >= {
         "scaled_grouped_gemm", "scaled_grouped_gemm_swiglu", "swiglu_supported"}
+
+
+def test_the_fp8_kernels_are_opt_in():
+    """Until they pass on a GPU, sm_90 FP8 calls take the kernels only after
+    ts_moe.use_fp8_kernels() (bench/notes/2026-12-05-fp8-kernel-first-gpu-run.md)."""
+    ts_moe.use_fp8_kernels(False)  # the default
+    assert not paths.fp8_kernels_enabled()
+    assert paths.gemm_kernels() is None and paths.quantize_kernels() is None
+    ts_moe.use_fp8_kernels()
+    try:
+        assert paths.gemm_kernels() is kernels.sm90_fp8
+        assert paths.quantize_kernels() is kernels.quantize_fp8_sm90
+    finally:
+        ts_moe.use_fp8_kernels(False)
+    assert paths.gemm_kernels() is None

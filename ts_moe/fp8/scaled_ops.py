@@ -122,13 +122,14 @@ def run_gemm(path: Fp8Path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, of
     """A validated ``scaled_grouped_gemm`` on ``path``, the degenerate sizes included."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, k, n = b.shape
+    if path is Fp8Path.TORCH_SCALED and 0 not in (m, n, k, num_experts):
+        # torch allocates the output itself, in the same layout (N % 16 == 0 on this path)
+        return _torch_scaled(a, b, scale_a, scale_b, offs, a_index)
     out = empty_output(a, m, n, out_dtype)
     if 0 in (m, n, k, num_experts):
         return out.zero_()
     if path is Fp8Path.KERNEL_SM90:
         return _kernel_gemm(a, b, scale_a, scale_b, offs, pair, out_dtype, a_index, out)
-    if path is Fp8Path.TORCH_SCALED:
-        return out.copy_(_torch_scaled(a, b, scale_a, scale_b, offs, a_index))
     if path is Fp8Path.DEQUANTIZE:
         x, w = _dequantized(a, b.transpose(-2, -1), scale_a, recipe_a, scale_b, recipe_b)
         wide = out_dtype if out_dtype != torch.float16 else torch.float32
