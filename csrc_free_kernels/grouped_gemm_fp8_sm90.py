@@ -9,7 +9,9 @@ FP8 WGMMA mainloop that accumulates in two fp32 accumulators.
 Scale layouts the kernel reads (``M`` token rows, ``KB = ceil(K / 128)``, ``E`` experts):
 
 - ``blockwise``: ``sfa`` (M, KB) fp32, **M-major** (stride ``(1, Mp)``, ``Mp % 4 == 0``:
-  TMA reads a k-block's column of ``rows`` scales as one box); ``sfb`` (E, N/128, KB) fp32,
+  TMA reads a k-block's column of a tile's scales as one box, from the tile's first row
+  rounded down to a multiple of 4: a box's innermost start must be 16-byte aligned,
+  ``bench/notes/2026-12-05-fp8-scale-box-alignment.md``); ``sfb`` (E, N/128, KB) fp32,
   any strides.  Every 128 K (one ring stage) the partial accumulator is promoted into the
   fp32 one with ``sfa[row, kb] * sfb[e, n // 128, kb]``.
 - ``rowwise``: ``sfa`` (M,), ``sfb`` (E, N); ``tensorwise``: ``sfa`` (1,), ``sfb`` (E,).
@@ -35,6 +37,10 @@ from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90, Warp
 from .grouped_gemm_sm90_config import SMEM_CAPACITY, TileConfig
 from .sm90_epilogue import MmaOperands
 from .tile_schedule import WorkTile
+
+# fp32 activation scales per 16 bytes: the scale box starts on a multiple of this row
+# (TMA refuses a box whose innermost start is not 16-byte aligned)
+SFA_ALIGN = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +98,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     (:class:`ScaleParams`).
 
     ``recipe`` blockwise: LOAD_A also loads the k-block's column of activation scales
-    (``rows`` fp32, one TMA box of the M-major ``sfa``) into the stage, so the scales ride
+    (``rows + 4`` fp32 from the tile's first row rounded down to a multiple of 4, one TMA
+    box of the M-major ``sfa``: :meth:`sfa_box_start`) into the stage, so the scales ride
     under the stage's one armed byte count (:meth:`load_a`).  Per stage, an MMA warpgroup
     issues four k32 WGMMAs into ``part`` (the first overwriting it), waits for them, reads
-    its two rows' scales from the stage, gives the stage back and promotes:
+    its two rows' scales from the stage (``row0 % 4`` further on: :meth:`sfa_row_shift`),
+    gives the stage back and promotes:
     ``acc += part * (sfa[row] * sfb[e, block, kb])`` (``sfb`` a uniform global load issued
     before the stage wait; :meth:`mainloop`).  With two warpgroups on a 128-row tile one
     promotes while the other's WGMMAs run: within one warpgroup, keeping a second partial
@@ -132,6 +140,31 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         """First weight row of the tile's scale part ``part`` (its block is ``// 128``)."""
         return n_tile * self.cfg.tile_n
 
+    @property
+    def sfa_box_rows(self) -> int:
+        """Blockwise: the rows of one activation-scale box, the tile's token rows and
+        the up to 3 rows before them that the aligned start takes in."""
+        return self.cfg.rows + SFA_ALIGN
+
+    @property
+    def sfa_stage_words(self) -> int:
+        """Blockwise: fp32 words of one stage's scale column, a 128-byte multiple (a TMA
+        destination's alignment) that holds the box and the tile's rows read from
+        :meth:`sfa_row_shift` on."""
+        rows = max(self.cfg.tile_m + SFA_ALIGN - 1, self.sfa_box_rows)
+        return -(-rows // 32) * 32
+
+    @staticmethod
+    def sfa_box_start(row0):
+        """The scale box's first row for a tile starting at ``row0``: a multiple of
+        :data:`SFA_ALIGN` (a Python int or a DSL Int32 alike)."""
+        return row0 & -SFA_ALIGN
+
+    @staticmethod
+    def sfa_row_shift(row0):
+        """Where tile row 0's scale lies in the stage's box: ``row0 - sfa_box_start``."""
+        return row0 & (SFA_ALIGN - 1)
+
     # ---------------------------------------------------------------- host
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
         if not b_layout.is_k_major_b():
@@ -139,11 +172,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                              "transpose(-2, -1) view")
         super()._setup(a_dtype, c_dtype, a_layout, b_layout, c_layout)
         cfg = self.cfg
-        # (tile_m, 1, stages) fp32: a stage's activation scales, the first ``rows``
-        # filled by TMA (a 128-byte multiple per stage: a TMA destination's alignment)
-        self.sfa_bytes = cfg.rows * 4 if self.blockwise else 0
+        # (sfa_stage_words, 1, stages) fp32: a stage's activation scales, the first
+        # ``sfa_box_rows`` filled by TMA
+        self.sfa_bytes = self.sfa_box_rows * 4 if self.blockwise else 0
         self.stage_bytes += self.sfa_bytes
-        per_stage = max(cfg.tile_m, 32) * 4 if self.blockwise else 0
+        words = self.sfa_stage_words if self.blockwise else 32
+        per_stage = words * 4 if self.blockwise else 0
         stage_smem = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * a_dtype.width // 8 + per_stage
         fixed = (cute.cosize(self.epi_smem_layout) * c_dtype.width // 8
                  + 8 * self.schedule.table_words + 4 * 1024)
@@ -156,8 +190,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 a_layout, self.tile_shape_mnk, a_dtype, stages)
             self.b_smem_layout = sm90_utils.make_smem_layout_b(
                 b_layout, self.tile_shape_mnk, a_dtype, stages)
-        self.sfa_smem_layout = cute.make_layout(
-            (max(cfg.tile_m, 32), 1, self.stages), stride=(1, 0, max(cfg.tile_m, 32)))
+        self.sfa_smem_layout = cute.make_layout((words, 1, self.stages), stride=(1, 0, words))
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB_ekn: cute.Tensor, mC: cute.Tensor,
@@ -173,13 +206,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     def extra_params(self, tma_atom_a, mSFA, mSFB) -> ScaleParams:
         """The scales; blockwise with the TMA atom of a k-block's activation scales,
-        a (rows, 1) box of the M-major (M, KB) ``sfa``.  The other recipes pass the
-        token atom and ``sfa`` in its place, unused."""
+        a (sfa_box_rows, 1) box of the M-major (M, KB) ``sfa``.  The other recipes pass
+        the token atom and ``sfa`` in its place, unused."""
         tma_atom_s, mSFA_tma = tma_atom_a, mSFA
         if cutlass.const_expr(self.blockwise):
+            box = (self.sfa_box_rows, 1)
             tma_atom_s, mSFA_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mSFA,
-                cute.make_layout((self.cfg.rows, 1)), (self.cfg.rows, 1))
+                cpasync.CopyBulkTensorTileG2SOp(), mSFA, cute.make_layout(box), box)
         return ScaleParams(tma_atom_s, mSFA_tma, mSFA, mSFB, self.sfa_smem_layout)
 
     def shared_buffers(self) -> dict:
@@ -209,16 +242,17 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     def token_tiles(self, tma_atom_a, mA, sA_box, row0, extra: ScaleParams) -> tuple:
         """The base kernel's token partitions ``(dst, src)``, then the same of the
-        stages' scale columns and, blockwise, of the (rows, 1, k-blocks)
-        activation scales from ``row0`` (else the token partitions again)."""
-        cfg = self.cfg
+        stages' scale columns and, blockwise, of the (sfa_box_rows, 1, k-blocks)
+        activation scales from :meth:`sfa_box_start` (else the token partitions again)."""
         tAsA, tAgA = super().token_tiles(tma_atom_a, mA, sA_box, row0, extra)
         tSsS, tSgS = tAsA, tAgA
         if cutlass.const_expr(self.blockwise):
-            # (rows, 1, stages): the filled rows of each stage's scale column
-            sS_box = cute.flat_divide(extra.smem, (cfg.rows, 1))[None, None, 0, 0, None]
-            gS = cute.local_tile(cute.domain_offset((row0, 0), extra.sfa_tma), (cfg.rows, 1),
-                                 (0, None))
+            box = (self.sfa_box_rows, 1)
+            # (sfa_box_rows, 1, stages): the filled rows of each stage's scale column
+            sS_box = cute.flat_divide(extra.smem, box)[None, None, 0, 0, None]
+            gS = cute.local_tile(
+                cute.domain_offset((self.sfa_box_start(row0), 0), extra.sfa_tma), box,
+                (0, None))
             tSsS, tSgS = cpasync.tma_partition(
                 extra.tma_atom, 0, cute.make_layout(1),
                 cute.group_modes(sS_box, 0, 2), cute.group_modes(gS, 0, 2))
@@ -264,6 +298,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         acc, part, cC, fmap = ops.acc, extra.part, extra.coords, extra.fmap
         tCrA, tCrB, sSFA = ops.a, ops.b, extra.smem
         n_slots = len(fmap.row_rep)
+        shift = 0
+        if cutlass.const_expr(self.blockwise):
+            shift = self.sfa_row_shift(tile.row0)  # tile row 0's place in the scale box
         k_blocks = cute.size(tCrA, mode=[2])
         for k in cutlass.range(k_tiles, unroll=1):
             sb = [cutlass.Float32(1.0)]
@@ -280,7 +317,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.blockwise):
                     # scale_a of the thread's rows in this stage, times scale_b
-                    sa = [sSFA[cC[fmap.row_rep[h]][0], 0, read.index]
+                    sa = [sSFA[cC[fmap.row_rep[h]][0] + shift, 0, read.index]
                           for h in range(n_slots)]
                     ring.consumer_release(read)
                     scale = [[sa[h] * sb[p] for p in range(self.scale_parts)]

@@ -176,6 +176,66 @@ def _rowsum(weighted, index="int64"):
     return build
 
 
+def _fp8(config, recipe, swiglu=False, out="bfloat16", regs=0):
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        from . import grouped_gemm_fp8_sm90 as k
+        from .grouped_gemm_fp8_sm90_config import CONFIGS
+        from .grouped_gemm_fp8_sm90_launch import fake_args
+
+        cls = k.GroupedGemmFp8SwigluSm90 if swiglu else k.GroupedGemmFp8Sm90
+        kernel = cls(CONFIGS[config], recipe)
+        if regs:  # the MMA warpgroups' register cap, lowered: must still not spill
+            kernel.mma_regs = regs
+        c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+             "float32": cutlass.Float32}[out]
+        return kernel, (*fake_args(recipe, c, swiglu), cutlass.Int32(1),
+                        cute.runtime.make_fake_stream())
+    build.config = (config, {"recipe": recipe, "swiglu": swiglu, "out": out, "regs": regs})
+    return build
+
+
+def _quantize(recipe, dtype):
+    def build():
+        import cutlass
+
+        from . import quantize_fp8_sm90 as q
+        from .quantize_fp8_sm90_launch import fake_args
+
+        c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+             "float32": cutlass.Float32}[dtype]
+        return q.QuantizeFp8Sm90(recipe), fake_args(recipe, c)
+    build.config = (recipe, {"dtype": dtype})
+    return build
+
+
+FP8_CONFIGS = ("fp8_decode16", "fp8_decode16_n64", "fp8_decode", "fp8_mid", "fp8_prefill",
+               "fp8_prefill_c2")
+FP8_RECIPES = ("blockwise", "rowwise", "tensorwise")
+
+
+def fp8_name(config, recipe, swiglu=False, out="bfloat16", regs=0) -> str:
+    return (f"{config}_{recipe}" + ("_swiglu" if swiglu else "")
+            + ("" if out == "bfloat16" else f"_{out}") + (f"_r{regs}" if regs else ""))
+
+
+def _fp8_builds() -> dict:
+    """Every FP8 configuration x recipe x (plain, SwiGLU) with bf16 out; the other
+    output dtypes once; the widest mainloops (SwiGLU blockwise) with the MMA
+    warpgroups capped at 168 registers; the activation quantizer per recipe and dtype."""
+    specs = [(c, r, s, "bfloat16", 0) for c in FP8_CONFIGS for r in FP8_RECIPES
+             for s in (False, True)]
+    specs += [("fp8_mid", "blockwise", False, o, 0) for o in ("float16", "float32")]
+    specs += [(c, "blockwise", True, "bfloat16", 168) for c in ("fp8_decode", "fp8_mid")]
+    builds = {fp8_name(*spec): _fp8(*spec) for spec in specs}
+    builds.update({f"quantize_{r}_{d}": _quantize(r, d)
+                   for r in ("blockwise_1x128", "rowwise", "tensorwise")
+                   for d in ("bfloat16", "float16", "float32")})
+    return builds
+
+
 BUILDS = {
     **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
     **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
@@ -258,6 +318,8 @@ BUILDS = {
     "sm100_gemm_n128": _gemm100("n128"),
     "sm100_swiglu_n256": _gemm100("n256", b_n_major=False, swiglu=True),
     "sm100_swiglu_n128": _gemm100("n128", b_n_major=False, swiglu=True),
+    # FP8 grouped GEMM and the activation quantizer, sm_90a
+    **_fp8_builds(),
 }
 
 
@@ -272,24 +334,32 @@ def reference_module_available() -> bool:
 def _main(out_dir: str, names: list) -> None:
     import cutlass.cute as cute
 
+    from . import preflight_trace
+
     out = pathlib.Path(out_dir)
     dump_dir = pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"])
     for name in names:
         if name.endswith("_reference") and not reference_module_available():
             continue
         kernel, args = BUILDS[name]()
-        cute.compile(kernel, *args)
+        with preflight_trace.recording() as facts:
+            cute.compile(kernel, *args)
         # the DSL names its dump after the host function, so builds of one
-        # class overwrite each other's: take the newest file, then rename it
-        newest = max(dump_dir.glob("*.ptx"), key=lambda p: p.stat().st_mtime_ns)
-        newest.replace(out / f"{name}.ptx")
+        # class overwrite each other's: take the newest files, then rename them
+        newest = {ext: max(dump_dir.glob(f"*.{ext}"), key=lambda p: p.stat().st_mtime_ns)
+                  for ext in ("ptx", "cubin")}
+        newest["ptx"].replace(out / f"{name}.ptx")
+        for key, value in preflight_trace.cubin_facts(newest["cubin"].read_bytes()).items():
+            setattr(facts, key, value)
+        newest["cubin"].unlink()
+        (out / f"{name}.facts.json").write_text(facts.to_json())
 
 
 def dump(arch: str, names: list, out_dir: str, timeout: float = 600) -> dict:
     """Compile ``names`` for ``arch`` in a fresh process; returns ``{name: ptx text}``."""
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     with tempfile.TemporaryDirectory(prefix="ts_moe_ptx_") as scratch:
-        env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx",
+        env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx,cubin",
                    CUTE_DSL_DUMP_DIR=scratch, TS_MOE_NO_DISK_CACHE="1")
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run([sys.executable, "-m", "csrc_free_kernels.ptx_dump", out_dir,

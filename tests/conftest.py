@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from .helpers import sm90_available
+from .ptxas import PtxStore
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,3 +26,9 @@ def gpu_machine(monkeypatch):
 def cpu_machine(monkeypatch):
     """``torch.cuda.is_available()`` False."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture(scope="session")
+def ptx_store(tmp_path_factory):
+    """Every kernel build compiled once for the whole session (:class:`PtxStore`)."""
+    return PtxStore(tmp_path_factory.mktemp("ptx_store"))

@@ -94,12 +94,40 @@ def assert_pdl_prefetch_entry(ptx_text: str) -> None:
     assert waits[0] < first_token_load and waits[0] < first_store
 
 
-def ptx_fixture(arch: str, builds: list, name: str = "ptx"):
-    """A module-scoped fixture ``name``: {build: PTX} of ``builds`` (names of
-    ``csrc_free_kernels.ptx_dump.BUILDS``) compiled for ``arch``."""
-    def compiled(tmp_path_factory):
+class PtxStore:
+    """Each build of ``csrc_free_kernels.ptx_dump.BUILDS`` compiled at most once per test
+    session (the PTX tests and the pre-flight read the same compile): ``get`` compiles
+    the builds it has not seen, for one arch, in one fresh process."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.ptx: dict = {}
+
+    def get(self, arch: str, builds: list) -> dict:
         from csrc_free_kernels import ptx_dump
 
-        return ptx_dump.dump(arch, builds, str(tmp_path_factory.mktemp(name)))
+        missing = [b for b in builds if (arch, b) not in self.ptx]
+        if missing:
+            out = self.directory / f"{arch}_{len(self.ptx)}"
+            out.mkdir()
+            for name, text in ptx_dump.dump(arch, missing, str(out), timeout=3600).items():
+                self.ptx[arch, name] = text
+        return {b: self.ptx[arch, b] for b in builds if (arch, b) in self.ptx}
+
+    def facts(self, arch: str, build: str):
+        """The build's :class:`csrc_free_kernels.preflight_trace.BuildFacts`."""
+        from csrc_free_kernels.preflight_trace import BuildFacts
+
+        self.get(arch, [build])
+        found = sorted(self.directory.glob(f"{arch}_*/{build}.facts.json"))
+        return BuildFacts.from_json(found[0].read_text())
+
+
+def ptx_fixture(arch: str, builds: list, name: str = "ptx"):
+    """A module-scoped fixture ``name``: {build: PTX} of ``builds`` (names of
+    ``csrc_free_kernels.ptx_dump.BUILDS``) compiled for ``arch``, from the session's
+    :class:`PtxStore` (``ptx_store``, tests/conftest.py)."""
+    def compiled(ptx_store):
+        return ptx_store.get(arch, builds)
 
     return pytest.fixture(scope="module", name=name)(compiled)

@@ -2,87 +2,31 @@
 compiles for sm_90a; its PTX has the instructions the design relies on, and ptxas
 assembles it without spills."""
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
-from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry
+from csrc_free_kernels import ptx_dump
 
-RECIPES = ("blockwise", "rowwise", "tensorwise")
-CONFIG_NAMES = ("fp8_decode16", "fp8_decode16_n64", "fp8_decode", "fp8_mid", "fp8_prefill",
-                "fp8_prefill_c2")
+from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture
 
-
-def _name(config, recipe, swiglu=False, out="bfloat16", regs=0):
-    return (f"{config}_{recipe}" + ("_swiglu" if swiglu else "")
-            + ("" if out == "bfloat16" else f"_{out}") + (f"_r{regs}" if regs else ""))
-
+RECIPES = ptx_dump.FP8_RECIPES
+CONFIG_NAMES = ptx_dump.FP8_CONFIGS
 
 # every configuration x recipe x (plain, SwiGLU), bf16 out; the other output dtypes
 # once; and register budgets: the SwiGLU blockwise mainloops (the widest: two weight
 # scales per k-block, two accumulators) built with their MMA warpgroups capped at 168
 # registers (the kernel gives them 232 / 240) must not spill either
-SPECS = {_name(c, r, s): (c, r, s, "bfloat16", 0)
-         for c in CONFIG_NAMES for r in RECIPES for s in (False, True)}
-SPECS.update({_name("fp8_mid", "blockwise", out=o): ("fp8_mid", "blockwise", False, o, 0)
-              for o in ("float16", "float32")})
-SPECS.update({_name(c, "blockwise", True, regs=168): (c, "blockwise", True, "bfloat16", 168)
-              for c in ("fp8_decode", "fp8_mid")})
-
+# (``ptx_dump._fp8_builds``): name -> (config, recipe, swiglu, out dtype, register cap)
+SPECS = {n: (b.config[0], *b.config[1].values()) for n, b in ptx_dump.BUILDS.items()
+         if n.startswith("fp8_")}
 GEMMS = sorted(SPECS)
 # the activation quantizer: each recipe, each input dtype
 QUANT_RECIPES = ("blockwise_1x128", "rowwise", "tensorwise")
-SPECS.update({f"quantize_{r}_{d}": (r, d) for r in QUANT_RECIPES
-              for d in ("bfloat16", "float16", "float32")})
+SPECS.update({n: (b.config[0], b.config[1]["dtype"]) for n, b in ptx_dump.BUILDS.items()
+              if n.startswith("quantize_")})
 
-_BUILD = """
-import json, os, pathlib, sys
-import cutlass, cutlass.cute as cute
-from csrc_free_kernels import grouped_gemm_fp8_sm90 as K
-from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
-from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as L
-out, specs = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
-dump = pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"])
-from csrc_free_kernels import quantize_fp8_sm90 as Q
-from csrc_free_kernels import quantize_fp8_sm90_launch as QL
-DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
-for name, spec in specs.items():
-    if name.startswith("quantize_"):
-        recipe, dtype = spec
-        cute.compile(Q.QuantizeFp8Sm90(recipe), *QL.fake_args(recipe, DTYPES[dtype]))
-    else:
-        config, recipe, swiglu, out_dtype, regs = spec
-        cls = K.GroupedGemmFp8SwigluSm90 if swiglu else K.GroupedGemmFp8Sm90
-        kernel = cls(C.CONFIGS[config], recipe)
-        if regs:
-            kernel.mma_regs = regs
-        cute.compile(kernel, *L.fake_args(recipe, DTYPES[out_dtype], swiglu), cutlass.Int32(1),
-                     cute.runtime.make_fake_stream())
-    newest = max(dump.glob("*.ptx"), key=lambda p: p.stat().st_mtime_ns)
-    newest.replace(out / f"{name}.ptx")
-"""
-
-
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
-    """{build name: PTX} of every build in :data:`SPECS`, compiled for sm_90a in one
-    fresh process (CuTeDSL reads the arch and dump settings at import)."""
-    out = tmp_path_factory.mktemp("fp8_ptx")
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=tempfile.mkdtemp(prefix="ts_moe_fp8_ptx_"),
-               TS_MOE_NO_DISK_CACHE="1",
-               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _BUILD, str(out), json.dumps(SPECS)],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {p.stem: p.read_text() for p in out.glob("*.ptx")}
+ptx = ptx_fixture("sm_90a", sorted(SPECS))
 
 
 def _config(name):
@@ -119,10 +63,18 @@ def test_kernel_ptx(ptx, name):
                       text)
     assert len(arms) == 1
     (value,) = re.findall(rf"mov\.b32\s+{re.escape(arms[0])},\s*(\d+);", text)
-    assert int(value) == cfg.rows * 128 + cfg.tile_n * 128 + (cfg.rows * 4 if blockwise else 0)
+    # (the scale box: the tile's rows and the up to 3 before them, from a multiple of 4)
+    scale_box = (cfg.rows + 4) * 4 if blockwise else 0
+    assert int(value) == cfg.rows * 128 + cfg.tile_n * 128 + scale_box
     # TMA: the token box (2-D), the scale box (2-D, blockwise), the weight parts (3-D)
-    loads_2d = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", text)
+    loads_2d = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global[^\n]*", text)
     assert len(loads_2d) == (2 if blockwise else 1)
+    if blockwise:
+        # the scale box starts on a row rounded down to a multiple of 4 (16 bytes)
+        inner = [re.search(r"\{(%r\d+),", ld).group(1) for ld in loads_2d]
+        masked = [r for r in inner
+                  if re.search(rf"and\.b32\s+{re.escape(r)},\s*%r\d+,\s*-4;", text)]
+        assert len(masked) == 1, inner
     assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global", text)
     assert (".multicast::cluster" in text) == (cfg.cluster_m > 1)
     assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text

@@ -6,9 +6,11 @@ element is taken from the kernel's own layout objects: each thread's tile coordi
 :class:`FragmentScaleMap` it derives from thread 0, evaluated at trace time on the host
 for every thread of every configuration.  A torch emulation of the kernel then applies
 those maps tile by tile and k-block by k-block, with the kernel's memory semantics (TMA
-zero fill past M, N and K; token-box rows the stage never loaded are NaN; the
-warpgroup skip; the epilogue's row and column predicates; the launch glue's ``a_index``
-gather), and must reproduce a float64 dequantize-then-multiply reference.
+zero fill past M, N and K; token-box rows the stage never loaded are NaN; the blockwise
+scale box from the tile's first row rounded down to a multiple of 4, read shifted back,
+with the kernel's own ``sfa_box_start`` / ``sfa_row_shift``; the warpgroup skip; the
+epilogue's row and column predicates; the launch glue's ``a_index`` gather), and must
+reproduce a float64 dequantize-then-multiply reference.
 """
 
 import json
@@ -185,13 +187,20 @@ def emulate(kernel, entry, recipe, a, b, sfa, sfb, offs, n_out):
                             ks = slice(kb * 128, (kb + 1) * 128)
                             part = tile_a[:, ks] @ tile_b[ks]
                             if recipe == "blockwise":
-                                stage = torch.where(r < m_rows, sfa[r.clamp(max=m_rows - 1), kb]
-                                                    .double(), 0.0)
-                                stage[~loaded] = nan
+                                # the stage's scale column: the box from the aligned
+                                # start (zero past M), NaN past it; read shifted
+                                box = (kernel.sfa_box_start(row0)
+                                       + torch.arange(kernel.sfa_box_rows))
+                                stage = torch.full((kernel.sfa_stage_words,), nan,
+                                                   dtype=torch.float64)
+                                stage[:len(box)] = torch.where(
+                                    box < m_rows, sfa[box.clamp(max=m_rows - 1), kb].double(),
+                                    0.0)
                                 blocks = torch.tensor(
                                     [kernel.scale_block_row(n_tile, p, n_out) // 128
                                      for p in range(kernel.scale_parts)])
-                                part = part * stage[row_src] * sfb[e, blocks, kb].double()[part_src]
+                                sa = stage[row_src + kernel.sfa_row_shift(row0)]
+                                part = part * sa * sfb[e, blocks, kb].double()[part_src]
                             acc += part
                         if recipe == "rowwise":
                             rows = (row0 + row_src).clamp(max=m_rows - 1)
