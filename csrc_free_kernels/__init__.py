@@ -27,8 +27,9 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
 - ``compile``: in-memory and on-disk cache of compiled kernels, the fake
   arguments' helpers and the torch -> DSL dtype table; ``pdl``: programmatic
   dependent launch.
-- ``kernel_cache``: the on-disk cache's rules (a directory only this uid can write,
-  sha256-checked objects).
+- ``kernel_cache``: the on-disk cache's rules (a path only this uid or root can
+  write, used through one directory descriptor; sha256-checked objects);
+  ``kernel_cache_path``: the walk from ``/`` that checks and opens it.
 - ``ptx_dump``: GPU-free compilation for one arch, keeping the PTX.
 
 Variants measured and lost are not here: bench/notes/ records them.  Modules

@@ -4,8 +4,8 @@ A kernel is compiled from fake (symbolic-shape) tensors through TVM-FFI, so the
 compiled function takes torch tensors directly, reads the current torch stream
 itself, and serves every problem size of its configuration.  The object file
 is exported to the disk cache (:mod:`.kernel_cache`: ``$TS_MOE_CACHE_DIR`` or
-``~/.cache/ts_moe``, only if this user alone can write it), so a new process
-loads it in milliseconds instead of recompiling.
+``~/.cache/ts_moe``, only if no one but this user or root can write its path),
+so a new process loads it in milliseconds instead of recompiling.
 """
 
 import os
@@ -100,17 +100,18 @@ def get_compiled(key: tuple, build):
             return fn
         t0 = time.perf_counter()
         name = kernel_cache.object_name(key)
-        directory = kernel_cache.directory()
-        how = "loaded"
-        fn = None if directory is None else kernel_cache.load(
-            directory, name, lambda path: cute.runtime.load_module(path, enable_tvm_ffi=True)[name])
-        if fn is None:
-            how = "compiled"
-            kernel, args = build()
-            fn = cute.compile(kernel, *args, options="--enable-tvm-ffi")
-            if directory is not None:
-                kernel_cache.store(directory, name, lambda path: fn.export_to_c(
-                    object_file_path=path, function_name=name))
+        with kernel_cache.directory() as directory:  # None: memory only
+            how = "loaded"
+            fn = None if directory is None else kernel_cache.load(
+                directory, name,
+                lambda path: cute.runtime.load_module(path, enable_tvm_ffi=True)[name])
+            if fn is None:
+                how = "compiled"
+                kernel, args = build()
+                fn = cute.compile(kernel, *args, options="--enable-tvm-ffi")
+                if directory is not None:
+                    kernel_cache.store(directory, name, lambda path: fn.export_to_c(
+                        object_file_path=path, function_name=name))
         stats.append((key, time.perf_counter() - t0, how))
         _memory[key] = fn
         return fn

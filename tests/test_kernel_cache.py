@@ -35,8 +35,10 @@ class FakeDSL:
     """``cute.compile`` / ``export_to_c`` / ``cute.runtime.load_module`` on bytes."""
 
     def __init__(self):
-        self.compiled, self.loaded, self.exported = [], [], []
+        self.compiled, self.loaded = [], []
+        self.exported = []           # (the path given, the file it named then)
         self.export_error = None
+        self.during_export = None    # called before the object is written
         self.runtime = types.SimpleNamespace(load_module=self.load_module)
 
     def compile(self, payload, *args, options=""):
@@ -45,9 +47,11 @@ class FakeDSL:
 
         class Compiled:
             def export_to_c(self, object_file_path, function_name):
-                dsl.exported.append(object_file_path)
+                dsl.exported.append((object_file_path, os.path.realpath(object_file_path)))
                 if dsl.export_error:
                     raise dsl.export_error
+                if dsl.during_export:
+                    dsl.during_export()
                 with open(object_file_path, "wb") as f:
                     f.write(payload)
 
@@ -217,7 +221,7 @@ def test_each_write_has_its_own_temporary_file(dsl, tmp_path):
     build, obj = seed(tmp_path)
     obj.unlink()
     get()
-    first, second = dsl.exported
+    (_, first), (_, second) = dsl.exported
     assert first != second
     assert Path(first).parent == Path(second).parent == build
     assert not [p for p in os.listdir(build) if "tmp" in p]

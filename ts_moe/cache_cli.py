@@ -18,23 +18,24 @@ def _size(n: int) -> str:
 
 def run(clear: bool) -> int:
     """Prints the cache's state, or clears it (1 if there is no disk cache to clear)."""
-    directory, why = kernel_cache.locate(create=False)
-    if directory is None:
+    cache, why = kernel_cache.locate(create=False)
+    if cache is None:
         print(f"kernel cache: memory only ({why})")
         if clear:
             print("nothing cleared: no disk cache in use", file=sys.stderr)
         return int(clear)
-    root = directory.parent
-    if clear:
-        files, size = kernel_cache.clear(root)
-        print(f"kernel cache: {root}: removed {files} files ({_size(size)})")
-        return 0
-    found = kernel_cache.usage(root)
+    with cache:
+        if clear:
+            files, size = kernel_cache.clear(cache)
+            print(f"kernel cache: {cache.root}: removed {files} files ({_size(size)})")
+            return 0
+        found = kernel_cache.usage(cache)
+        created = cache.fd is not None
     objects = sum(n for n, _ in found.values())
     size = sum(s for _, s in found.values())
-    mine = found.get(directory.name, (0, 0))
-    print(f"kernel cache: {root}")
-    print(f"  this build ({directory.name}): {mine[0]} kernel objects, {_size(mine[1])}"
-          + ("" if directory.is_dir() else " (not created yet)"))
+    mine = found.get(cache.path.name, (0, 0))
+    print(f"kernel cache: {cache.root}")
+    print(f"  this build ({cache.path.name}): {mine[0]} kernel objects, {_size(mine[1])}"
+          + ("" if created else " (not created yet)"))
     print(f"  in all: {len(found)} builds, {objects} kernel objects, {_size(size)}")
     return 0
