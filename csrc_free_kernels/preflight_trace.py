@@ -253,3 +253,20 @@ def cubin_facts(cubin: bytes) -> dict:
             else:  # EIFMT_HVAL: a u16 value; EIFMT_NVAL: none
                 i += 4 if fmt == 0x03 else 2
     return found
+
+
+def collect(dump_dir, facts: BuildFacts) -> str:
+    """The PTX of the build just compiled with ``CUTE_DSL_KEEP=ptx,cubin`` into
+    ``dump_dir`` (the newest files: the DSL names them after the host function, so
+    builds of one class overwrite each other's), with the cubin's facts added to
+    ``facts``; both files are removed."""
+    import pathlib
+
+    newest = {ext: max(pathlib.Path(dump_dir).glob(f"*.{ext}"),
+                       key=lambda p: p.stat().st_mtime_ns) for ext in ("ptx", "cubin")}
+    for key, value in cubin_facts(newest["cubin"].read_bytes()).items():
+        setattr(facts, key, value)
+    text = newest["ptx"].read_text()
+    for path in newest.values():
+        path.unlink()
+    return text

@@ -2,9 +2,11 @@
 
     CUTE_DSL_ARCH=sm_90a python -m csrc_free_kernels.ptx_dump OUT_DIR NAME [NAME ...]
 
-writes ``OUT_DIR/NAME.ptx`` for each named build (see :data:`BUILDS`).  The DSL
-reads the arch and the keep/dump settings once, at import, so each arch needs
-its own process: :func:`dump` runs one.
+writes ``OUT_DIR/NAME.ptx`` for each named build (see :data:`BUILDS`) and beside it
+``NAME.facts.json``, what the pre-flight needs that the PTX does not say (the TMA maps,
+shared memory, the cubin's registers: :mod:`.preflight_trace`).  The DSL reads the
+arch and the keep/dump settings once, at import, so each arch needs its own process:
+:func:`dump` runs one.
 """
 
 import json
@@ -344,14 +346,7 @@ def _main(out_dir: str, names: list) -> None:
         kernel, args = BUILDS[name]()
         with preflight_trace.recording() as facts:
             cute.compile(kernel, *args)
-        # the DSL names its dump after the host function, so builds of one
-        # class overwrite each other's: take the newest files, then rename them
-        newest = {ext: max(dump_dir.glob(f"*.{ext}"), key=lambda p: p.stat().st_mtime_ns)
-                  for ext in ("ptx", "cubin")}
-        newest["ptx"].replace(out / f"{name}.ptx")
-        for key, value in preflight_trace.cubin_facts(newest["cubin"].read_bytes()).items():
-            setattr(facts, key, value)
-        newest["cubin"].unlink()
+        (out / f"{name}.ptx").write_text(preflight_trace.collect(dump_dir, facts))
         (out / f"{name}.facts.json").write_text(facts.to_json())
 
 

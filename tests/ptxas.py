@@ -31,12 +31,13 @@ def registers(report: str) -> int:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_for_arch(arch: str, args: list, timeout: float = 600) -> str:
+def run_for_arch(arch: str, args: list, timeout: float = 600, extra_env=None) -> str:
     """``python *args`` in a fresh process that compiles for ``arch`` (CuTeDSL
-    reads ``CUTE_DSL_ARCH`` once) without the disk cache; its stdout, after
-    asserting that it succeeded."""
+    reads ``CUTE_DSL_ARCH`` once) without the disk cache, with ``extra_env``; its
+    stdout, after asserting that it succeeded."""
     env = dict(os.environ, CUTE_DSL_ARCH=arch, TS_MOE_NO_DISK_CACHE="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **(extra_env or {}))
     proc = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -143,15 +143,45 @@ def test_compile_command_builds_each_family_in_its_own_process(tmp_path):
         "sys.exit(rc)\n")
     # the arch as the demo's child process gets it: set before ts_moe imports the DSL
     env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
-           "CUTE_DSL_ARCH": "sm_90a"}
+           "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",
+           "CUTE_DSL_DUMP_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert re.fullmatch(r"  \[ +\d+\.\d s\] SwiGLU: 1 configurations", lines[0])
-    assert re.fullmatch(r"  \[ +\d+\.\d s\] 1 configurations built for sm_90a", lines[1])
+    assert re.fullmatch(r"  \[ +\d+\.\d s\] 1 configurations built for sm_90a, each "
+                        r"through the pre-flight \(tma-coordinate, .*\): no violation", lines[1])
     assert lines[2] == "sm_90a False"
-    assert list(tmp_path.iterdir()) == []  # nothing cached
+    assert list(tmp_path.iterdir()) == []  # nothing cached, the kept PTX and cubin read
+
+
+def test_compile_command_fails_a_build_the_preflight_refuses(tmp_path):
+    """A build that breaks a hardware rule fails the build step, naming the rule and the
+    instruction (here the pre-flight is handed a wrong armed byte count)."""
+    code = (
+        "import sys, torch; from functools import partial; import ts_moe.__main__ as m\n"
+        "from csrc_free_kernels import preflight, preflight_trace\n"
+        "collect = preflight_trace.collect\n"
+        "def broken(d, facts):\n"
+        "    return collect(d, facts).replace('setmaxnreg.inc.sync.aligned.u32 \\t240;',\n"
+        "                                     'setmaxnreg.inc.sync.aligned.u32 \\t244;')\n"
+        "preflight_trace.collect = broken\n"
+        "def families():\n"
+        "    from csrc_free_kernels import grouped_gemm_sm90_launch as g\n"
+        "    from csrc_free_kernels import grouped_gemm_sm90_config as c\n"
+        "    return [('grouped GEMM', [partial(g.compiled_kernel, c.DECODE16, torch.bfloat16,\n"
+        "                                      torch.bfloat16, False)])]\n"
+        "m.kernel_families = families\n"
+        "sys.exit(m.main(['compile']))\n")
+    env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
+           "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",
+           "CUTE_DSL_DUMP_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "pre-flight of the hardware's rules failed" in proc.stderr
+    assert "[budget]" in proc.stderr and "setmaxnreg" in proc.stderr
 
 
 def test_kernel_families_name_the_shipped_configurations():

@@ -15,7 +15,8 @@
 3. on an sm_90 GPU that is the CuTeDSL kernel path, timed; elsewhere it says
    so, runs the reference path, then builds the kernels for sm_90a (``compile``,
    in a process of its own: the DSL takes its target arch at import), a line
-   per kernel family;
+   per kernel family, each build through the pre-flight of the hardware's rules
+   (``csrc_free_kernels.preflight``: a build that would fault on the GPU fails here);
 4. ends in ``PASS``, or ``FAIL`` with the error and the tolerance, then says
    what to run next.
 
@@ -42,6 +43,7 @@ from .ops import Path as KernelPath, cuda_path
 
 TOLERANCE = 2e-2  # bf16 layer against the fp32 reference
 ARCH = "sm_90a"
+KEEP = "ptx,cubin"  # what the DSL keeps of each build for the pre-flight
 NEXT_STEPS = (
     ("python -m pytest -q", "the tests (about 11 min on 2 CPU cores; "
                             "pip install -e '.[dev,hf]' first)"),
@@ -104,26 +106,41 @@ def kernel_families() -> list[tuple[str, list[Callable[[], object]]]]:
 
 
 def compile_kernels() -> int:
-    """Compile every family for :data:`ARCH` in this process, a line per family."""
-    if os.environ.get("CUTE_DSL_ARCH") != ARCH:
-        if "cutlass" in sys.modules:  # it read its arch when imported (with ts_moe's ops)
+    """Compile every family for :data:`ARCH` in this process, a line per family, and run
+    the pre-flight of the hardware's rules on each build (``csrc_free_kernels.preflight``)
+    from the PTX and cubin the DSL keeps; a violation fails the build step."""
+    dump_dir = os.environ.get("CUTE_DSL_DUMP_DIR")
+    if (os.environ.get("CUTE_DSL_ARCH") != ARCH or not dump_dir
+            or os.environ.get("CUTE_DSL_KEEP") != KEEP):
+        # the DSL reads these once, when imported (with ts_moe's ops): a fresh process
+        with tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
             return subprocess.call([sys.executable, "-m", "ts_moe", "compile"],
-                                   env=_child_env())
-        os.environ["CUTE_DSL_ARCH"] = ARCH
+                                   env=_child_env(scratch))
+    from csrc_free_kernels import preflight, preflight_trace
+
     os.environ["TS_MOE_NO_DISK_CACHE"] = "1"  # build only: nothing written to the cache
     start = time.perf_counter()
     built = 0
     for name, builds in kernel_families():
         _say(f"  [{time.perf_counter() - start:5.1f} s] {name}: {len(builds)} configurations")
         for build in builds:
+            what = getattr(build.args[0], "name", build.args[0]) if build.args else ""
             try:
-                build()
+                with preflight_trace.recording() as facts:
+                    build()
+                found = preflight.check(f"{name} {what}",
+                                        preflight_trace.collect(dump_dir, facts), facts)
             except Exception as exc:  # say which build, then fail
-                what = getattr(build.args[0], "name", build.args[0]) if build.args else ""
                 print(f"{name} {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 return 1
+            if found:
+                print("the pre-flight of the hardware's rules failed:", file=sys.stderr)
+                for violation in found:
+                    print(violation, file=sys.stderr)
+                return 1
         built += len(builds)
-    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} configurations built for {ARCH}")
+    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} configurations built for {ARCH}, "
+         f"each through the pre-flight ({', '.join(preflight.RULES)}): no violation")
     return 0
 
 
@@ -132,20 +149,23 @@ def _root() -> str:
     return str(Path(__file__).resolve().parent.parent)
 
 
-def _child_env() -> dict:
-    """This environment, the DSL's arch set (it is read when ``cutlass`` is imported, which
-    ``import ts_moe`` does) and this checkout first on the path."""
-    return dict(os.environ, CUTE_DSL_ARCH=ARCH, PYTHONPATH=os.pathsep.join(
-        [_root(), *filter(None, [os.environ.get("PYTHONPATH")])]))
+def _child_env(dump_dir: str) -> dict:
+    """This environment, the DSL's arch and its PTX and cubin kept in ``dump_dir`` for
+    the pre-flight (read when ``cutlass`` is imported, which ``import ts_moe`` does), and
+    this checkout first on the path."""
+    return dict(os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP=KEEP, CUTE_DSL_DUMP_DIR=dump_dir,
+                PYTHONPATH=os.pathsep.join([_root(),
+                                            *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def build_in_child(args=("-m", "ts_moe", "compile")) -> str | None:
     """``python -m ts_moe compile`` in a fresh process, its lines shown as they come;
     None on success, else what went wrong."""
-    env = _child_env()
-    with tempfile.TemporaryFile("w+") as stderr:  # a file: a full pipe would block the child
-        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True)
+    with tempfile.TemporaryFile("w+") as stderr, \
+            tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
+        # stderr a file: a full pipe would block the child
+        proc = subprocess.Popen([sys.executable, *args], env=_child_env(scratch),
+                                stdout=subprocess.PIPE, stderr=stderr, text=True)
         for line in proc.stdout:
             _say(line.rstrip("\n"))
         if proc.wait() == 0:
