@@ -149,7 +149,16 @@ def test_torch_scaled_path_semantics(monkeypatch):
     """Without the kernels, sm_90 rowwise goes to torch._scaled_grouped_mm: gathered rows
     and their scales, offs read as segment ends, the tail zeroed."""
     calls = []
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", _torch_scaled_stand_in(calls), raising=False)
+    stand_in = _torch_scaled_stand_in(calls)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", stand_in, raising=False)
+    if hasattr(torch.nn.functional, "scaled_grouped_mm"):  # called with the recipes named
+        rowwise = torch.nn.functional.ScalingType.RowWise
+
+        def named(a, b, sa, ra, sb, rb, offs=None, output_dtype=None):
+            assert ra == rb == rowwise
+            return stand_in(a, b, sa, sb, offs=offs, out_dtype=output_dtype)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", named)
     a, w, sa, sw, _ = problem(pair=PAIRS[1], n=256)
     a_index = torch.randint(-3, 48, (40,), dtype=torch.int32)
     for offs in (torch.tensor([9, 9, 25, 31], dtype=torch.int32),

@@ -35,11 +35,12 @@ import torch
 
 from ..reference import segment_ends, swiglu
 from ..ops.layout import empty_output
+from . import dequantize_path
 from .library import define_inference_op
 from .paths import ALIGN, Fp8Path, gemm_kernels, scaled_path
 from .recipes import ROWWISE, check_scaled_args, recipe_arg
-from .reference import (dequantize, gather_fp8_rows, gather_scale_rows,
-                        scaled_grouped_gemm_reference, scaled_grouped_gemm_swiglu_reference)
+from .reference import (gather_fp8_rows, gather_scale_rows, scaled_grouped_gemm_reference,
+                        scaled_grouped_gemm_swiglu_reference)
 
 _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale_b, "
          "str scale_recipe_b, Tensor offs, ScalarType? out_dtype=None, Tensor? a_index=None")
@@ -77,18 +78,25 @@ def kernel_weights(b: torch.Tensor) -> torch.Tensor:
     return b.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-def dequantized_bf16(x: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tensor:
-    """``x`` (R, C) or (E, R, C) e4m3 times its scale, in bf16 with 16-byte rows (what
-    ts_moe.grouped_gemm reads); a stack a matrix at a time (fp32 temporaries of one
-    expert's size, not of the stack's)."""
-    *lead, rows, cols = x.shape
-    pad = -(-cols // 8) * 8
-    out = torch.empty(*lead, rows, pad, dtype=torch.bfloat16, device=x.device)[..., :cols]
-    if x.dim() == 2:
-        return out.copy_(dequantize(x, scale, recipe))
-    for e in range(x.shape[0]):
-        out[e].copy_(dequantize(x[e], scale[e], recipe))
-    return out
+def torch_rows(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (M, K) e4m3 as ``torch._scaled_grouped_mm`` takes it: row-major with a row
+    stride of at least K and a multiple of 16 bytes, whatever M (a one-row view of
+    stride (1, 1) is refused there); a copy otherwise."""
+    if (a.stride(-1) == 1 and a.stride(0) % ALIGN == 0 and a.stride(0) >= a.shape[1]
+            and _aligned(a)):
+        return a
+    return _padded_rows(a)
+
+
+def torch_weights(b: torch.Tensor) -> torch.Tensor:
+    """``b`` (E, K, N) e4m3 as ``torch._scaled_grouped_mm`` takes it: column-major
+    matrices, the column stride at least K and a multiple of 16 bytes; a copy otherwise."""
+    e, k, n = b.shape
+    if (b.stride(1) == 1 and b.stride(2) % ALIGN == 0 and b.stride(2) >= k
+            and b.stride(0) % ALIGN == 0 and _aligned(b)):
+        return b
+    pad = -(-k // ALIGN) * ALIGN
+    return b.new_empty_strided((e, k, n), (n * pad, 1, pad)).copy_(b)
 
 
 # --------------------------------------------------------------------- paths
@@ -99,22 +107,27 @@ def _kernel_gemm(a, b, scale_a, scale_b, offs, pair, out_dtype, a_index, out):
 
 
 def _torch_scaled(a, b, scale_a, scale_b, offs, a_index):
-    """``torch._scaled_grouped_mm`` (rowwise, bf16 out) with this op's semantics: the
-    rows gathered first, ``offs`` read as segment ends, rows past the last zeroed."""
+    """Torch's rowwise FP8 grouped GEMM (bf16 out, its only output type) with this op's
+    semantics: the rows gathered first, ``offs`` read as segment ends, rows past the last
+    zeroed.  ``torch.nn.functional.scaled_grouped_mm`` gets the recipes named, where the
+    installed torch has it (a newer torch infers them from the scales' shapes otherwise,
+    and M == E or M == 1 reads as another recipe)."""
     if a_index is not None:
         scale_a = gather_scale_rows(scale_a, ROWWISE, a_index)
         a = gather_fp8_rows(a, a_index)
     ends = segment_ends(offs, a.shape[0]).to(torch.int32)
-    out = torch._scaled_grouped_mm(kernel_rows(a), kernel_weights(b), scale_a.contiguous(),
-                                   scale_b.contiguous(), offs=ends, out_dtype=torch.bfloat16)
+    a, b = torch_rows(a), torch_weights(b)
+    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+    explicit = getattr(torch.nn.functional, "scaled_grouped_mm", None)
+    scaling = getattr(torch.nn.functional, "ScalingType", None)
+    if explicit is not None and scaling is not None:
+        out = explicit(a, b, scale_a, scaling.RowWise, scale_b, scaling.RowWise, offs=ends,
+                       output_dtype=torch.bfloat16)
+    else:
+        out = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=ends,
+                                       out_dtype=torch.bfloat16)
     past = torch.arange(a.shape[0], device=a.device) >= ends[-1]
     return out.masked_fill_(past.unsqueeze(1), 0)
-
-
-def _dequantized(a, b_stored, scale_a, recipe_a, scale_b, recipe_b):
-    """a (M, K) and the weights as stored, (E, N, K), in bf16 with 16-byte rows."""
-    return (dequantized_bf16(a, scale_a, recipe_a),
-            dequantized_bf16(b_stored, scale_b, recipe_b))
 
 
 def run_gemm(path: Fp8Path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, offs,
@@ -131,11 +144,8 @@ def run_gemm(path: Fp8Path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, of
     if path is Fp8Path.KERNEL_SM90:
         return _kernel_gemm(a, b, scale_a, scale_b, offs, pair, out_dtype, a_index, out)
     if path is Fp8Path.DEQUANTIZE:
-        x, w = _dequantized(a, b.transpose(-2, -1), scale_a, recipe_a, scale_b, recipe_b)
-        wide = out_dtype if out_dtype != torch.float16 else torch.float32
-        return out.copy_(torch.ops.ts_moe.grouped_gemm(
-            x, w.transpose(-2, -1), offs, None if wide == torch.bfloat16 else wide,
-            a_index=a_index))
+        return dequantize_path.gemm(a, scale_a, recipe_a, b.transpose(-2, -1), scale_b,
+                                    recipe_b, offs, out, a_index)
     return out.copy_(scaled_grouped_gemm_reference(a, b, scale_a, recipe_a, scale_b, recipe_b,
                                                    offs, out_dtype, a_index))
 
@@ -154,12 +164,14 @@ def run_swiglu(path: Fp8Path, pair, a, gate_up, scale_a, recipe_a, scale_b, reci
         return gemm_kernels().scaled_grouped_gemm_swiglu(
             kernel_rows(a), kernel_weights(b), scale_a, scale_b, offs, recipe=pair,
             out_dtype=out_dtype, a_index=a_index, out=out)
-    if path is Fp8Path.DEQUANTIZE and out_dtype == torch.bfloat16:
-        x, w = _dequantized(a, gate_up, scale_a, recipe_a, scale_b, recipe_b)
-        return out.copy_(torch.ops.ts_moe.grouped_gemm_swiglu(x, w, offs, a_index=a_index))
+    if path is Fp8Path.DEQUANTIZE:
+        return dequantize_path.gemm_swiglu(a, scale_a, recipe_a, gate_up, scale_b, recipe_b,
+                                           offs, out, a_index)
     if path is Fp8Path.REFERENCE:
         return out.copy_(scaled_grouped_gemm_swiglu_reference(
             a, gate_up, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtype, a_index))
+    # the kernel path where the fused kernel does not take I: the GEMM to fp32; torch's
+    # FP8 GEMM has bf16 output only, so that path rounds twice (the docstring says so)
     wide = torch.float32 if path is not Fp8Path.TORCH_SCALED else torch.bfloat16
     h = run_gemm(path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, offs, wide, a_index)
     return out.copy_(swiglu(h.float(), out_dtype))
@@ -250,7 +262,9 @@ def scaled_grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, scale_a: 
     ``torch.ops.ts_moe.scaled_grouped_gemm_swiglu``.  ``gate_up`` (E, 2I, K) e4m3 as
     stored (gate rows first; not transposed, as :func:`ts_moe.grouped_gemm_swiglu`
     takes it), ``scale_b`` of its recipe over (E, 2I, K).  Returns (M, I) in
-    ``out_dtype``: fp32 GEMM and activation, one rounding.  Otherwise as
+    ``out_dtype``: fp32 GEMM and activation, one rounding - except on sm_90's default
+    rowwise path, ``torch._scaled_grouped_mm``, whose output is bf16 only: there the
+    GEMM's output is rounded to bf16, then the activation (two roundings).  Otherwise as
     :func:`scaled_grouped_gemm`."""
     return _call(_swiglu_op, a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b,
                  offs, out_dtype, a_index, "gate_up")
