@@ -28,9 +28,9 @@ must be multiples of 8 (16-byte rows of the permuted activations).
 The layer trains: the ops' backward formulas give ``gate_up_proj``,
 ``down_proj`` and the input their gradients, and the combine weights carry
 the router's (through the softmax of :func:`ts_moe.reference.route`).  No step of the backward
-syncs with the host; the permutation gathers have gathers as gradients (no
-atomics), and the gradient of the gathered token rows is summed per token by
-a sort-based ``index_put_`` (deterministic).
+syncs with the host or uses atomics: the gradients of the gathered token rows
+and of the combine's gathered expert rows are summed back by a sort-based
+``index_put_`` (deterministic).
 """
 
 import json

@@ -273,18 +273,44 @@ def gather_permutation(rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, perm)
 
 
+class _GatherSummed(torch.autograd.Function):
+    """``rows.index_select(0, index)`` for any ``index`` into the rows, repeated and
+    missing rows included, whose backward is the gather's exact adjoint: each row
+    gets the sum of the gradient rows gathered from it (zero where none was), by
+    ``index_put_(accumulate=True)`` into zeros (on CUDA torch's sort-based kernel:
+    deterministic, no atomics, no host sync)."""
+
+    @staticmethod
+    def forward(ctx, rows, index):
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.num_rows, *grad.shape[1:])
+        return out.index_put_((index.long(),), grad, accumulate=True), None
+
+
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``.
 
     y_sorted: (T * top_k, H) expert outputs in expert order; weights: (T, top_k).
     The K rows of each token are gathered into a (T, top_k, H) view and summed
     over K in fp32 with the weights in fp32, then rounded once to
-    ``y_sorted.dtype``: deterministic, no atomics, forward and backward
-    (``inverse`` is a permutation: its gradient is a gather too).
+    ``y_sorted.dtype``: deterministic, no atomics, forward and backward.
+    ``inverse`` need not be a permutation (as :func:`sort_slots` makes it):
+    ``y_sorted``'s gradient is the exact adjoint of the gather for any indices
+    into its rows (:class:`_GatherSummed`), zero for a row no slot reads.
     """
     check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
-    y = gather_permutation(y_sorted, inverse).view(tokens, top_k, y_sorted.shape[1])
+    if torch.is_grad_enabled() and y_sorted.requires_grad:
+        y = _GatherSummed.apply(y_sorted, inverse)
+    else:
+        y = y_sorted.index_select(0, inverse)
+    y = y.view(tokens, top_k, y_sorted.shape[1])
     # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
     # on the H200 that copy was 2 % of the Mixtral layer's time)
     out = (y * weights.float().unsqueeze(-1)).sum(dim=1)
