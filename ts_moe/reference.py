@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .checks import check_combine_args, check_experts, check_permute_args, check_route_args
+from .checks import (check_combine_args, check_experts, check_flag, check_permute_args,
+                     check_route_args)
 
 
 def segment_ends(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -164,12 +165,15 @@ def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
 
 
 # ------------------------------------------------------------------ routing
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int,
+          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixtral routing: softmax over all experts in fp32, top-k, renormalise.
 
     logits: (T, E), any float dtype.  Returns ``(weights, experts)``, both
-    (T, top_k): ``weights`` float32 summing to 1 per token, ``experts`` int64,
-    in decreasing order of logit, so of probability.
+    (T, top_k): ``weights`` float32 summing to 1 per token (``renormalize``
+    False: the chosen experts' softmax probabilities as they are, as Qwen-MoE
+    routes with ``norm_topk_prob`` false; :func:`route_weights`), ``experts``
+    int64, in decreasing order of logit, so of probability.
 
     The experts are ranked by their logits, not by the rounded probabilities:
     softmax keeps the order, and the logits keep it where fp32 probabilities
@@ -181,10 +185,18 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     (``csrc_free_kernels.route_sm90``) ranks the same way.
     """
     check_route_args(logits, top_k)
-    probs = torch.softmax(logits.float(), dim=-1)
+    check_flag("renormalize", renormalize)
     experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    top = probs.gather(-1, experts)
-    return top / top.sum(dim=-1, keepdim=True), experts
+    return route_weights(logits, experts, renormalize), experts
+
+
+def route_weights(logits: torch.Tensor, experts: torch.Tensor,
+                  renormalize: bool = True) -> torch.Tensor:
+    """The combine weights of the ``experts`` (T, k) chosen from ``logits`` (T, E): their
+    softmax probabilities over all E experts in fp32, divided by their sum per token
+    where ``renormalize``."""
+    top = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    return top / top.sum(dim=-1, keepdim=True) if renormalize else top
 
 
 class SlotOrder(NamedTuple):
