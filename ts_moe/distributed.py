@@ -38,8 +38,8 @@ left waiting in a collective for one that has given up:
   ranks agree on the sizes, top-k, capacity, routing (``renormalize``), dtype
   and device type, and a rank whose own arguments (or checkpoint) fail still
   joins it with its reason.  The rank that failed raises its own error; every
-  other rank a ValueError quoting it.  Ranks that disagree all raise the same
-  ValueError;
+  other rank a ValueError quoting it.  Ranks that disagree, or a size past 64
+  bits on any rank, make all raise the same ValueError;
 - a forward in exact mode sends a "refused" flag with the counts and reads it
   at the mode's one sync: a rank whose input is refused raises its own error
   there, every other rank a RuntimeError naming it, before any row moves, and
@@ -122,6 +122,7 @@ def _group_info(group):
 _AGREEMENT = (("refused", 0), ("reason", 512), ("hidden_size", 0), ("intermediate_size", 0),
               ("num_experts", 0), ("top_k", 0), ("capacity", 0), ("renormalize", 0),
               ("dtype", 32), ("device type", 16))
+_NOT_INT64 = -2**63  # sent for a number outside int64 (every agreed number is >= 0)
 
 
 def _encode(values: dict) -> list[int]:
@@ -132,7 +133,8 @@ def _encode(values: dict) -> list[int]:
             data = str(value).encode()[:width]
             row += [*data, *bytes(width - len(data))]
         else:
-            row.append(int(value))
+            value = int(value)
+            row.append(value if _NOT_INT64 < value < 2**63 else _NOT_INT64)
     return row
 
 
@@ -165,6 +167,11 @@ def _agree(group, device, values: dict, refusal: Exception | None = None) -> Non
     if refused:
         raise ValueError(f"the layer was not built on any rank: {'; '.join(refused)}")
     names = [name for name, _ in _AGREEMENT[2:]]
+    huge = [f"{n} on rank {r}" for r, v in enumerate(ranks) for n in names
+            if v[n] == _NOT_INT64]
+    if huge:
+        raise ValueError(f"{', '.join(huge)}: not a 64-bit integer; the layer was not built "
+                         f"on any rank")
     differ = [n for n in names if any(v[n] != ranks[0][n] for v in ranks)]
     if differ:
         raise ValueError(f"ranks disagree on {', '.join(differ)}: " + "; ".join(
@@ -267,28 +274,27 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_pretrained(cls, path, layer: int, *, group=None, capacity: int | None = None,
                         device=None):
-        """Layer ``layer`` of a local Mixtral checkpoint, reading only this rank's
-        experts (:func:`ts_moe.load_mixtral_experts` with ``experts=``)."""
-        import json
-        from pathlib import Path
-
-        from .loaders import load_mixtral_experts
+        """Layer ``layer`` of a local Mixtral (or Qwen3-MoE) checkpoint, reading only
+        this rank's experts (:func:`ts_moe.load_mixtral_experts` with ``experts=``);
+        config.json read and checked as :meth:`ts_moe.MoE.from_pretrained` reads it."""
+        from .loaders import EXPERT_FIELDS, load_mixtral_experts
+        from .pretrained import block_settings
 
         world, rank = _group_info(group)
         try:  # a failure here (a missing file on this rank's host) is told to the others
-            config = json.loads((Path(path) / "config.json").read_text())
-            num_experts, top_k = config["num_local_experts"], config["num_experts_per_tok"]
-            if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
-                    or num_experts < 1 or num_experts % world:
-                raise ValueError(f"{Path(path) / 'config.json'}: num_local_experts = "
-                                 f"{num_experts!r} must be a positive int divisible by the "
-                                 f"group's size {world}")
+            settings = block_settings(path, "ExpertParallelMoE.from_pretrained")
+            num_experts = settings.num_experts
+            if num_experts is None or num_experts % world:
+                raise ValueError(f"{path}/config.json: the expert count "
+                                 f"({' / '.join(EXPERT_FIELDS)}) = {num_experts!r} must be a "
+                                 f"positive int divisible by the group's size {world}")
             n = num_experts // world
             weights = load_mixtral_experts(path, layers=[layer], device=device,
                                            experts=range(rank * n, (rank + 1) * n))[layer]
         except (OSError, KeyError, TypeError, ValueError) as exc:
             _agree(group, device, {}, exc)  # raises exc here, after telling the others
-        return cls.from_weights(weights, top_k, group=group, capacity=capacity)
+        return cls.from_weights(weights, settings.top_k, group=group, capacity=capacity,
+                                renormalize=settings.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens (..., H) -> (..., H); a collective over the group.  A
