@@ -1,5 +1,9 @@
 """Helpers shared by the tests (the yardsticks, the recorders, the inputs)."""
 
+import os
+import threading
+import time
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -122,3 +126,29 @@ def fake_route_kernel(launches: list):
         return launch
 
     return route_kernel
+
+
+class FifoWatch:
+    """A FIFO at ``path``; a thread opens its write end whenever a reader waits on it,
+    so a loader that opens it reads EOF instead of blocking the test forever, and
+    ``opened`` says whether anything did."""
+
+    def __init__(self, path):
+        os.mkfifo(path)
+        self.path, self.opened, self._stop = path, False, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self):
+        while not self._stop.is_set():
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader
+                time.sleep(0.005)
+                continue
+            self.opened = True
+            os.close(fd)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()

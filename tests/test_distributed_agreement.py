@@ -73,6 +73,8 @@ def _scenarios(rank, world, checkpoint):
     with torch.no_grad():
         results["input"] = _outcome(lambda: layer(bad))
         results["after"] = layer(_tokens(rank))
+    # last: a rank that raised outside the agreement would leave the other waiting in it
+    results["huge"] = _outcome(lambda: ExpertParallelMoE(2**64 if rank else H, I, E, TOP_K))
     return results
 
 
@@ -129,3 +131,11 @@ def test_a_refused_input_raises_on_every_rank_and_the_next_call_runs(results):
         want = layer(torch.cat([_tokens(r) for r in range(2)]))
     torch.testing.assert_close(torch.cat([r["after"] for r in results]), want,
                                rtol=1e-12, atol=1e-12)
+
+
+def test_a_size_past_64_bits_on_one_rank_is_refused_in_the_agreement(results):
+    """2**64 passes the argument checks but not into the agreement's int64 row: every
+    rank raises the same ValueError from the agreement, none waits in it."""
+    got = [r["huge"] for r in results]
+    assert got[0] == got[1] == ("ValueError: hidden_size on rank 1: not a 64-bit integer; the "
+                                "layer was not built on any rank"), got

@@ -2,6 +2,7 @@
 each naming (Mixtral, Qwen3-MoE, DeepSeek-V3) and scheme (blockwise, channel, tensor)."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ts_moe
+from ts_moe import loaders
 from ts_moe.fp8 import loaders as fp8_loaders
 from ts_moe.fp8.layer import dequantize_experts
 from ts_moe.fp8.loaders import fp8_scheme, load_fp8_experts
@@ -117,13 +119,13 @@ def test_deepseek_v3_experts_serve_experts_forward_not_the_module(checkpoints):
 def test_layer_subset_and_expert_range(checkpoints, monkeypatch):
     path = checkpoints[("qwen3_moe", "blockwise")]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    opened, real_open = [], fp8_loaders.safe_open
+    opened, real_open = [], loaders.safe_open
 
     def recording_open(file, *args, **kwargs):
         opened.append(Path(file).name)
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(fp8_loaders, "safe_open", recording_open)
+    monkeypatch.setattr(loaders, "safe_open", recording_open)
     full = load_fp8_experts(path, layers=[1], device="cpu")[1]
     needed = {shard for key, shard in index.items() if key.startswith("model.layers.1.")}
     assert sorted(opened) == sorted(needed)  # each needed shard once, none other
@@ -200,3 +202,100 @@ def test_writer_rejects_bad_arguments(tmp_path):
         with pytest.raises(ValueError, match=match):
             make_tiny_fp8_checkpoint(tmp_path / "x", **kw)
     shutil.rmtree(tmp_path / "x", ignore_errors=True)
+
+
+@pytest.mark.parametrize("field", ["num_experts", "num_local_experts", "n_routed_experts"])
+@pytest.mark.parametrize("count", [2, 5])
+def test_a_config_expert_count_other_than_the_routers_is_named(checkpoints, tmp_path, field,
+                                                               count):
+    """E is the router's: a config.json count of 2 for a 4-expert checkpoint gave a
+    truncated stack beside the whole router (tokens routed to experts 2 and 3 counted
+    for none)."""
+    path = _rewrite(checkpoints[("qwen3_moe", "channel")], tmp_path / "c", lambda s: None,
+                    lambda c: c.update({field: count}))
+    with pytest.raises(ValueError, match=rf"config\.json: {field} = {count}, but the router "
+                                         rf"model\.layers\.0\.mlp\.gate\.weight has 4 experts"):
+        load_fp8_experts(path, device="cpu")
+    with pytest.raises(ValueError, match=rf"config\.json: {field} = {count}"):
+        ts_moe.MoE.from_pretrained(path, 1, device="cpu")
+
+
+def _without(state, part):
+    for key in [k for k in state if part in k]:
+        del state[key]
+
+
+def test_the_expert_keys_must_be_the_routers_experts(checkpoints, tmp_path):
+    src = checkpoints[("qwen3_moe", "channel")]
+
+    def extra_expert(state):  # expert 4 of a 4-expert router
+        for key in [k for k in state if ".layers.1.mlp.experts.0." in k]:
+            state[key.replace(".experts.0.", ".experts.4.")] = state[key].clone()
+
+    for keep_count in (True, False):
+        path = _rewrite(src, tmp_path / f"extra{keep_count}", extra_expert,
+                        None if keep_count else lambda c: c.pop("num_experts"))
+        with pytest.raises(ValueError, match=r"model\.safetensors: key 'model\.layers\.1\.mlp\."
+                                             r"experts\.4\.\w+\.weight\w*' names expert 4, but "
+                                             r"the router model\.layers\.1\.mlp\.gate\.weight "
+                                             r"has 4 experts"):
+            load_fp8_experts(path, device="cpu")
+    path = _rewrite(src, tmp_path / "gap", lambda s: _without(s, ".layers.1.mlp.experts.2."),
+                    lambda c: c.pop("num_experts"))
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.experts\.2\.gate_proj\.weight"):
+        load_fp8_experts(path, device="cpu")
+    assert list(load_fp8_experts(path, layers=0, device="cpu")) == [0]  # layer 0 is whole
+
+
+def test_without_a_config_count_the_router_decides(checkpoints, tmp_path):
+    path = _rewrite(checkpoints[("mixtral", "tensor")], tmp_path / "n", lambda s: None,
+                    lambda c: c.pop("num_local_experts"))
+    got = load_fp8_experts(path, device="cpu")
+    want = load_fp8_experts(checkpoints[("mixtral", "tensor")], device="cpu")
+    for layer, weights in want.items():
+        for name, t in weights.items():
+            assert torch.equal(got[layer][name].view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c.update(quantization_config="fp8"), r"quantization_config must be an object"),
+    (lambda c: c["quantization_config"].update(weight_block_size=128),
+     r"quantization_config\.weight_block_size must be a list of two ints"),
+    (lambda c: c["quantization_config"].update(weight_block_size=["128", "128"]),
+     r"quantization_config\.weight_block_size must be a list of two ints"),
+    (lambda c: c["quantization_config"].update(weight_block_size=[128.0, 128.0]),
+     r"quantization_config\.weight_block_size must be a list of two ints"),
+    (lambda c: c["quantization_config"].update(weight_block_size=[128, 64]),
+     r"quantization_config\.weight_block_size \[128, 64\]: only \[128, 128\]"),
+    (lambda c: c.update(moe_intermediate_size="256"), r"moe_intermediate_size must be a positive"),
+    (lambda c: c.update(moe_intermediate_size=256.0), r"moe_intermediate_size must be a positive"),
+    (lambda c: c.update(num_experts=0), r"num_experts must be a positive int"),
+    (lambda c: c.update(num_experts="4"), r"num_experts must be a positive int"),
+    (lambda c: c.update(num_experts=True), r"num_experts must be a positive int"),
+    (lambda c: c.update(hidden_size="256"), r"hidden_size must be a positive int"),
+    (lambda c: c.update(hidden_size=512), r"hidden_size = 512, but the router"),
+])
+def test_bad_fp8_config_fields_are_named(checkpoints, tmp_path, edit, field):
+    """A ValueError naming config.json and the field, never a StopIteration,
+    AttributeError or TypeError from deep inside the loader."""
+    path = _rewrite(checkpoints[("qwen3_moe", "blockwise")], tmp_path / "bad", lambda s: None,
+                    edit)
+    for load in (lambda: load_fp8_experts(path, device="cpu"),
+                 lambda: ts_moe.MoE.from_pretrained(path, 1, device="cpu")):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path))}/bad/config\.json: "
+                                             rf"{field}"):
+            load()
+
+
+@pytest.mark.parametrize("groups, field", [
+    ([], r"quantization_config\.config_groups must be an object"),
+    ({"g": "channel"}, r"quantization_config\.config_groups\['g'\] must be an object"),
+    ({"g": {"weights": 8}}, r"quantization_config\.config_groups\['g'\]\.weights must be an "
+                            r"object"),
+])
+def test_bad_compressed_tensors_fields_are_named(checkpoints, tmp_path, groups, field):
+    def edit(config):
+        config["quantization_config"]["config_groups"] = groups
+    path = _rewrite(checkpoints[("qwen3_moe", "channel")], tmp_path / "bad", lambda s: None, edit)
+    with pytest.raises(ValueError, match=rf"config\.json: {field}"):
+        load_fp8_experts(path, device="cpu")

@@ -127,3 +127,25 @@ def test_opcheck_and_compile(recipe, shape):
     (q, s), (q2, s2) = compiled(x), ts_moe.quantize_fp8(x, recipe)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     assert s.stride() == s2.stride()
+
+
+@pytest.mark.parametrize("recipe,shape", [
+    ("rowwise", (2, 0, 16)), ("tensorwise", (2, 0, 16)), ("blockwise_128x128", (2, 0, 16)),
+    ("blockwise_1x128", (2, 0, 128)), ("rowwise", (3, 2, 0, 16)), ("rowwise", (0, 4, 16)),
+    ("rowwise", (2, 3, 0)), ("tensorwise", (2, 3, 0)), ("rowwise", (0, 16))])
+def test_empty_matrices_quantize_as_the_fake_kernel_says(recipe, shape):
+    """Empty tensors are accepted, as by the other ops: the eager call gives the shapes and
+    layouts of the meta kernel (and so of a compiled call), zero scales for the empty
+    groups."""
+    x = torch.ones(shape)
+    q, s = ts_moe.quantize_fp8(x, recipe)
+    for got, want in zip((q, s), ts_moe.quantize_fp8(x.to("meta"), recipe)):
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert not s.any()
+    torch.library.opcheck(torch.ops.ts_moe.quantize_fp8.default, (x, recipe))
+    torch._dynamo.reset()
+    q2, s2 = torch.compile(lambda t: ts_moe.quantize_fp8(t, recipe), backend="aot_eager",
+                           fullgraph=True)(x)
+    assert (q2.shape, q2.stride(), s2.shape, s2.stride()) == (q.shape, q.stride(), s.shape,
+                                                              s.stride())
+    assert torch.equal(s2, s)

@@ -175,3 +175,19 @@ def test_routing_ops_and_activation_take_their_kernels(kernels_on_cpu):
     kernels_on_cpu.clear()
     torch.ops.ts_moe.swiglu(torch.randn(5, 24).to(BF16))  # I = 12: the reference
     assert kernels_on_cpu == []
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_renormalize_on_the_kernel_path(kernels_on_cpu, renormalize):
+    """Without renormalising, the sm_90 path keeps its one routing launch (experts and
+    slot order) and gives the reference's weights, bit for bit."""
+    import ts_moe
+
+    logits = torch.randn(6, 8).to(BF16)
+    w, ex, slots = ts_moe.route_slots(logits, 2, renormalize=renormalize)
+    want_w, want_ex = reference.route(logits, 2, renormalize)
+    assert [launch[0] for launch in kernels_on_cpu] == ["route_slots"]
+    assert torch.equal(w, want_w) and torch.equal(ex, want_ex)
+    assert torch.equal(slots.inverse, reference.sort_slots(want_ex, 8).inverse)
+    sums = w.sum(-1)
+    assert torch.allclose(sums, torch.ones(6)) is renormalize

@@ -3,16 +3,15 @@ router's header before any per-expert key is made, shards only regular files ins
 the checkpoint directory, every error naming the file and the field."""
 
 import json
-import os
 import shutil
-import threading
-import time
 
 import pytest
 import torch
 
 import ts_moe
 from ts_moe import loaders
+
+from .helpers import FifoWatch
 
 INDEX = "model.safetensors.index.json"
 EXPERT_KEY = "model.layers.0.block_sparse_moe.experts.{}.w1.weight"
@@ -144,32 +143,6 @@ def test_links_inside_the_directory_and_a_hub_cache_snapshot_load(source, tmp_pa
         ts_moe.load_mixtral_experts(snapshot, device="cpu")
 
 
-class _FifoWatch:
-    """A FIFO at ``path``; a thread opens its write end whenever a reader waits on it,
-    so a loader that opens it reads EOF instead of blocking the test forever, and
-    ``opened`` says whether anything did."""
-
-    def __init__(self, path):
-        os.mkfifo(path)
-        self.path, self.opened, self._stop = path, False, threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self):
-        while not self._stop.is_set():
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:  # ENXIO: no reader
-                time.sleep(0.005)
-                continue
-            self.opened = True
-            os.close(fd)
-
-    def close(self):
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.mark.parametrize("what", ["shard", "config.json", "model.safetensors"])
 def test_a_fifo_is_refused_without_being_opened(ckpt, what):
     if what == "shard":
@@ -184,7 +157,7 @@ def test_a_fifo_is_refused_without_being_opened(ckpt, what):
         (ckpt / INDEX).unlink()
         name = "model.safetensors"
         match = r"model\.safetensors.*not a regular file"
-    fifo = _FifoWatch(ckpt / name)
+    fifo = FifoWatch(ckpt / name)
     try:
         with pytest.raises(ValueError, match=match):
             ts_moe.load_mixtral_experts(ckpt, device="cpu")

@@ -205,3 +205,48 @@ def test_routing_compiles_fullgraph(ops):
     torch.testing.assert_close(want, 2 * x, rtol=1e-6, atol=1e-6)
     assert torch.equal(layer(x, logits), want)
     assert torch.equal(compiled(x, logits), want)
+
+
+def _gather_formula(y_sorted, weights, inverse):
+    """combine as the plain gather it is, for torch.autograd to differentiate."""
+    tokens, top_k = weights.shape
+    return (y_sorted[inverse.long()].view(tokens, top_k, -1) * weights[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("fn", [combine, ts_moe.combine], ids=["reference", "op"])
+def test_combine_gradient_is_the_gathers_adjoint_for_any_inverse(fn):
+    """An inverse with repeated and missing rows (combine accepts one, though sort_slots
+    never makes it): y_sorted's gradient sums the rows read more than once and is zero
+    for the rows never read, and the weights' follows, as torch.autograd gives them for
+    the gather formula in float64, trial after trial."""
+    g = torch.Generator().manual_seed(0)
+    repeated = 0
+    for trial in range(60):
+        tokens, top_k = 1 + trial % 7, 1 + trial % 3
+        slots = tokens * top_k
+        inverse = torch.randint(0, slots, (slots,), generator=g,
+                                dtype=torch.int32 if trial % 2 else torch.int64)
+        repeated += inverse.unique().numel() < slots
+        y = torch.randn(slots, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        # fp32 values: combine multiplies by the weights in fp32
+        w = torch.rand(tokens, top_k, generator=g).double().requires_grad_()
+        grad_out = torch.randn(tokens, 8, generator=g, dtype=torch.float64)
+        want = torch.autograd.grad(_gather_formula(y, w, inverse), (y, w), grad_out)
+        got = torch.autograd.grad(fn(y, w, inverse), (y, w), grad_out)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+        # the weights' gradient comes back through their fp32 copy: rounded to fp32
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    assert repeated >= 30  # most trials repeat (and so miss) rows
+
+
+def test_combine_gradient_for_any_inverse_compiles():
+    inverse = torch.tensor([0, 0, 3, 1, 1, 1])
+    y = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(3, 2).double().requires_grad_()  # fp32 values, as combine weighs
+    torch._dynamo.reset()
+    compiled = torch.compile(ts_moe.combine, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(y, w, inverse).sum(), (y, w))
+    want = torch.autograd.grad(_gather_formula(y, w, inverse).sum(), (y, w))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[0][[2, 4, 5]], torch.zeros(3, 8, dtype=torch.float64))

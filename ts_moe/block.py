@@ -92,7 +92,7 @@ def experts_in_slot_order(x: torch.Tensor, slots: SlotOrder, weights: torch.Tens
 
 
 def moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
-                 return_router_logits):
+                 return_router_logits, renormalize=True):
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
     if hidden.dim() < 1:
@@ -113,7 +113,7 @@ def moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
             f"{gate_up_proj.shape[0]}")
     with nvtx_range("route"):
         logits = router_logits(x, router_weight)
-        weights, _, slots = route_slots(logits, top_k)
+        weights, _, slots = route_slots(logits, top_k, renormalize=renormalize)
     out = experts_in_slot_order(x, slots, weights, gate_up_proj, down_proj, fused)
     out = out.view(hidden.shape)
     return (out, logits) if return_router_logits else out

@@ -264,6 +264,12 @@ def check_top_k(top_k, num_experts: int) -> None:
             f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
 
 
+def check_flag(name: str, value) -> None:
+    """A TypeError naming ``name`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_route_args(logits, top_k) -> None:
     """(T, E) float logits and 1 <= top_k <= E, else a TypeError/ValueError naming them."""
     _check_float_matrix("logits", logits, "(tokens, experts)")

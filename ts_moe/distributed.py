@@ -35,10 +35,11 @@ left waiting in a collective for one that has given up:
 
 - construction (``__init__``, :meth:`~ExpertParallelMoE.from_weights`,
   :meth:`~ExpertParallelMoE.from_pretrained`) is one ``all_gather``: the
-  ranks agree on the sizes, top-k, capacity, dtype and device type, and a rank
-  whose own arguments (or checkpoint) fail still joins it with its reason.
-  The rank that failed raises its own error; every other rank a ValueError
-  quoting it.  Ranks that disagree all raise the same ValueError;
+  ranks agree on the sizes, top-k, capacity, routing (``renormalize``), dtype
+  and device type, and a rank whose own arguments (or checkpoint) fail still
+  joins it with its reason.  The rank that failed raises its own error; every
+  other rank a ValueError quoting it.  Ranks that disagree, or a size past 64
+  bits on any rank, make all raise the same ValueError;
 - a forward in exact mode sends a "refused" flag with the counts and reads it
   at the mode's one sync: a rank whose input is refused raises its own error
   there, every other rank a RuntimeError naming it, before any row moves, and
@@ -54,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checks import check_flag
 from .moe import _check_tensor, check_layer_config, init_linear_
 from .ops import (combine, grouped_gemm, grouped_gemm_swiglu, route, router_logits, scatter_rows,
                   sort_slots)
@@ -118,8 +120,9 @@ def _group_info(group):
 # what the ranks agree on at construction, in one int64 row per rank: a number,
 # or (width > 0) a text of that many bytes; a rank that failed sends its reason
 _AGREEMENT = (("refused", 0), ("reason", 512), ("hidden_size", 0), ("intermediate_size", 0),
-              ("num_experts", 0), ("top_k", 0), ("capacity", 0), ("dtype", 32),
-              ("device type", 16))
+              ("num_experts", 0), ("top_k", 0), ("capacity", 0), ("renormalize", 0),
+              ("dtype", 32), ("device type", 16))
+_NOT_INT64 = -2**63  # sent for a number outside int64 (every agreed number is >= 0)
 
 
 def _encode(values: dict) -> list[int]:
@@ -130,7 +133,8 @@ def _encode(values: dict) -> list[int]:
             data = str(value).encode()[:width]
             row += [*data, *bytes(width - len(data))]
         else:
-            row.append(int(value))
+            value = int(value)
+            row.append(value if _NOT_INT64 < value < 2**63 else _NOT_INT64)
     return row
 
 
@@ -163,6 +167,11 @@ def _agree(group, device, values: dict, refusal: Exception | None = None) -> Non
     if refused:
         raise ValueError(f"the layer was not built on any rank: {'; '.join(refused)}")
     names = [name for name, _ in _AGREEMENT[2:]]
+    huge = [f"{n} on rank {r}" for r, v in enumerate(ranks) for n in names
+            if v[n] == _NOT_INT64]
+    if huge:
+        raise ValueError(f"{', '.join(huge)}: not a 64-bit integer; the layer was not built "
+                         f"on any rank")
     differ = [n for n in names if any(v[n] != ranks[0][n] for v in ranks)]
     if differ:
         raise ValueError(f"ranks disagree on {', '.join(differ)}: " + "; ".join(
@@ -180,16 +189,19 @@ class ExpertParallelMoE(nn.Module):
     to each rank (no sync; see the module docstring).
 
     Construction is a collective too: the ranks check they agree on the sizes,
-    top-k, capacity, dtype and device type, and a rank whose arguments fail
-    tells the others (errors: the module docstring).
+    top-k, capacity, ``renormalize`` (as :class:`ts_moe.MoE`'s), dtype and
+    device type, and a rank whose arguments fail tells the others (errors: the
+    module docstring).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 *, group=None, capacity: int | None = None, device=None, dtype=None):
+                 *, group=None, capacity: int | None = None, renormalize: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         world, rank = _group_info(group)
         try:
             check_layer_config(hidden_size, intermediate_size, num_experts, top_k)
+            check_flag("renormalize", renormalize)
             if num_experts % world:
                 raise ValueError(f"num_experts = {num_experts} must be divisible by the group's "
                                  f"size {world} (each rank holds num_experts / {world} experts)")
@@ -202,10 +214,11 @@ class ExpertParallelMoE(nn.Module):
         _agree(group, device, {
             "hidden_size": hidden_size, "intermediate_size": intermediate_size,
             "num_experts": num_experts, "top_k": top_k, "capacity": capacity or 0,
-            "dtype": probe.dtype, "device type": probe.device.type})
+            "renormalize": renormalize, "dtype": probe.dtype, "device type": probe.device.type})
         self.group, self.world, self.rank = group, world, rank
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.capacity = num_experts, top_k, capacity
+        self.renormalize = renormalize
         self.local_experts = num_experts // world
         self.first_expert = rank * self.local_experts
         factory = {"device": device, "dtype": dtype}
@@ -224,7 +237,8 @@ class ExpertParallelMoE(nn.Module):
         init_linear_(self.router, self.gate_up_proj, self.down_proj)
 
     @classmethod
-    def from_weights(cls, weights, top_k: int, *, group=None, capacity: int | None = None):
+    def from_weights(cls, weights, top_k: int, *, group=None, capacity: int | None = None,
+                     renormalize: bool = True):
         """The sharded layer on this rank from a layer's weights: ``{"router": (E, H),
         "gate_up_proj", "down_proj"}`` holding all E experts (this rank's slice is
         copied) or only this rank's E/W (used as they are)."""
@@ -246,7 +260,8 @@ class ExpertParallelMoE(nn.Module):
         except (KeyError, TypeError, ValueError) as exc:
             _agree(group, None, {}, exc)  # raises exc here, after telling the others
         layer = cls(hidden, two_inter // 2, num_experts, top_k, group=group,
-                    capacity=capacity, device=router.device, dtype=router.dtype)
+                    capacity=capacity, renormalize=renormalize, device=router.device,
+                    dtype=router.dtype)
         lo, n = layer.first_expert, layer.local_experts
         if held == num_experts:
             gate_up, down = gate_up[lo:lo + n], down[lo:lo + n]
@@ -259,28 +274,27 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_pretrained(cls, path, layer: int, *, group=None, capacity: int | None = None,
                         device=None):
-        """Layer ``layer`` of a local Mixtral checkpoint, reading only this rank's
-        experts (:func:`ts_moe.load_mixtral_experts` with ``experts=``)."""
-        import json
-        from pathlib import Path
-
-        from .loaders import load_mixtral_experts
+        """Layer ``layer`` of a local Mixtral (or Qwen3-MoE) checkpoint, reading only
+        this rank's experts (:func:`ts_moe.load_mixtral_experts` with ``experts=``);
+        config.json read and checked as :meth:`ts_moe.MoE.from_pretrained` reads it."""
+        from .loaders import EXPERT_FIELDS, load_mixtral_experts
+        from .pretrained import block_settings
 
         world, rank = _group_info(group)
         try:  # a failure here (a missing file on this rank's host) is told to the others
-            config = json.loads((Path(path) / "config.json").read_text())
-            num_experts, top_k = config["num_local_experts"], config["num_experts_per_tok"]
-            if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
-                    or num_experts < 1 or num_experts % world:
-                raise ValueError(f"{Path(path) / 'config.json'}: num_local_experts = "
-                                 f"{num_experts!r} must be a positive int divisible by the "
-                                 f"group's size {world}")
+            settings = block_settings(path, "ExpertParallelMoE.from_pretrained")
+            num_experts = settings.num_experts
+            if num_experts is None or num_experts % world:
+                raise ValueError(f"{path}/config.json: the expert count "
+                                 f"({' / '.join(EXPERT_FIELDS)}) = {num_experts!r} must be a "
+                                 f"positive int divisible by the group's size {world}")
             n = num_experts // world
             weights = load_mixtral_experts(path, layers=[layer], device=device,
                                            experts=range(rank * n, (rank + 1) * n))[layer]
         except (OSError, KeyError, TypeError, ValueError) as exc:
             _agree(group, device, {}, exc)  # raises exc here, after telling the others
-        return cls.from_weights(weights, top_k, group=group, capacity=capacity)
+        return cls.from_weights(weights, settings.top_k, group=group, capacity=capacity,
+                                renormalize=settings.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens (..., H) -> (..., H); a collective over the group.  A
@@ -315,7 +329,8 @@ class ExpertParallelMoE(nn.Module):
         sends to each rank's experts, the (W, E/W) it receives for its own, and,
         where ``refused`` is given (exact mode), each rank's refused flag (W,),
         sent with the counts."""
-        weights, experts = route(router_logits(tokens, self.router), self.top_k)
+        weights, experts = route(router_logits(tokens, self.router), self.top_k,
+                                 renormalize=getattr(self, "renormalize", True))
         slots = sort_slots(experts, self.num_experts)
         counts = torch.diff(slots.offs, prepend=slots.offs.new_zeros(1)).to(torch.int64)
         counts = counts.view(self.world, self.local_experts)
@@ -397,7 +412,8 @@ class ExpertParallelMoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, world={self.world}, "
                 f"rank={self.rank}, experts=[{self.first_expert}, "
-                f"{self.first_expert + self.local_experts}), capacity={self.capacity}")
+                f"{self.first_expert + self.local_experts}), capacity={self.capacity}"
+                + ("" if getattr(self, "renormalize", True) else ", renormalize=False"))
 
 
 def _collective_device(group, device) -> torch.device:

@@ -29,10 +29,19 @@ from safetensors import safe_open
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.(gate|experts)\.")
-_V4_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.")
+# a layer or expert index in a key: canonical decimal, short enough to convert at once
+# (a key with a longer or zero-padded one names no layer or expert and is ignored)
+INDEX_NUMBER = r"(0|[1-9]\d{0,17})"
+_LAYER_KEY = re.compile(rf"model\.layers\.{INDEX_NUMBER}\.(block_sparse_moe|mlp)\.(gate|experts)\.")
+_V4_EXPERT_KEY = re.compile(
+    rf"model\.layers\.{INDEX_NUMBER}\.block_sparse_moe\.experts\.{INDEX_NUMBER}\.")
 _V4, _V5 = "block_sparse_moe", "mlp"
-_CONFIG_SIZES = ("num_local_experts", "hidden_size", "intermediate_size")
+# config.json's expert count (by model type), hidden size and expert intermediate size
+# (moe_intermediate_size where the model also has dense MLPs, whose size intermediate_size is)
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+INTER_FIELDS = ("moe_intermediate_size", "intermediate_size")
+_CONFIG_SIZES = (*EXPERT_FIELDS, "hidden_size", *INTER_FIELDS)
+JSON_LIMIT = 64 << 20  # bytes of a config.json or an index (DeepSeek-V3's index: 9 MB)
 
 
 class _Checkpoint:
@@ -41,7 +50,10 @@ class _Checkpoint:
     (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs``), in
     that repository's ``blobs``.  Checked with ``lstat`` before anything opens
     them, so a FIFO, a device or a path out of the directory is a ValueError
-    naming the file and the field that named it, never a blocked read."""
+    naming the file and the field that named it, never a blocked read; the JSON
+    files are read through one descriptor, checked again (``fstat``) and read
+    no further than :data:`JSON_LIMIT`, so a file swapped or grown after the
+    check cannot block or exhaust memory either."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -65,18 +77,62 @@ class _Checkpoint:
             raise ValueError(f"{what}: {str(path)!r} is not a regular file")
         return real
 
+    def read(self, name: str, what: str, limit: int) -> bytes | None:
+        """The bytes of ``name`` (checked as :meth:`file`), at most ``limit`` of them,
+        else a ValueError naming it; None if it does not exist.  Opened without
+        following a link and without blocking, and checked again on the descriptor
+        that is read."""
+        real = self.file(name, what)
+        if real is None:
+            return None
+        path = str(self.path / name)
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ValueError(f"{what}: {path!r} cannot be opened ({exc.strerror})") from None
+        with open(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{what}: {path!r} is not a regular file")
+            if info.st_size > limit:
+                raise ValueError(f"{what}: {path!r} holds {info.st_size} bytes, more than the "
+                                 f"{limit} it may")
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"{what}: {path!r} holds more than the {limit} bytes it may")
+        return data
+
     def json(self, name: str) -> dict | None:
         """A JSON file of the directory, or None if it has none by that name."""
-        path = self.file(name, name)
-        if path is None:
+        data = self.read(name, name, JSON_LIMIT)
+        if data is None:
             return None
         try:
-            value = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            value = json.loads(data)
+        except RecursionError:
+            raise ValueError(f"{self.path / name}: nested too deeply to parse") from None
+        except ValueError as exc:  # bad JSON or UTF-8, an integer of too many digits
             raise ValueError(f"{self.path / name}: not valid JSON ({exc})") from None
         if not isinstance(value, dict):
             raise ValueError(f"{self.path / name}: expected a JSON object")
         return value
+
+
+def local_checkpoint(path, loader: str = "load_mixtral_experts") -> _Checkpoint:
+    """``path`` as a checkpoint directory on disk, else a FileNotFoundError saying how
+    to download one (a Hub id is not a directory)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{str(path)!r} is not a local directory: {loader} reads a checkpoint "
+            f"directory on disk, not a Hugging Face Hub id. Download one first, e.g. "
+            f"huggingface_hub.snapshot_download('mistralai/Mixtral-8x7B-v0.1', "
+            f"allow_patterns=['*.safetensors', '*.json'], local_dir='Mixtral-8x7B'), or "
+            f"`hf download mistralai/Mixtral-8x7B-v0.1 --include '*.safetensors' '*.json' "
+            f"--local-dir Mixtral-8x7B`, and pass that directory")
+    return _Checkpoint(path)
 
 
 def _shard_name(index_file: Path, key, shard) -> str:
@@ -108,33 +164,80 @@ def _weight_index(ckpt: _Checkpoint) -> tuple[dict[str, str], Path]:
         f"{ckpt.path} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def _read_config(ckpt: _Checkpoint) -> dict:
-    """config.json (``{}`` without one), its sizes positive ints."""
+def shard_opener(ckpt: _Checkpoint, index: dict[str, str], index_file: Path, device,
+                 stack: ExitStack):
+    """``handle(key)``: the open safetensors file holding ``key``, each shard opened
+    once (on ``stack``, straight onto ``device``) and only as a regular file inside
+    the checkpoint; KeyError naming a key the index lacks, FileNotFoundError naming
+    the index entry of a shard that is not there."""
+    handles = {}
+
+    def handle(key):
+        if key not in index:
+            raise KeyError(f"key {key!r} is missing from the checkpoint {ckpt.path}")
+        shard = index[key]
+        if shard not in handles:
+            file = ckpt.file(shard, f"{index_file}: weight_map[{key!r}]")
+            if file is None:
+                raise FileNotFoundError(f"{index_file}: weight_map[{key!r}] = {shard!r}, "
+                                        f"which is not in {ckpt.path}")
+            handles[shard] = stack.enter_context(
+                safe_open(file, framework="pt", device=str(device)))
+        return handles[shard]
+
+    return handle
+
+
+def is_positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def read_config(ckpt: _Checkpoint) -> dict:
+    """config.json (``{}`` without one), its expert counts and sizes positive ints."""
     config = ckpt.json("config.json") or {}
     for field in _CONFIG_SIZES:
-        value = config.get(field)
-        if field in config and (isinstance(value, bool) or not isinstance(value, int)
-                                or value < 1):
+        if field in config and not is_positive_int(config[field]):
             raise ValueError(f"{ckpt.path / 'config.json'}: {field} must be a positive int, "
-                             f"got {value!r}")
+                             f"got {config[field]!r}")
     return config
 
 
-def _expert_count(router_key: str, router_shape: tuple, config: dict, config_file: Path,
-                  last_expert: tuple[int, str] | None, index_file: Path) -> int:
-    """E of a layer, from its router's header; config.json's ``num_local_experts`` and
-    the largest expert index of the index must agree with it."""
-    if len(router_shape) != 2 or router_shape[0] < 1:
-        raise ValueError(
-            f"{router_key}: expected a 2-D (E, H) router with E >= 1, got shape {router_shape}")
+def config_intermediate(config: dict) -> int | None:
+    """The experts' intermediate size config.json declares (:data:`INTER_FIELDS`), or None."""
+    return next((config[f] for f in INTER_FIELDS if f in config), None)
+
+
+def expert_count(router_key: str, router_shape: tuple, router_file, config: dict,
+                 config_file: Path, index_file: Path, expert_keys: dict[int, str] | None = None,
+                 key_of=None) -> int:
+    """E of a layer, from its router's safetensors header, checked before anything
+    proportional to it is built.
+
+    The router must be (E, H) with E and H at least 1 (so that its bytes in the
+    file bound E); every expert count config.json declares (:data:`EXPERT_FIELDS`)
+    must equal E; ``expert_keys`` (expert index -> a key of the index naming it,
+    for a naming with per-expert keys; None for stacked experts) must name
+    exactly the experts ``0 .. E-1``.  ValueError naming the file and the field
+    otherwise, or a KeyError naming ``key_of(e)`` for the first missing expert
+    ``e``."""
+    if len(router_shape) != 2 or min(router_shape) < 1:
+        raise ValueError(f"{router_file}: {router_key}: expected a 2-D (E, H) router with "
+                         f"E >= 1 experts and H >= 1, got shape {router_shape}")
     num_experts = router_shape[0]
-    if config.get("num_local_experts", num_experts) != num_experts:
-        raise ValueError(f"{config_file}: num_local_experts = {config['num_local_experts']}, "
-                         f"but the router {router_key} has {num_experts} experts (its shape "
-                         f"{router_shape})")
-    if last_expert is not None and last_expert[0] >= num_experts:
-        raise ValueError(f"{index_file}: key {last_expert[1]!r} names expert {last_expert[0]}, "
-                         f"but the router {router_key} has {num_experts} experts")
+    for field in EXPERT_FIELDS:
+        if config.get(field, num_experts) != num_experts:
+            raise ValueError(f"{config_file}: {field} = {config[field]}, but the router "
+                             f"{router_key} has {num_experts} experts (its shape "
+                             f"{router_shape})")
+    if expert_keys is not None:
+        last = max(expert_keys, default=-1)
+        if last >= num_experts:
+            raise ValueError(f"{index_file}: key {expert_keys[last]!r} names expert {last}, "
+                             f"but the router {router_key} has {num_experts} experts")
+        if len(expert_keys) < num_experts:  # one of 0 .. len(expert_keys) is missing
+            missing = next(e for e in range(num_experts) if e not in expert_keys)
+            raise KeyError(f"key {key_of(missing)!r} is missing from {index_file}: the router "
+                           f"{router_key} has {num_experts} experts")
     return num_experts
 
 
@@ -153,13 +256,12 @@ def _layer_plan(layer: int, naming: str, num_experts: int):
 
 
 def _expected_shapes(plan: dict[str, str], shapes: dict[str, tuple], config: dict):
-    """Shape of each role in ``plan``; E from the router (checked by :func:`_expert_count`),
+    """Shape of each role in ``plan``; E from the router (checked by :func:`expert_count`),
     H from config.json or the router, I from config.json or the first gate projection."""
     num_experts, router_hidden = shapes[plan["router"]]
     hidden = config.get("hidden_size", router_hidden)
-    if "intermediate_size" in config:
-        inter = config["intermediate_size"]
-    else:  # from gate_up_proj (E, 2I, H) or w1 (I, H); a wrong rank fails the check below
+    inter = config_intermediate(config)
+    if inter is None:  # from gate_up_proj (E, 2I, H) or w1 (I, H); a wrong rank fails below
         shape = shapes[plan.get("gate_up_proj", plan.get("w1.0"))]
         inter = (shape[-2] // 2 if "gate_up_proj" in plan else shape[0]) if len(shape) >= 2 else 0
     expected = {"router": (num_experts, hidden),
@@ -260,12 +362,15 @@ def load_mixtral_experts(path, layers=None, device=None,
     headers before any data is read.
 
     The expert count of a layer is its router's first dimension, read from
-    the safetensors header before any per-expert key is made: config.json's
-    ``num_local_experts`` (a positive int, like ``hidden_size`` and
-    ``intermediate_size``) and the expert indices of the index's keys must
-    agree with it.  The index's shard names, config.json and the shards are
+    the safetensors header before any per-expert key is made
+    (:func:`expert_count`): config.json's expert count (``num_local_experts``,
+    ``num_experts`` or ``n_routed_experts``: a positive int, like
+    ``hidden_size`` and ``intermediate_size`` / ``moe_intermediate_size``)
+    must equal it, and the expert indices of the index's keys must be exactly
+    ``0 .. E-1``.  The index's shard names, config.json and the shards are
     opened only if they are regular files inside the directory (a Hugging Face
-    cache snapshot's links into its repository's ``blobs`` included).
+    cache snapshot's links into its repository's ``blobs`` included); the JSON
+    files are read no further than :data:`JSON_LIMIT` bytes.
 
     Raises ``ValueError`` for a device that does not exist here (before any
     file is read), ``FileNotFoundError`` without a checkpoint or a shard it
@@ -273,60 +378,41 @@ def load_mixtral_experts(path, layers=None, device=None,
     ``ValueError`` naming a key with the wrong shape or dtype (not
     bf16/fp16/fp32, or not the router's), and ``ValueError`` naming the file
     and the field for a bad config.json size, an expert count that disagrees
-    with the router, or a shard name that is not a regular file inside the
+    with the router, a JSON file that is not valid (or too large, or nested
+    too deeply), or a shard name that is not a regular file inside the
     directory (``../x``, an absolute path, a link out of it, a FIFO).
     """
     device = resolve_device(device)
     check_experts_range(experts)
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a local directory: load_mixtral_experts reads a checkpoint "
-            f"directory on disk, not a Hugging Face Hub id. Download one first, e.g. "
-            f"huggingface_hub.snapshot_download('mistralai/Mixtral-8x7B-v0.1', "
-            f"allow_patterns=['*.safetensors', '*.json'], local_dir='Mixtral-8x7B'), or "
-            f"`hf download mistralai/Mixtral-8x7B-v0.1 --include '*.safetensors' '*.json' "
-            f"--local-dir Mixtral-8x7B`, and pass that directory")
-    ckpt = _Checkpoint(path)
+    ckpt = local_checkpoint(path)
+    path = ckpt.path
     index, index_file = _weight_index(ckpt)
-    config = _read_config(ckpt)
+    config = read_config(ckpt)
 
     present: dict[int, str] = {}
-    last_expert: dict[int, tuple[int, str]] = {}  # per v4 layer: its largest expert index, a key
+    expert_keys: dict[int, dict[int, str]] = {}  # per v4 layer: expert index -> a key naming it
     for key in index:
         if m := _LAYER_KEY.match(key):
             present.setdefault(int(m.group(1)), m.group(2))
         if m := _V4_EXPERT_KEY.match(key):
-            layer, e = int(m.group(1)), int(m.group(2))
-            if e >= last_expert.get(layer, (-1,))[0]:
-                last_expert[layer] = (e, key)
+            expert_keys.setdefault(int(m.group(1)), {}).setdefault(int(m.group(2)), key)
     layers = selected_layers(layers, present, path)
 
     with ExitStack() as stack:
-        handles = {}
-
-        def handle(key):
-            if key not in index:
-                raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
-            shard = index[key]
-            if shard not in handles:
-                file = ckpt.file(shard, f"{index_file}: weight_map[{key!r}]")
-                if file is None:
-                    raise FileNotFoundError(f"{index_file}: weight_map[{key!r}] = {shard!r}, "
-                                            f"which is not in {path}")
-                handles[shard] = stack.enter_context(
-                    safe_open(file, framework="pt", device=str(device)))
-            return handles[shard]
-
+        handle = shard_opener(ckpt, index, index_file, device, stack)
         # each layer's expert count from its router's header, checked before any
         # per-expert key is made
         plans = {}
         for layer in layers:
-            router = f"model.layers.{layer}.{present[layer]}.gate.weight"
-            num_experts = _expert_count(
-                router, tuple(handle(router).get_slice(router).get_shape()), config,
-                path / "config.json", last_expert.get(layer), index_file)
-            plans[layer] = _layer_plan(layer, present[layer], num_experts)
+            naming = present[layer]
+            prefix = f"model.layers.{layer}.{naming}."
+            router = prefix + "gate.weight"
+            num_experts = expert_count(
+                router, tuple(handle(router).get_slice(router).get_shape()),
+                path / index[router], config, path / "config.json", index_file,
+                expert_keys.get(layer, {}) if naming == _V4 else None,
+                lambda e: f"{prefix}experts.{e}.w1.weight")
+            plans[layer] = _layer_plan(layer, naming, num_experts)
         for plan in plans.values():
             for key in plan.values():
                 if key not in index:

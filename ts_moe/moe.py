@@ -28,14 +28,12 @@ must be multiples of 8 (16-byte rows of the permuted activations).
 The layer trains: the ops' backward formulas give ``gate_up_proj``,
 ``down_proj`` and the input their gradients, and the combine weights carry
 the router's (through the softmax of :func:`ts_moe.reference.route`).  No step of the backward
-syncs with the host; the permutation gathers have gathers as gradients (no
-atomics), and the gradient of the gathered token rows is summed per token by
-a sort-based ``index_put_`` (deterministic).
+syncs with the host or uses atomics: the gradients of the gathered token rows
+and of the combine's gathered expert rows are summed back by a sort-based
+``index_put_`` (deterministic).
 """
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +41,7 @@ from torch import nn
 
 from . import block, reference
 from .block import check_layer_sizes
+from .checks import check_flag
 from .block import check_tensor as _check_tensor
 from .fp8 import layer as fp8_layer
 from .decode_graphs import graphs
@@ -112,7 +111,7 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
                 down_proj: torch.Tensor, top_k: int, *, fused: bool = True,
                 return_router_logits: bool = False, decode_graphs: bool = True,
                 gate_up_scale: torch.Tensor | None = None,
-                down_scale: torch.Tensor | None = None):
+                down_scale: torch.Tensor | None = None, renormalize: bool = True):
     """Mixtral's sparse MoE block as a function.
 
     hidden: (..., H); router_weight (E, H), ``logits = hidden @ router_weight.T``
@@ -120,7 +119,9 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     (E, H, I); top_k experts per token.  Returns (..., H), and with
     ``return_router_logits`` also the logits (T, E) (T = tokens, flattened),
     as Mixtral returns them for its auxiliary loss.  ``fused``: see
-    :func:`experts_forward`.
+    :func:`experts_forward`.  ``renormalize``: the top-k weights divided by
+    their sum (Mixtral), or, False, the softmax probabilities as they are
+    (Qwen-MoE with ``norm_topk_prob`` false; :func:`ts_moe.route`).
 
     An eager call with few tokens replays a CUDA graph of itself
     (:mod:`ts_moe.decode_graphs`): the same result, three launches, a few
@@ -135,18 +136,19 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
         return fp8_layer.moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale,
                                      down_proj, down_scale, top_k, fused=fused,
                                      return_router_logits=return_router_logits,
-                                     decode_graphs=decode_graphs)
+                                     decode_graphs=decode_graphs, renormalize=renormalize)
     if not decode_graphs:
         return block.moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
-                                 return_router_logits)
+                                 return_router_logits, renormalize)
     return graphs.call(block.moe_forward, _num_experts(gate_up_proj), (hidden,),
                        (router_weight, gate_up_proj, down_proj), top_k, fused,
-                       return_router_logits)
+                       return_router_logits, renormalize)
 
 
 def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                          top_k: int, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+                          top_k: int, router_logits: torch.Tensor | None = None,
+                          renormalize: bool = True) -> torch.Tensor:
     """:func:`moe_forward` one token at a time, experts and combine in fp32, one rounding.
 
     The yardstick for the kernels (tests only): the router logits are computed
@@ -156,7 +158,7 @@ def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
     """
     x = hidden.reshape(-1, hidden.shape[-1])
     logits = F.linear(x, router_weight) if router_logits is None else router_logits
-    weights, experts = reference.route(logits, top_k)
+    weights, experts = reference.route(logits, top_k, renormalize)
     inter = gate_up_proj.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(x.shape[0]):
@@ -173,16 +175,19 @@ class MoE(nn.Module):
 
     Parameters: ``router`` (E, H) (logits = x @ router.T), ``gate_up_proj``
     (E, 2I, H) (gate rows first), ``down_proj`` (E, H, I).  ``forward(x)`` maps
-    (..., H) to (..., H); see :func:`moe_forward` (``fused``, ``decode_graphs``).
+    (..., H) to (..., H); see :func:`moe_forward` (``fused``, ``decode_graphs``,
+    ``renormalize``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 *, fused: bool = True, decode_graphs: bool = True, device=None, dtype=None):
+                 *, fused: bool = True, decode_graphs: bool = True, renormalize: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         check_layer_config(hidden_size, intermediate_size, num_experts, top_k)
+        check_flag("renormalize", renormalize)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.fused = num_experts, top_k, fused
-        self.decode_graphs = decode_graphs
+        self.decode_graphs, self.renormalize = decode_graphs, renormalize
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         self.gate_up_proj = nn.Parameter(
@@ -201,15 +206,17 @@ class MoE(nn.Module):
                            fused=self.fused, return_router_logits=return_router_logits,
                            decode_graphs=getattr(self, "decode_graphs", True),  # older pickles
                            gate_up_scale=getattr(self, "gate_up_proj_scale", None),  # FP8
-                           down_scale=getattr(self, "down_proj_scale", None))
+                           down_scale=getattr(self, "down_proj_scale", None),
+                           renormalize=getattr(self, "renormalize", True))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"num_experts={self.num_experts}, top_k={self.top_k}, fused={self.fused}")
+                f"num_experts={self.num_experts}, top_k={self.top_k}, fused={self.fused}"
+                + ("" if getattr(self, "renormalize", True) else ", renormalize=False"))
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, torch.Tensor], top_k: int, *,
-                     fused: bool = True) -> "MoE":
+                     fused: bool = True, renormalize: bool = True) -> "MoE":
         """A MoE on existing tensors (no copy), e.g. a layer of :func:`ts_moe.load_mixtral_experts`.
 
         weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``.
@@ -218,14 +225,16 @@ class MoE(nn.Module):
         ``gate_up_proj_scale`` and ``down_proj_scale`` (:func:`ts_moe.fp8.layer.moe_from_weights`).
         """
         if "gate_up_proj_scale" in weights or "down_proj_scale" in weights:
-            return fp8_layer.moe_from_weights(cls, weights, top_k, fused=fused)
+            return fp8_layer.moe_from_weights(cls, weights, top_k, fused=fused,
+                                              renormalize=renormalize)
         missing = {"router", "gate_up_proj", "down_proj"} - set(weights)
         if missing:
             raise KeyError(f"weights lacks {sorted(missing)}")
         gate_up = weights["gate_up_proj"]
         _check_tensor("gate_up_proj", gate_up, 3)
         num_experts, two_inter, hidden = gate_up.shape
-        moe = cls(hidden, two_inter // 2, num_experts, top_k, fused=fused, device="meta")
+        moe = cls(hidden, two_inter // 2, num_experts, top_k, fused=fused,
+                  renormalize=renormalize, device="meta")
         for name in ("router", "gate_up_proj", "down_proj"):
             tensor = weights[name]
             expected = getattr(moe, name).shape
@@ -240,15 +249,21 @@ class MoE(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, layer: int, *, device=None, fused: bool = True) -> "MoE":
-        """Layer ``layer`` of the local Mixtral checkpoint directory ``path`` (or of an FP8
-        Mixtral or Qwen3-MoE one: :mod:`ts_moe.fp8.loaders`); top-k from config.json.
-        ``device``: as :func:`ts_moe.load_mixtral_experts`
-        (None: CUDA when there is one, else the CPU)."""
+        """Layer ``layer`` of the local checkpoint directory ``path``: a Mixtral or a
+        Qwen3-MoE one, bf16 (:func:`ts_moe.load_mixtral_experts`) or FP8
+        (:mod:`ts_moe.fp8.loaders`).  Top-k and the routing from config.json
+        (:func:`ts_moe.pretrained.block_settings`: Qwen-MoE's ``norm_topk_prob``
+        honoured, a model type whose block the layer does not reproduce refused).
+        ``device``: as :func:`ts_moe.load_mixtral_experts` (None: CUDA when there
+        is one, else the CPU)."""
         from .fp8.loaders import pretrained_layer
-        from .loaders import load_mixtral_experts
+        from .loaders import load_mixtral_experts, resolve_device
+        from .pretrained import block_settings
 
+        resolve_device(device)
+        settings = block_settings(path, "MoE.from_pretrained")
         weights = pretrained_layer(path, layer, device)  # an FP8 checkpoint's, else None
         if weights is None:
             weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
-        config = json.loads((Path(path) / "config.json").read_text())
-        return cls.from_weights(weights, config["num_experts_per_tok"], fused=fused)
+        return cls.from_weights(weights, settings.top_k, fused=fused,
+                                renormalize=settings.renormalize)

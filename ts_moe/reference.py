@@ -17,7 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .checks import check_combine_args, check_experts, check_permute_args, check_route_args
+from .checks import (check_combine_args, check_experts, check_flag, check_permute_args,
+                     check_route_args)
 
 
 def segment_ends(offs: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -164,12 +165,15 @@ def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
 
 
 # ------------------------------------------------------------------ routing
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int,
+          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixtral routing: softmax over all experts in fp32, top-k, renormalise.
 
     logits: (T, E), any float dtype.  Returns ``(weights, experts)``, both
-    (T, top_k): ``weights`` float32 summing to 1 per token, ``experts`` int64,
-    in decreasing order of logit, so of probability.
+    (T, top_k): ``weights`` float32 summing to 1 per token (``renormalize``
+    False: the chosen experts' softmax probabilities as they are, as Qwen-MoE
+    routes with ``norm_topk_prob`` false; :func:`route_weights`), ``experts``
+    int64, in decreasing order of logit, so of probability.
 
     The experts are ranked by their logits, not by the rounded probabilities:
     softmax keeps the order, and the logits keep it where fp32 probabilities
@@ -181,10 +185,18 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     (``csrc_free_kernels.route_sm90``) ranks the same way.
     """
     check_route_args(logits, top_k)
-    probs = torch.softmax(logits.float(), dim=-1)
+    check_flag("renormalize", renormalize)
     experts = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    top = probs.gather(-1, experts)
-    return top / top.sum(dim=-1, keepdim=True), experts
+    return route_weights(logits, experts, renormalize), experts
+
+
+def route_weights(logits: torch.Tensor, experts: torch.Tensor,
+                  renormalize: bool = True) -> torch.Tensor:
+    """The combine weights of the ``experts`` (T, k) chosen from ``logits`` (T, E): their
+    softmax probabilities over all E experts in fp32, divided by their sum per token
+    where ``renormalize``."""
+    top = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    return top / top.sum(dim=-1, keepdim=True) if renormalize else top
 
 
 class SlotOrder(NamedTuple):
@@ -273,18 +285,44 @@ def gather_permutation(rows: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return rows.index_select(0, perm)
 
 
+class _GatherSummed(torch.autograd.Function):
+    """``rows.index_select(0, index)`` for any ``index`` into the rows, repeated and
+    missing rows included, whose backward is the gather's exact adjoint: each row
+    gets the sum of the gradient rows gathered from it (zero where none was), by
+    ``index_put_(accumulate=True)`` into zeros (on CUDA torch's sort-based kernel:
+    deterministic, no atomics, no host sync)."""
+
+    @staticmethod
+    def forward(ctx, rows, index):
+        ctx.save_for_backward(index)
+        ctx.num_rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.num_rows, *grad.shape[1:])
+        return out.index_put_((index.long(),), grad, accumulate=True), None
+
+
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``.
 
     y_sorted: (T * top_k, H) expert outputs in expert order; weights: (T, top_k).
     The K rows of each token are gathered into a (T, top_k, H) view and summed
     over K in fp32 with the weights in fp32, then rounded once to
-    ``y_sorted.dtype``: deterministic, no atomics, forward and backward
-    (``inverse`` is a permutation: its gradient is a gather too).
+    ``y_sorted.dtype``: deterministic, no atomics, forward and backward.
+    ``inverse`` need not be a permutation (as :func:`sort_slots` makes it):
+    ``y_sorted``'s gradient is the exact adjoint of the gather for any indices
+    into its rows (:class:`_GatherSummed`), zero for a row no slot reads.
     """
     check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
-    y = gather_permutation(y_sorted, inverse).view(tokens, top_k, y_sorted.shape[1])
+    if torch.is_grad_enabled() and y_sorted.requires_grad:
+        y = _GatherSummed.apply(y_sorted, inverse)
+    else:
+        y = y_sorted.index_select(0, inverse)
+    y = y.view(tokens, top_k, y_sorted.shape[1])
     # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
     # on the H200 that copy was 2 % of the Mixtral layer's time)
     out = (y * weights.float().unsqueeze(-1)).sum(dim=1)

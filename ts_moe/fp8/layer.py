@@ -176,18 +176,18 @@ def _experts_forward(x, experts, weights, gate_up_proj, gate_up_scale, down_proj
 
 def moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale, down_proj, down_scale,
                 top_k: int, *, fused: bool = True, return_router_logits: bool = False,
-                decode_graphs: bool = True):
+                decode_graphs: bool = True, renormalize: bool = True):
     """:func:`ts_moe.moe_forward` on FP8 experts (module docstring)."""
     if not decode_graphs:
         return _moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale, down_proj,
-                            down_scale, top_k, fused, return_router_logits)
+                            down_scale, top_k, fused, return_router_logits, renormalize)
     return graphs.call(_moe_forward, _num_experts(gate_up_proj), (hidden,),
                        (router_weight, gate_up_proj, gate_up_scale, down_proj, down_scale),
-                       top_k, fused, return_router_logits)
+                       top_k, fused, return_router_logits, renormalize)
 
 
 def _moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale, down_proj, down_scale,
-                 top_k, fused, return_router_logits):
+                 top_k, fused, return_router_logits, renormalize=True):
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise TypeError("hidden must be a torch.Tensor with a last (hidden) dimension")
     x = hidden.reshape(-1, hidden.shape[-1])
@@ -201,7 +201,7 @@ def _moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale, down_proj, 
                         f"{router_weight.dtype}")
     with nvtx_range("route"):
         logits = ops.router_logits(x, router_weight)
-        weights, _, slots = ops.route_slots(logits, top_k)
+        weights, _, slots = ops.route_slots(logits, top_k, renormalize=renormalize)
     out = experts_in_slot_order(x, slots, weights, gate_up_proj, gate_up_scale, down_proj,
                                 down_scale, fused, recipes).view(hidden.shape)
     return (out, logits) if return_router_logits else out
@@ -214,7 +214,8 @@ def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor,
     return dequantize(weight, scale, weight_recipe("scale", scale, weight), dtype)
 
 
-def moe_from_weights(cls, weights, top_k: int, *, fused: bool = True):
+def moe_from_weights(cls, weights, top_k: int, *, fused: bool = True,
+                     renormalize: bool = True):
     """:meth:`ts_moe.MoE.from_weights` with FP8 experts: ``weights`` also holds
     ``gate_up_proj_scale`` and ``down_proj_scale``; the module keeps them as
     parameters of those names (no grad), its forward passes them on."""
@@ -232,7 +233,8 @@ def moe_from_weights(cls, weights, top_k: int, *, fused: bool = True):
     if router.shape[0] != num_experts:
         raise ValueError(f"weights['router'] has {router.shape[0]} experts but gate_up_proj "
                          f"has {num_experts}")
-    moe = cls(hidden, two_inter // 2, num_experts, top_k, fused=fused, device="meta")
+    moe = cls(hidden, two_inter // 2, num_experts, top_k, fused=fused, renormalize=renormalize,
+              device="meta")
     for name in ("router", "gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale"):
         setattr(moe, name, torch.nn.Parameter(weights[name], requires_grad=False))
     return moe

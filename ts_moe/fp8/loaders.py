@@ -19,77 +19,70 @@ score bias, expert groups) is not the layer's softmax top-k, so serve its expert
 through :func:`ts_moe.experts_forward` with its own routing.
 """
 
-import json
 import re
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from ..loaders import (_Checkpoint, _weight_index, check_experts_range, resolve_device,
-                       selected_layers)
+from ..loaders import (INDEX_NUMBER, _weight_index, check_experts_range, config_intermediate,
+                       expert_count, local_checkpoint, read_config, resolve_device,
+                       selected_layers, shard_opener)
 from .recipes import BLOCK
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\."
-                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(rf"model\.layers\.{INDEX_NUMBER}\.(block_sparse_moe|mlp)\.experts\."
+                     rf"{INDEX_NUMBER}\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _ROLES = {"block_sparse_moe": {"gate": "w1", "up": "w3", "down": "w2"},
           "mlp": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
 _FLOAT = {"BF16", "F16", "F32"}
-_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-_INTER_KEYS = ("moe_intermediate_size", "intermediate_size")
 
 
-def _config(path: Path) -> dict:
-    """config.json of the checkpoint directory (``{}`` without one), opened only as a
-    regular file inside it (:class:`ts_moe.loaders._Checkpoint`)."""
-    return _Checkpoint(path).json("config.json") or {}
+def _field(source, name: str, value, want: str) -> ValueError:
+    return ValueError(f"{source}: quantization_config{name} must be {want}, got {value!r}")
 
 
-def _index(path: Path):
-    """(key -> shard, shard file of a key): the checkpoint's weight map and the file to
-    open for a key, each a regular file inside the checkpoint (as :mod:`ts_moe.loaders`
-    reads and checks them)."""
-    ckpt = _Checkpoint(path)
-    names, index_file = _weight_index(ckpt)
-
-    def shard_file(key):
-        f = ckpt.file(names[key], f"{index_file}: weight_map[{key!r}]")
-        if f is None:
-            raise FileNotFoundError(f"{index_file}: weight_map[{key!r}] names no file")
-        return f
-
-    return names, shard_file
-
-
-def fp8_scheme(config: dict) -> str | None:
+def fp8_scheme(config: dict, source="config.json") -> str | None:
     """The FP8 weight scheme config.json declares: ``blockwise``, ``channel``, ``tensor``,
-    or None (no quantization_config).  ValueError for a quantization ts_moe does not
-    serve (another method, block size or format)."""
+    or None (no quantization_config).  ValueError naming ``source`` (the file) and the
+    field for a quantization ts_moe does not serve (another method, block size or
+    format) or a field of the wrong type."""
     q = config.get("quantization_config")
-    if not q:
+    if q is None or q == {}:
         return None
+    if not isinstance(q, dict):
+        raise _field(source, "", q, "an object")
     method = q.get("quant_method")
     if method == "fp8":
         if q.get("fmt", "e4m3") != "e4m3":
-            raise ValueError(f"quantization_config fmt {q['fmt']!r}: only e4m3 is served")
+            raise ValueError(f"{source}: quantization_config.fmt {q['fmt']!r}: only e4m3 is "
+                             f"served")
         block = q.get("weight_block_size")
         if block is None:
             return "tensor"
-        if list(block) != [BLOCK, BLOCK]:
-            raise ValueError(f"quantization_config weight_block_size {block}: only "
+        if not (isinstance(block, list) and len(block) == 2
+                and all(type(b) is int for b in block)):
+            raise _field(source, ".weight_block_size", block, "a list of two ints")
+        if block != [BLOCK, BLOCK]:
+            raise ValueError(f"{source}: quantization_config.weight_block_size {block}: only "
                              f"[{BLOCK}, {BLOCK}] is served")
         return "blockwise"
     if method == "compressed-tensors":
-        for group in q.get("config_groups", {}).values():
+        groups = q.get("config_groups", {})
+        if not isinstance(groups, dict):
+            raise _field(source, ".config_groups", groups, "an object of groups")
+        for name, group in groups.items():
+            if not isinstance(group, dict):
+                raise _field(source, f".config_groups[{name!r}]", group, "an object")
             w = group.get("weights") or {}
-            if w.get("type") == "float" and w.get("num_bits") == 8 and \
-                    w.get("strategy") in ("channel", "tensor"):
+            if not isinstance(w, dict):
+                raise _field(source, f".config_groups[{name!r}].weights", w, "an object")
+            if w.get("type") == "float" and type(w.get("num_bits")) is int and \
+                    w["num_bits"] == 8 and w.get("strategy") in ("channel", "tensor"):
                 return w["strategy"]
-        raise ValueError("quantization_config: compressed-tensors without 8-bit float weights "
-                         "of strategy channel or tensor is not served")
-    raise ValueError(f"quantization_config quant_method {method!r} is not an FP8 format "
-                     f"ts_moe serves (fp8, compressed-tensors)")
+        raise ValueError(f"{source}: quantization_config: compressed-tensors without 8-bit "
+                         f"float weights of strategy channel or tensor is not served")
+    raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not an FP8 "
+                     f"format ts_moe serves (fp8, compressed-tensors)")
 
 
 def _expected_scale(scheme: str, n: int, k: int) -> tuple[tuple, ...]:
@@ -100,7 +93,7 @@ def _expected_scale(scheme: str, n: int, k: int) -> tuple[tuple, ...]:
     return ((), (1,))
 
 
-def _plan(layer: int, block: str, num_experts: int, scheme: str, experts: range) -> dict:
+def _plan(layer: int, block: str, scheme: str, experts: range) -> dict:
     """Checkpoint keys of one layer: router, and per expert and role (weight, scale)."""
     prefix = f"model.layers.{layer}.{block}."
     scale = "weight_scale_inv" if scheme == "blockwise" else "weight_scale"
@@ -125,69 +118,73 @@ def load_fp8_experts(path, layers=None, device=None,
     Scales, fp32: blockwise (E, 2I/128, H/128) and (E, H/128, I/128) (I a multiple of
     128, so that gate and up blocks stack); per channel (E, 2I) and (E, H); per
     tensor, each linear's one scale spread over its channels (gate and up keep their
-    own), the same shapes.  Every key, shape and dtype is checked from the headers
-    before any data is read; each shard is opened once, only the layers asked for
-    are read.  Errors: as :func:`ts_moe.load_mixtral_experts`, and ValueError for a
-    config.json without an FP8 ``quantization_config`` ts_moe serves.
+    own), the same shapes.  E is the router's first dimension, read from its header
+    before any per-expert key is made; config.json's expert count and the expert
+    indices of the keys must agree with it (:func:`ts_moe.loaders.expert_count`).
+    Every key, shape and dtype is checked from the headers before any data is read;
+    each shard is opened once, only the layers asked for are read.  Errors: as
+    :func:`ts_moe.load_mixtral_experts`, and ValueError naming the file and the
+    field for a config.json without an FP8 ``quantization_config`` ts_moe serves.
     """
     device = resolve_device(device)
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{str(path)!r} is not a local checkpoint directory (download "
-                                f"one first, e.g. with huggingface_hub.snapshot_download)")
-    config = _config(path)
-    scheme = fp8_scheme(config)
+    ckpt = local_checkpoint(path, "load_fp8_experts")
+    path, config_file = ckpt.path, ckpt.path / "config.json"
+    config = read_config(ckpt)
+    scheme = fp8_scheme(config, config_file)
     if scheme is None:
-        raise ValueError(f"{path}/config.json has no quantization_config: not an FP8 "
+        raise ValueError(f"{config_file} has no quantization_config: not an FP8 "
                          f"checkpoint (bf16 Mixtral: ts_moe.load_mixtral_experts)")
     check_experts_range(experts)
-    index, shard_file = _index(path)
-    present: dict[int, tuple[str, set]] = {}
+    index, index_file = _weight_index(ckpt)
+    present: dict[int, tuple[str, dict[int, str]]] = {}  # layer: (block, expert -> a key)
     for key in index:
         if m := _EXPERT.match(key):
-            present.setdefault(int(m.group(1)), (m.group(2), set()))[1].add(int(m.group(3)))
+            present.setdefault(int(m.group(1)), (m.group(2), {}))[1].setdefault(
+                int(m.group(3)), key)
     layers = selected_layers(layers, present, path)
-    total = next((config[k] for k in _EXPERTS_KEYS if k in config), None)
-    plans = {}
-    for layer in layers:
-        block, found = present[layer]
-        count = total if total is not None else max(found) + 1
-        if experts is not None and experts.stop > count:
-            raise ValueError(f"experts {experts!r} is past the checkpoint's {count} experts")
-        plans[layer] = _plan(layer, block, count, scheme, experts or range(count))
-    keys = [k for plan in plans.values() for v in plan.values()
-            for k in ((v,) if isinstance(v, str) else v)]
-    for key in keys:
-        if key not in index:
-            raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
 
     with ExitStack() as stack:
-        handles = {}
-
-        def handle(key):
-            shard = index[key]
-            if shard not in handles:
-                handles[shard] = stack.enter_context(
-                    safe_open(shard_file(key), framework="pt", device=str(device)))
-            return handles[shard]
-
+        handle = shard_opener(ckpt, index, index_file, device, stack)
+        plans = {}
+        for layer in layers:  # E from the router's header, before any per-expert key
+            block, found = present[layer]
+            prefix = f"model.layers.{layer}.{block}."
+            router = prefix + "gate.weight"
+            count = expert_count(
+                router, tuple(handle(router).get_slice(router).get_shape()), path / index[router],
+                config, config_file, index_file, found,
+                lambda e: f"{prefix}experts.{e}.{_ROLES[block]['gate']}.weight")
+            if experts is not None and experts.stop > count:
+                raise ValueError(f"experts {experts!r} is past the checkpoint's {count} experts")
+            plans[layer] = _plan(layer, block, scheme, experts or range(count))
+        keys = [k for plan in plans.values() for v in plan.values()
+                for k in ((v,) if isinstance(v, str) else v)]
+        for key in keys:
+            if key not in index:
+                raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
         headers = {key: handle(key).get_slice(key) for key in keys}
         shapes = {key: tuple(h.get_shape()) for key, h in headers.items()}
         dtypes = {key: h.get_dtype() for key, h in headers.items()}
         for plan in plans.values():
-            _check_layer(plan, shapes, dtypes, config, scheme)
+            _check_layer(plan, shapes, dtypes, config, config_file, scheme)
         return {layer: _read_layer(plan, handle, shapes, scheme, device)
                 for layer, plan in plans.items()}
 
 
-def _check_layer(plan: dict, shapes: dict, dtypes: dict, config: dict, scheme: str) -> None:
+def _check_layer(plan: dict, shapes: dict, dtypes: dict, config: dict, config_file: Path,
+                 scheme: str) -> None:
     router = plan["router"]
     if len(shapes[router]) != 2 or dtypes[router] not in _FLOAT:
         raise ValueError(f"{router}: expected a 2-D bf16/fp16/fp32 (E, H) router, got shape "
                          f"{shapes[router]} and dtype {dtypes[router]}")
     hidden = shapes[router][1]
+    if config.get("hidden_size", hidden) != hidden:
+        raise ValueError(f"{config_file}: hidden_size = {config['hidden_size']}, but the router "
+                         f"{router} has shape {shapes[router]}")
     first_gate = next(v[0] for k, v in plan.items() if k != "router" and k[0] == "gate")
-    inter = next((config[k] for k in _INTER_KEYS if k in config), shapes[first_gate][0])
+    inter = config_intermediate(config)
+    if inter is None:
+        inter = shapes[first_gate][0]
     if scheme == "blockwise" and inter % BLOCK:
         raise ValueError(f"intermediate size {inter}: blockwise gate and up scales stack into "
                          f"one gate_up scale only for a multiple of {BLOCK}")
@@ -239,16 +236,9 @@ def _read_layer(plan: dict, handle, shapes: dict, scheme: str, device) -> dict:
 
 def pretrained_layer(path, layer: int, device=None) -> dict | None:
     """Layer ``layer`` of an FP8 checkpoint for :meth:`ts_moe.MoE.from_pretrained`, or None
-    where config.json declares no quantization (a bf16 checkpoint).  DeepSeek-V3 is
-    refused: the MoE module routes by softmax top-k, which is not its router."""
-    if not Path(path).is_dir():
-        return None  # the bf16 loader says what is wrong
-    config = _config(Path(path))
-    if fp8_scheme(config) is None:
+    where config.json declares no quantization (a bf16 checkpoint).  Whether the layer
+    reproduces the model's block is :mod:`ts_moe.pretrained`'s to say."""
+    ckpt = local_checkpoint(path, "MoE.from_pretrained")
+    if fp8_scheme(read_config(ckpt), ckpt.path / "config.json") is None:
         return None
-    if config.get("model_type", "").startswith("deepseek"):
-        raise ValueError(f"{path}: DeepSeek-V3 routes by sigmoid scores with a bias and expert "
-                         f"groups, not the MoE module's softmax top-k; load its experts with "
-                         f"ts_moe.fp8.loaders.load_fp8_experts and run ts_moe.experts_forward "
-                         f"with its routing")
     return load_fp8_experts(path, layers=[layer], device=device)[layer]

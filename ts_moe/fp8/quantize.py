@@ -19,6 +19,8 @@ else the plain-torch reference on its device (no host sync either way).  No
 backward (:mod:`ts_moe.fp8.library`).
 """
 
+import math
+
 import torch
 
 from .library import define_inference_op
@@ -29,7 +31,7 @@ from .reference import quantize_reference
 
 def _in_fast_layout(scale: torch.Tensor, recipe: str, shape) -> torch.Tensor:
     strides = scale_strides(recipe, shape)
-    if scale.stride() == strides or scale.numel() <= 1:
+    if scale.stride() == strides or scale.numel() == 1:
         return scale
     return torch.empty_strided(scale.shape, strides, dtype=scale.dtype,
                                device=scale.device).copy_(scale)
@@ -37,13 +39,17 @@ def _in_fast_layout(scale: torch.Tensor, recipe: str, shape) -> torch.Tensor:
 
 def _reference(x: torch.Tensor, recipe: str):
     """:func:`quantize_reference` a matrix at a time where x has leading dims (an
-    (E, N, K) stack: one expert's fp32 temporaries at a time)."""
+    (E, N, K) stack: one expert's fp32 temporaries at a time).  The stack is
+    counted, not inferred (``-1``), so that empty matrices (an (E, 0, K) stack)
+    get the shapes the fake kernel gives."""
     if x.dim() == 2:
         return quantize_reference(x, recipe)
     q = torch.empty(x.shape, dtype=E4M3, device=x.device)
     scale = torch.empty(scale_shape(recipe, x.shape), dtype=torch.float32, device=x.device)
-    flat_q, flat_s = q.view(-1, *x.shape[-2:]), scale.view(-1, *scale.shape[x.dim() - 2:])
-    for i, matrix in enumerate(x.reshape(-1, *x.shape[-2:])):
+    stack = math.prod(x.shape[:-2])
+    flat_q = q.view(stack, *x.shape[-2:])
+    flat_s = scale.view(stack, *scale.shape[x.dim() - 2:])
+    for i, matrix in enumerate(x.reshape(stack, *x.shape[-2:])):
         flat_q[i], flat_s[i] = quantize_reference(matrix, recipe)
     return q, scale
 

@@ -18,7 +18,7 @@ needs a gradient, the public functions run the differentiable references.
 import torch
 
 from .. import reference
-from ..checks import check_combine_args, check_experts, check_permute_args, \
+from ..checks import check_combine_args, check_experts, check_flag, check_permute_args, \
     check_route_args, check_router_args
 from ..reference import Dispatch, SlotOrder
 from . import paths
@@ -160,7 +160,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return ROUTER_LOGITS(x, weight)
 
 
-def route_slots(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, SlotOrder]:
+def route_slots(logits: torch.Tensor, top_k: int, *,
+                renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, SlotOrder]:
     """:func:`route` and :func:`sort_slots` of its experts: ``(weights, experts,
     SlotOrder)``.
 
@@ -168,24 +169,35 @@ def route_slots(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
     slots and 256 experts takes one launch (two for larger batches with
     :func:`use_router_kernel`), otherwise :mod:`ts_moe.reference`.  Where the
     logits need a gradient, the differentiable references run.
+
+    ``renormalize=False``: the op's experts and slot order, the weights the
+    chosen experts' softmax probabilities as they are
+    (:func:`ts_moe.reference.route_weights`, the reference's own formula on
+    every path: two more launches on the GPU).
     """
+    check_flag("renormalize", renormalize)
     if _wants_grad(logits):
-        weights, experts = reference.route(logits, top_k)
+        weights, experts = reference.route(logits, top_k, renormalize)
         return weights, experts, reference.sort_slots(experts, logits.shape[1])
     if not isinstance(logits, torch.Tensor) or type(top_k) is not int:
         check_route_args(logits, top_k)  # the op validates the rest, once
     weights, experts, token_index, offs, inverse = ROUTE_SLOTS(logits, top_k)
+    if not renormalize:
+        weights = reference.route_weights(logits, experts, False)
     return weights, experts, SlotOrder(token_index, offs, inverse)
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, *,
+          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixtral routing: ``(weights, experts)``, both (T, top_k), fp32 weights
     summing to 1 per token, int64 experts in decreasing order of logit, ties to
     the lower expert (:func:`ts_moe.reference.route` says how).
+    ``renormalize=False``: the weights are the chosen experts' softmax
+    probabilities as they are (Qwen-MoE's ``norm_topk_prob`` false).
 
     The weights and experts of :func:`route_slots` (on the sm_90 path its one
     launch computes the slot order too; take it from there when it is needed)."""
-    weights, experts, _ = route_slots(logits, top_k)
+    weights, experts, _ = route_slots(logits, top_k, renormalize=renormalize)
     return weights, experts
 
 
@@ -215,8 +227,10 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatc
 
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``, (T, H) in
-    ``y_sorted``'s dtype: fp32 sums, one rounding, no atomics (``inverse`` a
-    permutation, as :func:`sort_slots` makes it).
+    ``y_sorted``'s dtype: fp32 sums, one rounding, no atomics.  ``inverse``: any
+    indices into ``y_sorted``'s rows (a permutation, as :func:`sort_slots` makes
+    it, or not); under autograd ``y_sorted``'s gradient is the gather's exact
+    adjoint (:func:`ts_moe.reference.combine`).
 
     ``torch.ops.ts_moe.combine``: one launch on the sm_90 path; where
     ``y_sorted`` or ``weights`` need a gradient, :func:`ts_moe.reference.combine`."""
