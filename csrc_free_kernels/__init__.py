@@ -22,8 +22,6 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
   awaiting a GPU A/B).
 - ``tile_schedule``: the ragged (expert, m-tile, n-tile) tile schedule the GEMMs
   walk, and its k-grouped sibling.
-- ``pipeline_probe_sm90`` / ``pipeline_probe_sm100``: small kernels that exercise
-  ``ts_pipeline`` (the sm_100a ones are compile-verified only).
 - ``compile``: in-memory and on-disk cache of compiled kernels, the fake
   arguments' helpers and the torch -> DSL dtype table; ``pdl``: programmatic
   dependent launch.
@@ -32,6 +30,7 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
   ``kernel_cache_path``: the walk from ``/`` that checks and opens it.
 - ``ptx_dump``: GPU-free compilation for one arch, keeping the PTX.
 
-Variants measured and lost are not here: bench/notes/ records them.  Modules
+Variants measured and lost are not here: bench/notes/ records them; the
+test-only kernels (the ``ts_pipeline`` probes) are in ``tests/kernels/``.  Modules
 import ``cutlass`` when they are imported; this package does not.
 """
