@@ -24,7 +24,8 @@ picks one from shapes), ``<family>`` (the kernel classes), ``<family>_launch``
   walk, and its k-grouped sibling.
 - ``compile``: in-memory and on-disk cache of compiled kernels, the fake
   arguments' helpers and the torch -> DSL dtype table; ``pdl``: programmatic
-  dependent launch.
+  dependent launch; ``settings``: the kernels' switches and environment
+  variables (``ts_moe.settings`` shares them).
 - ``kernel_cache``: the on-disk cache's rules (a path only this uid or root can
   write, used through one directory descriptor; sha256-checked objects);
   ``kernel_cache_path``: the walk from ``/`` that checks and opens it.

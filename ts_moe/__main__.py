@@ -39,6 +39,7 @@ from . import cache_cli
 from . import MoE, load_mixtral_experts, make_tiny_moe_checkpoint
 from .moe import moe_forward, moe_forward_reference
 from .ops import Path as KernelPath, cuda_path
+from .settings import settings
 
 TOLERANCE = 2e-2  # bf16 layer against the fp32 reference
 ARCH = "sm_90a"
@@ -110,7 +111,7 @@ def compile_kernels() -> int:
             return subprocess.call([sys.executable, "-m", "ts_moe", "compile"],
                                    env=_child_env())
         os.environ["CUTE_DSL_ARCH"] = ARCH
-    os.environ["TS_MOE_NO_DISK_CACHE"] = "1"  # build only: nothing written to the cache
+    settings.disk_cache = False  # build only: nothing written to the cache
     start = time.perf_counter()
     built = 0
     for name, builds in kernel_families():
