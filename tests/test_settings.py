@@ -215,3 +215,12 @@ def test_only_the_settings_read_the_environment():
     assert others == {("csrc_free_kernels/compile.py", "*")}, others  # codegen_environment
     assert _environment_reads(ROOT / "csrc_free_kernels" / "settings.py")
 
+
+def test_the_readme_table_names_every_setting_and_variable():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("<!-- bench:settings begin -->")
+    table = readme[start:readme.index("<!-- bench:settings end -->")]
+    for s in SETTINGS:
+        assert f"| `ts_moe.settings.{s.name}`" in table
+        assert s.env is None or f"`{s.env}`" in table
+    assert set(re.findall(r"TS_MOE_[A-Z_]+", readme)) == {s.env for s in ENV}

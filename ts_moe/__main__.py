@@ -3,6 +3,8 @@
     python -m ts_moe demo              # the MoE layer end to end; ends in PASS or FAIL
     python -m ts_moe demo --verbose    # ... with each kernel build's PTX statistics
     python -m ts_moe compile           # build the sm_90a kernels here, no GPU needed
+    python -m ts_moe info              # each kernel family's status and path here; the settings
+    python -m ts_moe cache             # the compiled-kernel cache (--clear empties it)
 
 ``demo``:
 
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from . import cache_cli
+from . import cache_cli, info_cli
 from . import MoE, load_mixtral_experts, make_tiny_moe_checkpoint
 from .moe import moe_forward, moe_forward_reference
 from .ops import Path as KernelPath, cuda_path
@@ -280,6 +282,9 @@ COMMANDS: dict[str, Command] = {
                        lambda p: None, lambda args: compile_kernels()),
     "cache": Command("show the compiled-kernel cache (--clear empties it)",
                      cache_cli.add_arguments, lambda args: cache_cli.run(args.clear)),
+    "info": Command("each kernel family's status, whether it imported and the path this "
+                    "machine's GPU gets; every setting and its value",
+                    info_cli.add_arguments, lambda args: info_cli.run()),
 }
 
 

@@ -16,7 +16,7 @@ layer's below, sharing its values with ``csrc_free_kernels.settings.settings``,
 which the kernels read.  ``ts_moe.use_sm100_kernel``, ``use_router_kernel``
 and ``use_fp8_kernels`` are setters of ``sm100_kernel``, ``router_kernel`` and
 ``fp8_kernels``.  No other module of the package reads ``os.environ`` for a
-setting.
+setting; the README's table of settings is generated from :data:`SETTINGS`.
 
 ``ts_moe.settings`` is the object, not this module (``import ts_moe.settings as
 x`` binds the object too); the class is ``from ts_moe.settings import Settings``.

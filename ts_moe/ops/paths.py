@@ -67,18 +67,27 @@ PATH_BACKENDS = {
                                         torch_backend.GROUPED_GEMM_SWIGLU),
     Path.REFERENCE: REFERENCE_GEMMS,
 }
-SM90_DEVICE = REFERENCE_DEVICE
+# Each kernel family counts where it imported (ts_moe.ops.kernels); one that did not
+# is a NoKernel, and its calls take the path's next backend.
 KERNEL_MAX_EXPERTS = {}
-if kernels.AVAILABLE:
+if kernels.sm90 is not None:
     PATH_BACKENDS[Path.KERNEL_SM90] = GemmBackends(
-        kernels.sm90.GROUPED_GEMM, kernels.sm90_dw.GROUPED_GEMM_K, kernels.sm90.GROUPED_GEMM_SWIGLU)
+        kernels.sm90.GROUPED_GEMM,
+        kernels.sm90_dw.GROUPED_GEMM_K if kernels.sm90_dw is not None else NoKernel(),
+        kernels.sm90.GROUPED_GEMM_SWIGLU)
+    KERNEL_MAX_EXPERTS[9, 0] = kernels.sm90.MAX_EXPERTS
+if kernels.sm100 is not None:
     PATH_BACKENDS[Path.KERNEL_SM100] = GemmBackends(
         kernels.sm100.GROUPED_GEMM, NoKernel(), kernels.sm100.GROUPED_GEMM_SWIGLU)
-    SM90_DEVICE = DeviceBackends(
-        kernels.route_sm90.ROUTE_SLOTS, kernels.router_sm90.ROUTE_TOPK,
-        kernels.route_sm90.SORT_SLOTS, kernels.route_sm90.ROW_SUM,
-        kernels.router_sm90.ROUTER_LOGITS, kernels.swiglu_sm90.SWIGLU_ACTIVATION)
-    KERNEL_MAX_EXPERTS = {(9, 0): kernels.sm90.MAX_EXPERTS, (10, 0): kernels.sm100.MAX_EXPERTS}
+    KERNEL_MAX_EXPERTS[10, 0] = kernels.sm100.MAX_EXPERTS
+_route, _router, _act = kernels.route_sm90, kernels.router_sm90, kernels.swiglu_sm90
+SM90_DEVICE = DeviceBackends(
+    _route.ROUTE_SLOTS if _route is not None else NoKernel(),
+    _router.ROUTE_TOPK if _router is not None else NoKernel(),
+    _route.SORT_SLOTS if _route is not None else NoKernel(),
+    _route.ROW_SUM if _route is not None else NoKernel(),
+    _router.ROUTER_LOGITS if _router is not None else NoKernel(),
+    _act.SWIGLU_ACTIVATION if _act is not None else NoKernel())
 
 
 def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
