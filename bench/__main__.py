@@ -12,7 +12,7 @@
     python -m bench --suite fp8                      # FP8 GEMMs: blockwise and rowwise
     python -m bench --suite moe_block --backends ts_moe,ts_moe_fp8_rowwise,ts_moe_fp8_blockwise
     python -m bench report bench/results/nvidia-h200-grouped_gemm.json   # its tables
-    python -m bench report --readme                  # bench/RESULTS.md and the README's status
+    python -m bench report --readme                  # RESULTS.md, the README's generated parts
     python -m bench overhead                         # host time of one op call
     python -m bench targets bench/results/nvidia-h200-grouped_gemm.json  # prefill targets
     python -m bench targets bench/results/nvidia-h200-training.json      # training targets
@@ -150,7 +150,9 @@ def build_report_parser() -> argparse.ArgumentParser:
         prog="python -m bench report",
         description="A run's markdown section (its facts, provenance and table) on stdout; "
                     "writes only what is named. With --readme: regenerate bench/RESULTS.md "
-                    "and the README's status section from the committed runs in bench/results/.")
+                    "and the README's status section from the committed runs in bench/results/, "
+                    "and its path, kernel-family and settings tables from ts_moe's "
+                    "declarations.")
     p.add_argument("json", type=Path, nargs="?", help="a run's JSON")
     p.add_argument("--results-md", type=Path,
                    help="write the run's section into this markdown file (replacing an "
@@ -160,7 +162,8 @@ def build_report_parser() -> argparse.ArgumentParser:
                                                            "--plot-dir anyway)")
     p.add_argument("--readme", action="store_true",
                    help=f"write {report.RESULTS_MD.name} and the README's status section from "
-                        f"{report.RESULTS_DIR.parent.name}/{report.RESULTS_DIR.name}/*.json")
+                        f"{report.RESULTS_DIR.parent.name}/{report.RESULTS_DIR.name}/*.json, "
+                        f"and its generated tables")
     p.add_argument("--check", action="store_true",
                    help="with --readme: write nothing; exit 1 if either file differs from "
                         "what --readme writes")
@@ -387,7 +390,8 @@ def readme_command(check: bool) -> int:
         path.write_text(written[path])
         print(f"wrote {path}", file=sys.stderr)
     if not stale:
-        print("bench/RESULTS.md and the README's status are up to date", file=sys.stderr)
+        print("bench/RESULTS.md and the README's generated sections are up to date",
+              file=sys.stderr)
     return 0
 
 

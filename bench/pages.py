@@ -1,5 +1,6 @@
 """The page of current numbers (``bench/RESULTS.md``) and the README's status
-section, generated from the committed runs in ``bench/results/``.
+section, generated from the committed runs in ``bench/results/``; with them the
+README's path, kernel-family and settings tables (:mod:`bench.readme_tables`).
 
     python -m bench report --readme           # write both
     python -m bench report --readme --check   # write nothing; exit 1 where either differs
@@ -18,7 +19,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from . import provenance, report, targets
+from . import provenance, readme_tables, report, targets
 
 README = provenance.REPO / "README.md"
 STATUS_BEGIN, STATUS_END = "<!-- bench:status begin -->", "<!-- bench:status end -->"
@@ -308,19 +309,34 @@ def status_markdown(results_dir: Path = report.RESULTS_DIR) -> str:
     return "\n".join(lines)
 
 
+def with_block(readme: str, block: str, begin: str, end: str) -> str:
+    """``readme`` with the text from ``begin`` to ``end`` (its markers) replaced by ``block``."""
+    start, stop = readme.find(begin), readme.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"README.md has no {begin} ... {end} section")
+    return readme[:start] + block + readme[stop + len(end):]
+
+
 def with_status(readme: str, status: str) -> str:
     """``readme`` with the text between the status markers replaced by ``status``."""
-    begin, end = readme.find(STATUS_BEGIN), readme.find(STATUS_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"README.md has no {STATUS_BEGIN} ... {STATUS_END} section")
-    return readme[:begin] + status + readme[end + len(STATUS_END):]
+    return with_block(readme, status, STATUS_BEGIN, STATUS_END)
+
+
+def readme_text(readme: str, results_dir: Path = report.RESULTS_DIR) -> str:
+    """``readme`` with every generated section written: the status, the path tables and
+    kernel families, the settings."""
+    readme = with_status(readme, status_markdown(results_dir))
+    readme = with_block(readme, readme_tables.paths_markdown(), readme_tables.PATHS_BEGIN,
+                        readme_tables.PATHS_END)
+    return with_block(readme, readme_tables.settings_markdown(), readme_tables.SETTINGS_BEGIN,
+                      readme_tables.SETTINGS_END)
 
 
 def pages(results_dir: Path = report.RESULTS_DIR, readme: Path = README,
           results_md_path: Path = report.RESULTS_MD) -> dict[Path, str]:
     """``{path: the text the command writes there}``: RESULTS.md and the README."""
     return {results_md_path: results_md(results_dir),
-            readme: with_status(Path(readme).read_text(), status_markdown(results_dir))}
+            readme: readme_text(Path(readme).read_text(), results_dir)}
 
 
 def stale_pages(written: dict[Path, str]) -> list[Path]:

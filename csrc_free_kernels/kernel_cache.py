@@ -5,8 +5,8 @@ A compiled kernel is an ELF object that the next process links into itself, so
 the cache holds native code and is trusted only as far as every directory on
 its path is.  The rules:
 
-- the directory is ``$TS_MOE_CACHE_DIR`` (an absolute path) or
-  ``~/.cache/ts_moe``, with one subdirectory per :func:`fingerprint` (the
+- the directory is ``settings.cache_dir`` (``$TS_MOE_CACHE_DIR``, an absolute
+  path; :mod:`.settings`) or ``~/.cache/ts_moe``, with one subdirectory per :func:`fingerprint` (the
   kernel sources and the toolchain's versions); whatever is missing of that
   path is created ``0o700``;
 - the path is walked from ``/`` (:mod:`.kernel_cache_path`): every directory
@@ -36,7 +36,9 @@ its path is.  The rules:
   reason, as does a directory that cannot be written (read-only, full, not a
   directory); the kernels then stay in memory for this process, never an error.
 
-``TS_MOE_NO_DISK_CACHE=1`` keeps every kernel in memory, silently.
+``TS_MOE_NO_DISK_CACHE=1`` (``settings.disk_cache = False``) keeps every kernel in
+memory, silently.  A relative ``TS_MOE_CACHE_DIR`` is a warning, not an error, as is
+every reason above: the cache saves compile time, and no choice of it stops a kernel.
 """
 
 import contextlib
@@ -51,12 +53,13 @@ import stat
 import warnings
 
 from . import kernel_cache_path
+from .settings import settings
 
 _SOURCES = [pathlib.Path(__file__).parent, pathlib.Path(__file__).parent.parent / "ts_pipeline"]
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 # our files in a fingerprint directory: objects, their sha256, temporaries
 _OURS = re.compile(r"\.?k_[0-9a-f]{24}(\.[A-Za-z0-9_]+)?\.(o|o\.sha256|tmp)")
-_DISABLED = "TS_MOE_NO_DISK_CACHE=1"
+_DISABLED = "TS_MOE_NO_DISK_CACHE=1 (settings.disk_cache is off)"
 _warned: set = set()
 _unwritable: set = set()  # directories whose writes failed in this process
 
@@ -92,14 +95,14 @@ def object_name(key: tuple) -> str:
 
 def configured_root() -> tuple:
     """``(root, None)``: the cache directory asked for (not checked), or ``(None, why)``."""
-    if os.environ.get("TS_MOE_NO_DISK_CACHE") == "1":
+    if not settings.disk_cache:
         return None, _DISABLED
-    env = os.environ.get("TS_MOE_CACHE_DIR")
-    if env:
-        if not os.path.isabs(env):
-            return None, (f"TS_MOE_CACHE_DIR={env!r} is a relative path (it would depend on "
+    asked = settings.cache_dir
+    if asked:
+        if not os.path.isabs(asked):
+            return None, (f"TS_MOE_CACHE_DIR={asked!r} is a relative path (it would depend on "
                           f"the working directory): give an absolute one")
-        return pathlib.Path(env), None
+        return pathlib.Path(asked), None
     try:
         home = pathlib.Path.home()
     except RuntimeError:

@@ -15,8 +15,9 @@ passed its own wait (or started), so the whole stream before is done.  Only
 then does the kernel let its own dependents launch
 (``griddepcontrol.launch_dependents``).
 
-``TS_MOE_PDL=0`` compiles and launches without it.  It is read at each use
-of :data:`ENABLED` (:func:`enabled`), that is at each kernel build: the
+``TS_MOE_PDL=0`` (or ``ts_moe.settings.pdl = False``: :mod:`.settings`)
+compiles and launches without it.  It is read at each use of
+:data:`ENABLED` (:func:`enabled`), that is at each kernel build: the
 compile keys carry it, and a build's trace reads it for both its
 ``griddepcontrol`` instructions and its launch.  A kernel already built in
 this process keeps what it was built with (the launchers memoize their
@@ -27,14 +28,14 @@ before it.  Measured on and off:
 bench/notes/2026-12-04-pdl.md.
 """
 
-import os
-
 import cutlass.cute as cute
+
+from .settings import settings
 
 
 def enabled() -> bool:
-    """Whether a kernel built now uses PDL: ``TS_MOE_PDL`` != "0", read now."""
-    return os.environ.get("TS_MOE_PDL", "1") != "0"
+    """Whether a kernel built now uses PDL: :attr:`.settings.KernelSettings.pdl`, read now."""
+    return settings.pdl
 
 
 def __getattr__(name: str):

@@ -1,6 +1,6 @@
 """Compile kernels for one arch without a GPU and keep their PTX.
 
-    CUTE_DSL_ARCH=sm_90a python -m csrc_free_kernels.ptx_dump OUT_DIR NAME [NAME ...]
+    CUTE_DSL_ARCH=sm_90a python -m csrc_free_kernels.ptx_dump OUT_DIR '["NAME", ...]'
 
 writes ``OUT_DIR/NAME.ptx`` for each named build (see :data:`BUILDS`) and beside it
 ``NAME.facts.json``, what the pre-flight needs that the PTX does not say (the TMA maps,
@@ -15,38 +15,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-
-
-def _probe90(p, stages=4, **kw):
-    def build():
-        import cutlass
-        import cutlass.cute as cute
-
-        from .pipeline_probe_sm90 import PipelineProbeSm90
-
-        n = cute.sym_int()
-        x = cute.runtime.make_fake_compact_tensor(
-            cutlass.BFloat16, (n, 64), stride_order=(1, 0), assumed_align=16)
-        y = cute.runtime.make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int(),),
-                                                  assumed_align=16)
-        if kw.pop("reference", False):
-            from cutlass.experimental.task_scheduling import pipeline as ref
-            kw["pipelines"] = ref
-        return PipelineProbeSm90(p, stages, **kw), (x, y, cutlass.Int32(1), cutlass.Int32(1),
-                                                     cute.runtime.make_fake_stream())
-    return build
-
-
-def _probe100(kind, cluster_v=2):
-    def build():
-        import cutlass
-        import cutlass.cute as cute
-
-        from .pipeline_probe_sm100 import PipelineProbeSm100
-
-        return PipelineProbeSm100(kind, cluster_v), (cutlass.Int32(1),
-                                                     cute.runtime.make_fake_stream())
-    return build
 
 
 def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
@@ -239,14 +207,6 @@ def _fp8_builds() -> dict:
 
 
 BUILDS = {
-    **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
-    **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
-    "probe90_P3_no_leader": _probe90(3, leader_arms=False),
-    "probe100_async_thread_2cta": _probe100("async_thread"),
-    "probe100_async_thread_1cta": _probe100("async_thread", 1),
-    "probe100_async_load_2cta": _probe100("async_load"),
-    "probe100_umma_umma_2cta": _probe100("umma_umma"),
-    "probe100_umma_umma_1cta": _probe100("umma_umma", 1),
     "gemm_decode": _gemm("decode"),
     "gemm_decode_bk": _gemm("decode", b_n_major=False),
     "gemm_decode_fp16": _gemm("decode", dtype="float16"),
@@ -333,7 +293,9 @@ def reference_module_available() -> bool:
     return True
 
 
-def _main(out_dir: str, names: list) -> None:
+def main(out_dir: str, names: list, builds: dict = BUILDS) -> None:
+    """Compile each of ``names`` (keys of ``builds``) for the arch of this process,
+    writing ``NAME.ptx`` and ``NAME.facts.json`` to ``out_dir``."""
     import cutlass.cute as cute
 
     from . import preflight_trace
@@ -343,27 +305,32 @@ def _main(out_dir: str, names: list) -> None:
     for name in names:
         if name.endswith("_reference") and not reference_module_available():
             continue
-        kernel, args = BUILDS[name]()
+        kernel, args = builds[name]()
         with preflight_trace.recording() as facts:
             cute.compile(kernel, *args)
         (out / f"{name}.ptx").write_text(preflight_trace.collect(dump_dir, facts))
         (out / f"{name}.facts.json").write_text(facts.to_json())
 
 
-def dump(arch: str, names: list, out_dir: str, timeout: float = 600) -> dict:
-    """Compile ``names`` for ``arch`` in a fresh process; returns ``{name: ptx text}``."""
+def dump(arch: str, names: list, out_dir: str, timeout: float = 600,
+         main_module: str = "csrc_free_kernels.ptx_dump") -> dict:
+    """Compile ``names`` for ``arch`` in a fresh process; returns ``{name: ptx text}``.
+
+    The child runs ``python -m main_module OUT_DIR NAMES``: this module, or one
+    whose ``__main__`` calls :func:`main` with more builds than :data:`BUILDS`
+    (the tests' probes: ``tests.kernels.probe_builds``), so that this package
+    never imports what is not in it."""
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     with tempfile.TemporaryDirectory(prefix="ts_moe_ptx_") as scratch:
         env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx,cubin",
                    CUTE_DSL_DUMP_DIR=scratch, TS_MOE_NO_DISK_CACHE="1")
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run([sys.executable, "-m", "csrc_free_kernels.ptx_dump", out_dir,
-                               json.dumps(names)], env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=root)
+        proc = subprocess.run([sys.executable, "-m", main_module, out_dir, json.dumps(names)],
+                              env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
     if proc.returncode:
         raise RuntimeError(f"PTX build for {arch} failed:\n{proc.stdout}\n{proc.stderr}")
     return {p.stem: p.read_text() for p in pathlib.Path(out_dir).glob("*.ptx")}
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], json.loads(sys.argv[2]))
+    main(sys.argv[1], json.loads(sys.argv[2]))

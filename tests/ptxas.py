@@ -96,9 +96,10 @@ def assert_pdl_prefetch_entry(ptx_text: str) -> None:
 
 
 class PtxStore:
-    """Each build of ``csrc_free_kernels.ptx_dump.BUILDS`` compiled at most once per test
-    session (the PTX tests and the pre-flight read the same compile): ``get`` compiles
-    the builds it has not seen, for one arch, in one fresh process."""
+    """Each build of ``csrc_free_kernels.ptx_dump.BUILDS`` and of the probes
+    (``tests.kernels.probe_builds.BUILDS``) compiled at most once per test session
+    (the PTX tests and the pre-flight read the same compile): ``get`` compiles the
+    builds it has not seen, for one arch, in one fresh process."""
 
     def __init__(self, directory):
         self.directory = directory
@@ -107,11 +108,14 @@ class PtxStore:
     def get(self, arch: str, builds: list) -> dict:
         from csrc_free_kernels import ptx_dump
 
+        from .kernels import probe_builds
+
         missing = [b for b in builds if (arch, b) not in self.ptx]
         if missing:
             out = self.directory / f"{arch}_{len(self.ptx)}"
             out.mkdir()
-            for name, text in ptx_dump.dump(arch, missing, str(out), timeout=3600).items():
+            for name, text in ptx_dump.dump(arch, missing, str(out), timeout=3600,
+                                            main_module=probe_builds.MODULE).items():
                 self.ptx[arch, name] = text
         return {b: self.ptx[arch, b] for b in builds if (arch, b) in self.ptx}
 
@@ -126,7 +130,7 @@ class PtxStore:
 
 def ptx_fixture(arch: str, builds: list, name: str = "ptx"):
     """A module-scoped fixture ``name``: {build: PTX} of ``builds`` (names of
-    ``csrc_free_kernels.ptx_dump.BUILDS``) compiled for ``arch``, from the session's
+    ``tests.kernels.probe_builds.ALL_BUILDS``) compiled for ``arch``, from the session's
     :class:`PtxStore` (``ptx_store``, tests/conftest.py)."""
     def compiled(ptx_store):
         return ptx_store.get(arch, builds)

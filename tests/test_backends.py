@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from ts_moe.ops import backend, kernels, paths, reference_backend, torch_backend
+from ts_moe.ops import backend, kernel_status, kernels, paths, reference_backend, torch_backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -36,9 +36,11 @@ def _methods(family):
 
 
 def test_the_kernels_are_available_here():
-    """cutlass is installed here: every kernel path has its backends (without
-    it, kernels.py sets them to None and the paths keep torch and the reference)."""
-    assert kernels.AVAILABLE
+    """cutlass is installed here: every family the ops take imported and every kernel
+    path has its backends (a family that fails is None in kernels.py, and the
+    paths take the next backend: test_kernel_families.py)."""
+    assert kernels.AVAILABLE == {f.name for f in kernel_status.STATUS if f.in_ops}
+    assert not kernels.FAILED
     assert set(paths.PATH_BACKENDS) == set(paths.Path)
     assert len({id(b) for _, b in BACKENDS}) == len(BACKENDS) == 3 * 4 - 1 + 2 * 6
 
@@ -98,14 +100,15 @@ def test_the_kernels_choose_from_shapes_the_references_take_everything():
 def test_ops_import_their_backends_statically():
     """No module looked up by a string anywhere in ts_moe; the ops import
     csrc_free_kernels in one place (ts_moe/ops/kernels.py; the command line
-    imports its PTX tool and the kernel cache's rules), and nothing below ts_moe
-    imports it back."""
+    imports its PTX tool and the kernel cache's rules, ts_moe/settings.py the
+    kernels' settings), and nothing below ts_moe imports it back."""
     sources = {p: p.read_text() for p in (ROOT / "ts_moe").rglob("*.py")}
     for path, text in sources.items():
         assert not re.search(r"import_module|__import__", text), path
     importers = {p.relative_to(ROOT).as_posix() for p, text in sources.items()
                  if re.search(r"^\s*(from|import) csrc_free_kernels", text, re.M)}
-    assert importers - {"ts_moe/__main__.py", "ts_moe/cache_cli.py"} == {"ts_moe/ops/kernels.py"}
+    assert importers - {"ts_moe/__main__.py", "ts_moe/cache_cli.py", "ts_moe/settings.py"} == {
+        "ts_moe/ops/kernels.py"}
     for path in list((ROOT / "csrc_free_kernels").rglob("*.py")) + \
             list((ROOT / "ts_pipeline").rglob("*.py")):
         assert not re.search(r"^\s*(from|import) ts_moe", path.read_text(), re.M), path
@@ -133,13 +136,18 @@ def test_without_cutlass_the_kernel_paths_are_unavailable():
     import sys
 
     code = (
-        "import sys\n"
+        "import sys, warnings\n"
         "sys.modules['cutlass'] = None  # import cutlass -> ImportError\n"
-        "import torch, ts_moe\n"
-        "from ts_moe.ops import kernels, paths\n"
-        "assert not kernels.AVAILABLE and kernels.sm90 is None\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import torch, ts_moe\n"
+        "from ts_moe.ops import backend, kernels, paths\n"
+        "said = [str(w.message) for w in caught if w.category is kernels.KernelImportWarning]\n"
+        "assert len(said) == 1 and 'nvidia-cutlass-dsl' in said[0], said\n"
+        "assert not kernels.AVAILABLE and kernels.sm90 is None and kernels.sm90_fp8 is None\n"
         "assert set(paths.PATH_BACKENDS) == {paths.Path.TORCH_GROUPED_MM, paths.Path.REFERENCE}\n"
-        "assert paths.SM90_DEVICE is paths.REFERENCE_DEVICE and not paths.KERNEL_MAX_EXPERTS\n"
+        "assert all(isinstance(b, backend.NoKernel) for b in paths.SM90_DEVICE)\n"
+        "assert not paths.KERNEL_MAX_EXPERTS\n"
         "torch.cuda.get_device_capability = lambda index=None: (9, 0)\n"
         "assert paths.cuda_path(0, torch.bfloat16)[0] is paths.Path.TORCH_GROUPED_MM\n"
         "assert paths.cuda_path(0, torch.float16)[0] is paths.Path.REFERENCE\n"

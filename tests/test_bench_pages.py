@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from bench import __main__ as cli
-from bench import pages, provenance, report
+from bench import pages, provenance, readme_tables, report
 
 
 def test_committed_pages_are_what_the_command_writes():
@@ -23,7 +23,9 @@ def test_committed_pages_are_what_the_command_writes():
 def test_check_flag_writes_nothing_and_says_what_differs(tmp_path, monkeypatch, capsys):
     readme = tmp_path / "README.md"
     results_md = tmp_path / "RESULTS.md"
-    readme.write_text(f"# x\n\n{pages.STATUS_BEGIN}\nold\n{pages.STATUS_END}\n\nafter\n")
+    readme.write_text(f"# x\n\n{pages.STATUS_BEGIN}\nold\n{pages.STATUS_END}\n\n"
+                      f"{readme_tables.PATHS_BEGIN}\n{readme_tables.PATHS_END}\n"
+                      f"{readme_tables.SETTINGS_BEGIN}\n{readme_tables.SETTINGS_END}\nafter\n")
     real = pages.pages
     monkeypatch.setattr(pages, "pages", lambda: real(readme=readme, results_md_path=results_md))
     assert cli.main(["report", "--readme", "--check"]) == 1
@@ -31,8 +33,9 @@ def test_check_flag_writes_nothing_and_says_what_differs(tmp_path, monkeypatch, 
     assert cli.main(["report", "--readme"]) == 0
     text = readme.read_text()
     assert text.startswith("# x\n\n" + pages.STATUS_BEGIN) and text.endswith(
-        pages.STATUS_END + "\n\nafter\n")
+        readme_tables.SETTINGS_END + "\nafter\n")
     assert "old" not in text and "**Grouped GEMM, N-major weights**" in text
+    assert readme_tables.paths_markdown() in text and readme_tables.settings_markdown() in text
     assert results_md.read_text() == pages.results_md()
     assert cli.main(["report", "--readme", "--check"]) == 0
     readme.write_text("# no markers\n")
@@ -157,3 +160,22 @@ def test_targets_warns_about_a_stale_run(tmp_path, capsys, monkeypatch):
     path.write_text(json.dumps(newer))
     assert cli.main(["targets", str(path)]) == 0
     assert "older" not in capsys.readouterr().err
+
+
+def test_the_path_tables_follow_the_family_status(monkeypatch):
+    """The README's path and family tables are generated from ts_moe.ops.kernel_status:
+    a family's new record (here: the sm_100a kernel verified on a B200) changes them."""
+    import dataclasses
+
+    from ts_moe.ops import kernel_status as ks
+
+    before = readme_tables.paths_markdown()
+    assert "ts_moe's sm_100a kernel (**compiled and model-checked only**)" in before
+    verified = dataclasses.replace(ks.GEMM_SM100, proof=ks.Proof.VERIFIED,
+                                   run=ks.Run("abcdef1", "NVIDIA B200", "2027-01-01", "ok"))
+    monkeypatch.setattr(ks, "GEMM_SM100", verified)
+    monkeypatch.setattr(ks, "STATUS", tuple(verified if f.name == "gemm_sm100" else f
+                                            for f in ks.STATUS))
+    after = readme_tables.paths_markdown()
+    assert "ts_moe's sm_100a kernel (**verified on hardware: NVIDIA B200, abcdef1**)" in after
+    assert "| NVIDIA B200, abcdef1, 2027-01-01: ok |" in after

@@ -3,6 +3,8 @@ CPU tensors with stand-ins for what needs a GPU (the sm_90 kernel modules, as th
 API in csrc_free_kernels/*_fp8_sm90_launch.py promises it; torch._scaled_grouped_mm,
 as its sm_90 kernel behaves).  The dequantize-then-grouped_gemm path runs for real."""
 
+import types
+
 import pytest
 import torch
 
@@ -224,13 +226,23 @@ def test_quantize_kernel_where_it_applies(monkeypatch):
     assert len(kernels.calls) == 3
 
 
-def test_reference_switch_read_per_device(monkeypatch):
+def test_reference_switch_read_at_each_call(monkeypatch):
+    """TS_MOE_REFERENCE (ts_moe.settings.reference) is read at each call: a CUDA
+    tensor's capability is None (the reference path) while it is on."""
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0), get_device=lambda: 0)
+    monkeypatch.setattr(paths, "_capability", lambda index: (9, 0))
+    monkeypatch.delenv("TS_MOE_REFERENCE", raising=False)
+    assert paths.device_capability(on_cuda) == (9, 0)
     monkeypatch.setenv("TS_MOE_REFERENCE", "1")
-    paths._capability.cache_clear()
-    try:
-        assert paths._capability(0) is None
-    finally:
-        paths._capability.cache_clear()
+    assert paths.device_capability(on_cuda) is None
+    monkeypatch.setenv("TS_MOE_REFERENCE", "0")
+    assert paths.device_capability(on_cuda) == (9, 0)
+    with ts_moe.settings.override(reference=True):  # code outranks the variable
+        assert paths.device_capability(on_cuda) is None
+    monkeypatch.setenv("TS_MOE_REFERENCE", "true")
+    with pytest.raises(ValueError, match="TS_MOE_REFERENCE='true'"):
+        paths.device_capability(on_cuda)
+    monkeypatch.delenv("TS_MOE_REFERENCE")
     assert quantize.quantize_kernel_for(torch.ones(4, 128), "rowwise") is None  # CPU tensor
 
 

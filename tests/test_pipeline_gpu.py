@@ -16,7 +16,7 @@ def test_p_warp_ring_moves_every_byte_without_hanging():
     # a subprocess, so that a hung barrier is killed by the timeout instead of
     # hanging the test session; it gets the memory this process cached
     torch.cuda.empty_cache()
-    proc = subprocess.run([sys.executable, "-m", "csrc_free_kernels.pipeline_probe_sm90"],
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.pipeline_probe_sm90"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     print(proc.stdout, proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("P=")]

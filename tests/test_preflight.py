@@ -13,9 +13,11 @@ from csrc_free_kernels import preflight, ptx_dump
 from csrc_free_kernels.preflight_ptx import CTA, THREAD, WARP, WARPGROUP, Kernel
 from csrc_free_kernels.preflight_trace import BuildFacts, TmaMap, parse_atom
 
+from .kernels.probe_builds import ALL_BUILDS
+
 DATA = pathlib.Path(__file__).parent / "data"
-SM100 = [n for n in ptx_dump.BUILDS if n.startswith(("sm100_", "probe100_"))]
-SM90 = [n for n in ptx_dump.BUILDS if n not in SM100
+SM100 = [n for n in ALL_BUILDS if n.startswith(("sm100_", "probe100_"))]
+SM90 = [n for n in ALL_BUILDS if n not in SM100
         and (not n.endswith("_reference") or ptx_dump.reference_module_available())]
 
 

@@ -8,11 +8,12 @@ import pytest
 
 from csrc_free_kernels import ptx_dump
 
+from .kernels.probe_builds import BUILDS
 from .ptxas import ptx_fixture
 
 SM90 = [f"probe90_P{p}" for p in (1, 2, 3, 4)] + [
     f"probe90_P{p}_reference" for p in (1, 2, 3, 4)] + ["probe90_P3_no_leader"]
-SM100 = [n for n in ptx_dump.BUILDS if n.startswith("probe100")]
+SM100 = [n for n in BUILDS if n.startswith("probe100")]
 
 ptx90 = ptx_fixture("sm_90a", SM90, "ptx90")
 ptx100 = ptx_fixture("sm_100a", SM100, "ptx100")

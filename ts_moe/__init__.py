@@ -5,6 +5,8 @@ ops (the kernels where the path has them, :mod:`ts_moe.ops`) and the layer
 (:mod:`ts_moe.moe`); the plain-torch versions of the ops, which the tests and
 the CPU run, are :mod:`ts_moe.reference` (``ts_moe.reference.route``,
 ``.sort_slots``, ``.permute``, ``.combine``, ``.grouped_gemm_reference``, ...).
+Every switch and environment variable is an attribute of ``ts_moe.settings``
+(:mod:`ts_moe.settings`).
 """
 
 from importlib.metadata import PackageNotFoundError, version as _version
@@ -15,6 +17,9 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed
     __version__ = "0+unknown"
 
 from . import reference
+from .settings import settings
+
+settings.check_environment()  # a bad TS_MOE_* variable fails here, on every device
 from .ops import (combine, grouped_gemm, grouped_gemm_swiglu, permute, route, route_slots,
                   sort_slots, use_router_kernel, use_sm100_kernel)
 from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends
@@ -24,6 +29,7 @@ from .tiny import make_tiny_mixtral, make_tiny_moe_checkpoint
 from .fp8 import quantize_fp8, scaled_grouped_gemm, use_fp8_kernels
 
 __all__ = [
+    "settings",
     "grouped_gemm",
     "grouped_gemm_swiglu",
     "use_sm100_kernel",

@@ -3,6 +3,8 @@
     python -m ts_moe demo              # the MoE layer end to end; ends in PASS or FAIL
     python -m ts_moe demo --verbose    # ... with each kernel build's PTX statistics
     python -m ts_moe compile           # build the sm_90a kernels here, no GPU needed
+    python -m ts_moe info              # each kernel family's status and path here; the settings
+    python -m ts_moe cache             # the compiled-kernel cache (--clear empties it)
 
 ``demo``:
 
@@ -36,10 +38,11 @@ from pathlib import Path
 
 import torch
 
-from . import cache_cli
+from . import cache_cli, info_cli
 from . import MoE, load_mixtral_experts, make_tiny_moe_checkpoint
 from .moe import moe_forward, moe_forward_reference
 from .ops import Path as KernelPath, cuda_path
+from .settings import settings
 
 TOLERANCE = 2e-2  # bf16 layer against the fp32 reference
 ARCH = "sm_90a"
@@ -118,7 +121,7 @@ def compile_kernels() -> int:
                                    env=_child_env(scratch))
     from csrc_free_kernels import preflight, preflight_trace
 
-    os.environ["TS_MOE_NO_DISK_CACHE"] = "1"  # build only: nothing written to the cache
+    settings.disk_cache = False  # build only: nothing written to the cache
     start = time.perf_counter()
     built = 0
     for name, builds in kernel_families():
@@ -299,6 +302,9 @@ COMMANDS: dict[str, Command] = {
                        lambda p: None, lambda args: compile_kernels()),
     "cache": Command("show the compiled-kernel cache (--clear empties it)",
                      cache_cli.add_arguments, lambda args: cache_cli.run(args.clear)),
+    "info": Command("each kernel family's status, whether it imported and the path this "
+                    "machine's GPU gets; every setting and its value",
+                    info_cli.add_arguments, lambda args: info_cli.run()),
 }
 
 

@@ -31,15 +31,15 @@ AD), no autocast, outside ``torch.compile`` tracing and outside another
 capture, on a path of :mod:`ts_moe.ops` that never syncs with the host
 (:func:`ts_moe.ops.graph_path`, which is part of the signature, as are
 :func:`ts_moe.ops.use_router_kernel` and cuBLAS's reduced-precision switches).
-Everything else, and every call while ``TS_MOE_DECODE_GRAPHS=0`` (read at
-each call) or after :func:`DecodeGraphs.disable` (which, like
-:func:`DecodeGraphs.enable`, outranks the variable), runs eagerly as before.
+Everything else, and every call while ``ts_moe.settings.decode_graphs`` is off
+(``TS_MOE_DECODE_GRAPHS=0``; read at each call) or after
+:func:`DecodeGraphs.disable` (which, like :func:`DecodeGraphs.enable`, outranks
+the setting), runs eagerly as before.
 A replay gives the eager call's result bit for bit
 (``tests/test_decode_graphs_gpu.py``).
 """
 
 import collections
-import os
 import threading
 import warnings
 
@@ -48,6 +48,7 @@ from torch import nn
 from torch.autograd import forward_ad as _forward_ad
 
 from . import ops
+from .settings import settings
 
 MAX_TOKENS = 128  # the decode regime of the targets (T <= 128)
 MAX_GRAPHS = 512  # a 48-layer model at ten batch sizes, with room
@@ -115,7 +116,7 @@ class DecodeGraphs:
 
     def __init__(self, max_tokens: int = MAX_TOKENS, max_graphs: int = MAX_GRAPHS):
         self.max_tokens, self.max_graphs = max_tokens, max_graphs
-        self._switch: bool | None = None  # enable()/disable(); None: the environment
+        self._switch: bool | None = None  # enable()/disable(); None: the setting
         self._graphs: collections.OrderedDict = collections.OrderedDict()
         self._seen: collections.OrderedDict = collections.OrderedDict()  # met once, not captured
         self._eager: set = set()  # signatures whose capture failed: eager for good
@@ -128,10 +129,10 @@ class DecodeGraphs:
     @property
     def enabled(self) -> bool:
         """Whether calls may be graphed: as :meth:`enable` / :meth:`disable` set it,
-        else ``TS_MOE_DECODE_GRAPHS`` != "0", read now (set it at any time)."""
+        else ``ts_moe.settings.decode_graphs``, read now (set it at any time)."""
         if self._switch is not None:
             return self._switch
-        return os.environ.get("TS_MOE_DECODE_GRAPHS", "1") != "0"
+        return settings.decode_graphs
 
     @enabled.setter
     def enabled(self, value: bool) -> None:

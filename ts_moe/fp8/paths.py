@@ -7,10 +7,10 @@ sm_90 (H100/H200)  after use_fp8_kernels(): ts_moe's CuTeDSL FP8 kernels      no
                    (every recipe; K % 16 == 0)
 sm_90, by default   rowwise, bf16 out, K and N % 16 == 0, E < 1024:             no
                    ``torch._scaled_grouped_mm``; otherwise as below
-other CUDA GPUs    operands dequantized to bf16 (a transient bf16 copy of the  as
-(sm_100, sm_89..)  weights each call), then ``ts_moe.grouped_gemm``, which     grouped_gemm
-                   runs torch's grouped_mm on sm_90/sm_10x (no sync) and its
-                   reference elsewhere (a sync)
+other CUDA GPUs    the weights of the experts the rows use dequantized to      as
+(sm_100, sm_89..)  bf16 in chunks (:mod:`ts_moe.fp8.dequantize_path`), then    grouped_gemm
+                   ``ts_moe.grouped_gemm``, which runs torch's grouped_mm on
+                   sm_90/sm_10x (no sync) and its reference elsewhere (a sync)
 CPU, or            the plain-torch reference (:mod:`ts_moe.fp8.reference`),   yes (GPU)
 TS_MOE_REFERENCE=1 fp32 accumulation
 =================  ==========================================================  ==========
@@ -27,11 +27,11 @@ only (its sm_100 grouped path is MX formats only; torch 2.13's
 
 import enum
 import functools
-import os
 
 import torch
 
 from ..ops import kernels
+from ..settings import settings
 from .recipes import ACTIVATION_RECIPES, BLOCK, BLOCKWISE_1X128
 
 ALIGN = 16  # bytes: the kernels' (and torch's) row strides and pointers
@@ -63,12 +63,9 @@ def choose_fp8_path(capability: tuple[int, int] | None, pair: str, k: int, n: in
     return Fp8Path.DEQUANTIZE
 
 
-_kernel_opt_in = False
-
-
 def use_fp8_kernels(enabled: bool = True) -> None:
     """Run FP8 calls on sm_90 on ts_moe's CuTeDSL FP8 kernels (the GEMM and the
-    activation quantizer).
+    activation quantizer): sets ``ts_moe.settings.fp8_kernels`` to ``bool(enabled)``.
 
     Off by default: they compile and their PTX, registers and scale maps are
     checked on the CPU, but on an H200 the GEMM stopped with an illegal
@@ -76,39 +73,37 @@ def use_fp8_kernels(enabled: bool = True) -> None:
     so sm_90 takes ``torch._scaled_grouped_mm`` (rowwise) or the dequantize path
     until it passes there.  Takes effect on the next call; the layer's decode
     graphs captured before it keep the path they captured."""
-    global _kernel_opt_in
-    _kernel_opt_in = bool(enabled)
+    settings.fp8_kernels = bool(enabled)
 
 
 def fp8_kernels_enabled() -> bool:
-    return _kernel_opt_in
+    """``ts_moe.settings.fp8_kernels``."""
+    return settings.fp8_kernels
 
 
 def gemm_kernels():
     """``csrc_free_kernels.grouped_gemm_fp8_sm90_launch`` after :func:`use_fp8_kernels`,
     else None (and None without nvidia-cutlass-dsl): :mod:`ts_moe.ops.kernels`, the one
     import."""
-    return kernels.sm90_fp8 if _kernel_opt_in else None
+    return kernels.sm90_fp8 if settings.fp8_kernels else None
 
 
 def quantize_kernels():
     """``csrc_free_kernels.quantize_fp8_sm90_launch``, or None (as :func:`gemm_kernels`)."""
-    return kernels.quantize_fp8_sm90 if _kernel_opt_in else None
+    return kernels.quantize_fp8_sm90 if settings.fp8_kernels else None
 
 
 @functools.cache
-def _capability(device_index: int) -> tuple[int, int] | None:
-    """The device's compute capability; None (the reference) with ``TS_MOE_REFERENCE=1``,
-    read at a device's first FP8 call."""
-    if os.environ.get("TS_MOE_REFERENCE") == "1":
-        return None
+def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
 def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
     """The capability whose path ``t``'s calls take: None off CUDA (and with
-    ``TS_MOE_REFERENCE=1``)."""
-    return _capability(t.get_device()) if t.device.type == "cuda" else None
+    ``ts_moe.settings.reference``, ``TS_MOE_REFERENCE=1``, read now)."""
+    if t.device.type != "cuda" or settings.reference:
+        return None
+    return _capability(t.get_device())
 
 
 def scaled_path(a: torch.Tensor, pair: str, k: int, n: int, out_dtype: torch.dtype,

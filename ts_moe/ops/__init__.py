@@ -12,8 +12,10 @@ Modules, one job each:
 - :mod:`.backend`: the interface every backend of an op family offers
   (``choose_config``, ``run``);
 - :mod:`.kernels`: the kernel backends (``csrc_free_kernels.*_launch``, the
-  FP8 ones that :mod:`ts_moe.fp8.paths` takes included), imported once;
-  :mod:`.torch_backend`, :mod:`.reference_backend`: the others;
+  FP8 ones that :mod:`ts_moe.fp8.paths` takes included), imported once, each
+  family under its own guard; :mod:`.kernel_status`: how far each family is
+  proven and what turns it on; :mod:`.torch_backend`, :mod:`.reference_backend`:
+  the others;
 - :mod:`.layout`: what the ops allocate and the views backends receive.
 
 From ``ts_moe.grouped_gemm`` to the pipeline, a bf16 call on an H100/H200::

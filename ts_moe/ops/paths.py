@@ -4,12 +4,13 @@
   ``offs`` on the device, no sync);
 - sm_90 and sm_100/sm_103 (B200, GB200, B300), bf16 in and out, where the
   kernels don't run: ``torch._grouped_mm`` (its CUTLASS kernel; no sync);
-  sm_100 runs ts_moe's kernel only after :func:`use_sm100_kernel`;
+  sm_100 runs ts_moe's kernel only with ``ts_moe.settings.sm100_kernel``
+  (:func:`use_sm100_kernel`);
 - float32 on any CUDA GPU: ``torch._grouped_mm`` (its per-expert loop, which
   reads ``offs`` on the host);
-- everything else (CPU, other GPUs and dtypes, ``TS_MOE_REFERENCE=1``): the
-  plain-torch references, which read ``offs`` on the host (a sync per call
-  on a GPU).
+- everything else (CPU, other GPUs and dtypes, ``ts_moe.settings.reference``,
+  that is ``TS_MOE_REFERENCE=1``): the plain-torch references, which read
+  ``offs`` on the host (a sync per call on a GPU).
 
 A path is a set of backends, one per op family (:class:`GemmBackends`); a
 device whose bf16 calls take the sm_90 kernels also runs the sm_90 routing,
@@ -20,11 +21,11 @@ device would take without the kernels.
 
 import enum
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 
+from ..settings import settings
 from . import kernels
 from . import reference_backend as ref
 from . import torch_backend
@@ -66,18 +67,27 @@ PATH_BACKENDS = {
                                         torch_backend.GROUPED_GEMM_SWIGLU),
     Path.REFERENCE: REFERENCE_GEMMS,
 }
-SM90_DEVICE = REFERENCE_DEVICE
+# Each kernel family counts where it imported (ts_moe.ops.kernels); one that did not
+# is a NoKernel, and its calls take the path's next backend.
 KERNEL_MAX_EXPERTS = {}
-if kernels.AVAILABLE:
+if kernels.sm90 is not None:
     PATH_BACKENDS[Path.KERNEL_SM90] = GemmBackends(
-        kernels.sm90.GROUPED_GEMM, kernels.sm90_dw.GROUPED_GEMM_K, kernels.sm90.GROUPED_GEMM_SWIGLU)
+        kernels.sm90.GROUPED_GEMM,
+        kernels.sm90_dw.GROUPED_GEMM_K if kernels.sm90_dw is not None else NoKernel(),
+        kernels.sm90.GROUPED_GEMM_SWIGLU)
+    KERNEL_MAX_EXPERTS[9, 0] = kernels.sm90.MAX_EXPERTS
+if kernels.sm100 is not None:
     PATH_BACKENDS[Path.KERNEL_SM100] = GemmBackends(
         kernels.sm100.GROUPED_GEMM, NoKernel(), kernels.sm100.GROUPED_GEMM_SWIGLU)
-    SM90_DEVICE = DeviceBackends(
-        kernels.route_sm90.ROUTE_SLOTS, kernels.router_sm90.ROUTE_TOPK,
-        kernels.route_sm90.SORT_SLOTS, kernels.route_sm90.ROW_SUM,
-        kernels.router_sm90.ROUTER_LOGITS, kernels.swiglu_sm90.SWIGLU_ACTIVATION)
-    KERNEL_MAX_EXPERTS = {(9, 0): kernels.sm90.MAX_EXPERTS, (10, 0): kernels.sm100.MAX_EXPERTS}
+    KERNEL_MAX_EXPERTS[10, 0] = kernels.sm100.MAX_EXPERTS
+_route, _router, _act = kernels.route_sm90, kernels.router_sm90, kernels.swiglu_sm90
+SM90_DEVICE = DeviceBackends(
+    _route.ROUTE_SLOTS if _route is not None else NoKernel(),
+    _router.ROUTE_TOPK if _router is not None else NoKernel(),
+    _route.SORT_SLOTS if _route is not None else NoKernel(),
+    _route.ROW_SUM if _route is not None else NoKernel(),
+    _router.ROUTER_LOGITS if _router is not None else NoKernel(),
+    _act.SWIGLU_ACTIVATION if _act is not None else NoKernel())
 
 
 def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
@@ -110,32 +120,29 @@ def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
     return Path.REFERENCE
 
 
-_sm100_opt_in = False
-
-
 def use_sm100_kernel(enabled: bool = True) -> None:
-    """Run bf16/fp16 calls on Blackwell (capability 10.0) on ts_moe's sm_100a kernel.
+    """Run bf16/fp16 calls on Blackwell (capability 10.0) on ts_moe's sm_100a
+    kernel: sets ``ts_moe.settings.sm100_kernel`` to ``bool(enabled)``.
 
     Off by default: the kernel compiles, its PTX is checked and its barrier
     protocol model-checked, but it has never run on a Blackwell GPU here, so
     sm_100 gets ``torch._grouped_mm`` unless a user opts in (for example to
     try it on hardware).  Takes effect on the next call.
     """
-    global _sm100_opt_in
-    _sm100_opt_in = bool(enabled)
+    settings.sm100_kernel = bool(enabled)
 
 
 def cuda_path(device_index: int, dtype: torch.dtype, out_dtype: torch.dtype | None = None,
               num_experts: int = 1) -> tuple[Path, GemmBackends]:
     """``(path, its backends)`` of a call on CUDA device ``device_index``
-    (``TS_MOE_REFERENCE=1``, read at a device's first call: the reference)."""
-    return _cuda_path(device_index, dtype, out_dtype, num_experts, _sm100_opt_in)
+    (``ts_moe.settings.reference`` and ``sm100_kernel`` read now)."""
+    if settings.reference:
+        return Path.REFERENCE, REFERENCE_GEMMS
+    return _cuda_path(device_index, dtype, out_dtype, num_experts, settings.sm100_kernel)
 
 
 @functools.cache
 def _cuda_path(device_index, dtype, out_dtype, num_experts, sm100_opt_in):
-    if os.environ.get("TS_MOE_REFERENCE") == "1":
-        return Path.REFERENCE, REFERENCE_GEMMS
     capability = torch.cuda.get_device_capability(device_index)
     max_experts = KERNEL_MAX_EXPERTS.get(capability, 0)
     path = choose_path(capability, dtype, out_dtype, num_experts,

@@ -21,18 +21,17 @@ from .. import reference
 from ..checks import check_combine_args, check_experts, check_flag, check_permute_args, \
     check_route_args, check_router_args
 from ..reference import Dispatch, SlotOrder
+from ..settings import settings
 from . import paths
 from .backend import chosen, run_first
 from .library import define
 
-_router_kernel_opt_in = False
-
 
 def use_router_kernel(enabled: bool = True) -> bool:
-    """Take :func:`router_logits` of small batches (bf16/fp16, the kernel's reads
-    within ``csrc_free_kernels.router_sm90_launch.ROUTER_KERNEL_MAX_READ``) on the
-    sm_90 path to ts_moe's router kernel (one launch, fp32 sums in a fixed
-    order) instead of ``F.linear`` (cuBLAS: two launches at decode shapes), and
+    """Set ``ts_moe.settings.router_kernel`` to ``bool(enabled)``: take
+    :func:`router_logits` of small batches (bf16/fp16, the kernel's reads within
+    ``csrc_free_kernels.router_sm90_launch.ROUTER_KERNEL_MAX_READ``) on the sm_90
+    path to ts_moe's router kernel (one launch, fp32 sums in a fixed order) instead of ``F.linear`` (cuBLAS: two launches at decode shapes), and
     :func:`route_slots` of batches from ``ROUTE_SPLIT_MIN_WORK`` to the top-k on
     many CTAs and the slot order in a second launch (the same experts, weights
     and order, bit for bit).  Off by default until it has been measured on the
@@ -40,20 +39,19 @@ def use_router_kernel(enabled: bool = True) -> bool:
     effect on the next call (the layer's decode graphs key on it; a
     ``torch.compile(mode="reduce-overhead")`` graph keeps the router it was
     recorded with: set this before compiling)."""
-    global _router_kernel_opt_in
-    previous, _router_kernel_opt_in = _router_kernel_opt_in, bool(enabled)
+    previous, settings.router_kernel = settings.router_kernel, bool(enabled)
     return previous
 
 
 def router_kernel_enabled() -> bool:
-    """Whether :func:`use_router_kernel` is on."""
-    return _router_kernel_opt_in
+    """``ts_moe.settings.router_kernel``: whether :func:`use_router_kernel` is on."""
+    return settings.router_kernel
 
 
 # ------------------------------------------------------------------ kernels
 def _router_logits_impl(x, weight):
     check_router_args(x, weight)
-    device = paths.device_backends(x) if _router_kernel_opt_in else paths.REFERENCE_DEVICE
+    device = paths.device_backends(x) if settings.router_kernel else paths.REFERENCE_DEVICE
     return run_first(device.router_logits, paths.REFERENCE_DEVICE.router_logits, x, weight)
 
 
@@ -63,7 +61,7 @@ def _route_slots_impl(logits, top_k):
     device = paths.device_backends(logits)
     backend, config = chosen(device.route_slots, paths.REFERENCE_DEVICE.route_slots,
                              logits, top_k)
-    if _router_kernel_opt_in and backend is device.route_slots:
+    if settings.router_kernel and backend is device.route_slots:
         # a batch the one-CTA kernel takes, large enough for the many-CTA top-k
         split = device.route_topk.choose_config(logits, top_k)
         if split is not None:
@@ -152,7 +150,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ts_moe's router kernel.  The op runs only where it may choose the kernel:
     with the switch off, or where x or weight need a gradient (the op is not
     differentiable itself), ``F.linear`` runs here, without the op's dispatch."""
-    if not _router_kernel_opt_in or _wants_grad(x, weight):
+    if not settings.router_kernel or _wants_grad(x, weight):
         check_router_args(x, weight)
         return torch.nn.functional.linear(x, weight)
     if not all(isinstance(t, torch.Tensor) for t in (x, weight)):
