@@ -67,7 +67,7 @@ def fp8_table() -> list[str]:
          f"{gemm.run.result}); the quantizer: {proof(quantizer)}**. More than 512 experts "
          "or K % 16 != 0: as the next row"),
         ("sm_90 (default)", "rowwise with bf16 out: `torch.nn.functional.scaled_grouped_mm` "
-                            "(`torch._scaled_grouped_mm` on an older torch); otherwise as the "
+                            "(`torch._scaled_grouped_mm` where torch lacks it); otherwise as the "
                             "next row"),
         ("sm_100 / sm_103", "the weights of the experts the rows use (at most min(rows, E)) "
                             "dequantized to bf16, in chunks of at most 1 GiB, then "
