@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from . import cases as case_lib
-from . import fp8, moe_block, pages, provenance, report
+from . import fp8, fp8_fallback, moe_block, pages, provenance, report
 from .roofs import measure_roofs
 from .runner import SUITES, TOLERANCE, Settings, run_suite
 
@@ -341,6 +341,8 @@ def run(argv) -> int:
         "cases": records,
     }
     print(report.render_text(records))
+    if args.suite == "fp8" and fp8_fallback.table(records):
+        print(fp8_fallback.table(records))
     if save:
         json_path = report.write_json(result, args.out_dir)
         print(f"wrote {json_path}", file=sys.stderr)

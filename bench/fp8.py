@@ -11,7 +11,8 @@ those stand for.  Each backend is checked against a float64 reference on the sam
 quantized inputs (:func:`reference_fp8`) before it is timed.
 
 Backends (:func:`fp8_backends`): ``ts_moe_fp8`` (:func:`ts_moe.scaled_grouped_gemm`;
-on a GPU only where it runs ts_moe's FP8 kernel), ``ts_moe_bf16`` (ts_moe's bf16
+on a GPU only where it runs ts_moe's FP8 kernel), ``ts_moe_fp8_fallback`` (ts_moe's
+dequantize fallback, its records with its transient bytes and bytes moved), ``ts_moe_bf16`` (ts_moe's bf16
 kernel on the dequantized values: the same case in bf16), ``torch_scaled_grouped_mm``
 (``torch._scaled_grouped_mm``, rowwise cases), ``F_scaled_grouped_mm``
 (``torch.nn.functional.scaled_grouped_mm`` with BlockWise1x128 / BlockWise128x128,
@@ -32,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from . import backends as gemm_backends
+from . import fp8_fallback
 from .backends import Bind, Factory, GemmInputs, Unavailable, _require_cuda
 from .cases import FP8_BLOCK, FP8_RECIPES, Case, make_case, model_named
 
-DEFAULT_BACKENDS = ("ts_moe_fp8", "ts_moe_bf16", "torch_scaled_grouped_mm",
-                    "F_scaled_grouped_mm", "dequant_grouped_mm")
+DEFAULT_BACKENDS = ("ts_moe_fp8", "ts_moe_fp8_fallback", "ts_moe_bf16",
+                    "torch_scaled_grouped_mm", "F_scaled_grouped_mm", "dequant_grouped_mm")
 # the case's recipe -> (recipe of the tokens, recipe of the weights)
 RECIPES = {"blockwise": ("blockwise_1x128", "blockwise_128x128"),
            "rowwise": ("rowwise", "rowwise")}
@@ -237,9 +239,28 @@ def dequant_grouped_mm(case: Case, device: torch.device) -> Bind:
     return bind
 
 
+def ts_moe_fp8_fallback(case: Case, device: torch.device) -> Bind:
+    """ts_moe's FP8 fallback, where no FP8 kernel serves a call (sm_100, other GPUs,
+    sm_90 blockwise while the FP8 kernels are opt-in): the routed experts' weights
+    dequantized to bf16 in chunks, then ts_moe's bf16 grouped GEMM.  Its records carry
+    the transient bytes and bytes moved, and the whole stack's, against the FP8 weight
+    bytes (:mod:`bench.fp8_fallback`)."""
+    from ts_moe.fp8 import scaled_ops
+    from ts_moe.fp8.paths import Fp8Path
+
+    act, weight, pair = fp8_fallback.RECIPES[case.step]
+    return lambda inp: lambda: scaled_ops.run_gemm(
+        Fp8Path.DEQUANTIZE, pair, inp.a, inp.b, inp.scale_a, act, inp.scale_b, weight,
+        inp.offs, torch.bfloat16)
+
+
+ts_moe_fp8_fallback.fields = fp8_fallback.case_fields
+
+
 def fp8_backends() -> dict[str, Factory]:
     """Backend name -> factory for the fp8 suite."""
-    return {"ts_moe_fp8": ts_moe_fp8, "ts_moe_bf16": ts_moe_bf16,
+    return {"ts_moe_fp8": ts_moe_fp8, "ts_moe_fp8_fallback": ts_moe_fp8_fallback,
+            "ts_moe_bf16": ts_moe_bf16,
             "torch_scaled_grouped_mm": torch_scaled_grouped_mm,
             "F_scaled_grouped_mm": F_scaled_grouped_mm,
             "dequant_grouped_mm": dequant_grouped_mm, "reference": reference}

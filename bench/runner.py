@@ -355,6 +355,9 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
         graph_passes = time_graphs(checked, passes, case, settings) if skip is None else {}
     for name, (_, err) in checked.items():
         records[name] = timed_record(base, name, err, passes[name], roofs)
+        fields = getattr(factories[name], "fields", None)  # a backend's own measurements
+        if fields is not None and records[name]["status"] == "ok":
+            records[name].update(fields(case))
         if name in peaks and records[name]["status"] == "ok":
             records[name]["peak_mem_bytes"] = peaks[name]
         if suite.graph_timing:

@@ -6,12 +6,9 @@ stack; and every call it hands torch's FP8 grouped GEMM is one torch accepts."""
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-from bench.memory_meter import MemoryMeter
+from bench import fp8_fallback
 from ts_moe.fp8 import dequantize_path, scaled_ops
 from ts_moe.fp8.paths import Fp8Path
-from ts_moe.fp8.reference import dequantize
 
 from .helpers import rel_err
 from .test_fp8_ops import PAIRS, problem, ref64
@@ -76,30 +73,10 @@ def test_used_experts_in_order_then_empty():
 
 
 # ------------------------------------------------------------- memory
-def _whole_stack(a, b_stored, sa, ra, sb, rb, offs):
-    """Dequantizing the whole stack on every call: the fallback's former shape."""
-    x = dequantize(a, sa, ra).to(torch.bfloat16)
-    w = torch.empty(b_stored.shape, dtype=torch.bfloat16)
-    for e in range(b_stored.shape[0]):
-        w[e].copy_(dequantize(b_stored[e], sb[e], rb))
-    return torch.ops.ts_moe.grouped_gemm(x, w.transpose(-2, -1), offs, None)
-
-
-def _measure(e, n, k, tokens, top_k):
-    """(fallback meter, whole-stack meter) of a blockwise call on fake tensors: no
-    memory, and no value can be read on the host (a sync would raise here)."""
-    with FakeTensorMode():
-        wq = torch.empty(e, n, k, dtype=torch.float8_e4m3fn)
-        sw = torch.empty(e, n // 128, k // 128)
-        aq = torch.empty(tokens * top_k, k, dtype=torch.float8_e4m3fn)
-        sa = torch.empty(tokens * top_k, k // 128)
-        offs = torch.empty(e, dtype=torch.int32)
-        with MemoryMeter() as new:
-            scaled_ops.run_gemm(Fp8Path.DEQUANTIZE, "blockwise", aq, wq.mT, sa, "blockwise_1x128",
-                                sw, "blockwise_128x128", offs, torch.bfloat16)
-        with MemoryMeter() as old:
-            _whole_stack(aq, wq, sa, "blockwise_1x128", sw, "blockwise_128x128", offs)
-    return new, old
+def _measure(e, n, k, tokens, top_k) -> dict:
+    """The fallback's and the whole stack's meters for a blockwise call on fake tensors:
+    no memory, and no value can be read on the host (a sync would raise there)."""
+    return fp8_fallback.measure("blockwise", e, n, k, tokens * top_k)
 
 
 @pytest.mark.parametrize("model, e, n, k, top_k", [
@@ -110,25 +87,27 @@ def _measure(e, n, k, tokens, top_k):
 def test_decode_transient_is_the_routed_experts_share(model, e, n, k, top_k):
     """At T = 1 the fallback holds at most top_k / E of what dequantizing the whole stack
     held, plus one expert's bf16 matrix, and moves a fraction of its bytes."""
-    new, old = _measure(e, n, k, 1, top_k)
-    expert = n * k * 2
-    assert new.peak <= top_k / e * old.peak + expert, (new.peak, old.peak)
-    assert new.moved < old.moved / 4
-    fp8_weights = e * n * k
-    print(f"{model} T=1: transient {new.peak / 1e9:.3f} GB (whole stack "
-          f"{old.peak / 1e9:.2f}), moved {new.moved / 1e9:.2f} GB (whole stack "
-          f"{old.moved / 1e9:.1f}), FP8 weights {fp8_weights / 1e9:.2f} GB")
+    got = _measure(e, n, k, 1, top_k)
+    new, old = got["fallback_transient_bytes"], got["whole_stack_transient_bytes"]
+    assert new <= top_k / e * old + n * k * 2, (new, old)  # + one expert's bf16 matrix
+    assert got["fallback_moved_bytes"] < got["whole_stack_moved_bytes"] / 4
+    assert got["fp8_weight_bytes"] == e * n * k
+    print(f"{model} T=1: transient {new / 1e9:.3f} GB (whole stack {old / 1e9:.2f}), "
+          f"moved {got['fallback_moved_bytes'] / 1e9:.2f} GB (whole stack "
+          f"{got['whole_stack_moved_bytes'] / 1e9:.1f}), FP8 weights {e * n * k / 1e9:.2f} GB")
 
 
 def test_prefill_transient_is_bounded_by_the_chunk():
     """DeepSeek-V3 at T = 4096 (every expert used): the bf16 weights stay within one
     chunk, beside the tokens' bf16 copy and a step's temporaries."""
     e, n, k, top_k, tokens = 256, 4096, 7168, 8, 4096
-    new, old = _measure(e, n, k, tokens, top_k)
+    got = _measure(e, n, k, tokens, top_k)
+    new = got["fallback_transient_bytes"]
     tokens_bf16 = tokens * top_k * k * 2
     out = tokens * top_k * n * 2
-    assert new.peak <= dequantize_path.CHUNK_BYTES + tokens_bf16 + 2 * out + n * k * 2
-    assert new.peak < old.peak / 5 and new.moved < old.moved
+    assert new <= dequantize_path.CHUNK_BYTES + tokens_bf16 + 2 * out + n * k * 2
+    assert new < got["whole_stack_transient_bytes"] / 5
+    assert got["fallback_moved_bytes"] < got["whole_stack_moved_bytes"]
 
 
 # ---------------------------------------------------- torch's FP8 GEMM

@@ -391,3 +391,14 @@ def test_decode_graphs_key_on_the_router_setting(fresh_graphs):
             assert torch.equal(moe_forward_eager(moe, odd), out)
     finally:
         ops.use_router_kernel(previous)
+
+
+@pytest.mark.gpu
+def test_combine_kernel_reads_an_index_outside_as_a_zero_row():
+    """The row kernel and the reference agree on an ``inverse`` with entries outside the
+    slots: those contribute nothing."""
+    y = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(3, 2, device="cuda")
+    inverse = torch.tensor([0, -1, 3, 7, 99, 2], device="cuda")
+    torch.testing.assert_close(ops.combine(y, w, inverse).float(),
+                               reference.combine(y, w, inverse).float(), rtol=0, atol=0)

@@ -250,3 +250,24 @@ def test_combine_gradient_for_any_inverse_compiles():
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
     assert torch.equal(got[0][[2, 4, 5]], torch.zeros(3, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fn", [combine, ts_moe.combine], ids=["reference", "op"])
+def test_combine_reads_an_index_outside_the_slots_as_a_zero_row(fn):
+    """An ``inverse`` entry outside [0, T * top_k) contributes nothing, forward and
+    backward, as the sm_90 row kernel reads it (no host check, no error): the same on
+    every path, NaN in the row it would clamp to included."""
+    y = torch.randn(6, 8, dtype=torch.float64)
+    y[5] = float("nan")  # the clamped index of 7 and 99: must not leak
+    w = torch.rand(3, 2).double()
+    inverse = torch.tensor([0, -1, 3, 7, 99, 2])
+    out = fn(y, w, inverse)
+    inside = (inverse >= 0) & (inverse < 6)
+    want = (torch.where(inside[:, None], y[inverse.clamp(0, 5)], 0).view(3, 2, 8)
+            * w[..., None]).sum(1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    yg = y.clone().nan_to_num_().requires_grad_()
+    (grad,) = torch.autograd.grad(fn(yg, w, inverse).sum(), (yg,))
+    assert torch.equal(grad[[1, 4, 5]], torch.zeros(3, 8, dtype=torch.float64))
+    assert torch.equal(grad[0], w[0, 0].expand(8)) and torch.equal(grad[3], w[1, 0].expand(8))

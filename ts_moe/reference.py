@@ -314,15 +314,20 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
     ``y_sorted.dtype``: deterministic, no atomics, forward and backward.
     ``inverse`` need not be a permutation (as :func:`sort_slots` makes it):
     ``y_sorted``'s gradient is the exact adjoint of the gather for any indices
-    into its rows (:class:`_GatherSummed`), zero for a row no slot reads.
+    into its rows (:class:`_GatherSummed`), zero for a row no slot reads.  An
+    index outside ``[0, T * top_k)`` reads as a zero row, as the sm_90 kernel
+    reads it (no host sync: the range is never checked on the host).
     """
     check_combine_args(y_sorted, weights, inverse)
     tokens, top_k = weights.shape
+    rows = y_sorted.shape[0]
+    inside = (inverse >= 0) & (inverse < rows)
+    index = inverse.clamp(0, max(rows - 1, 0))
     if torch.is_grad_enabled() and y_sorted.requires_grad:
-        y = _GatherSummed.apply(y_sorted, inverse)
+        y = _GatherSummed.apply(y_sorted, index)
     else:
-        y = y_sorted.index_select(0, inverse)
-    y = y.view(tokens, top_k, y_sorted.shape[1])
+        y = y_sorted.index_select(0, index)
+    y = y.view(tokens, top_k, y_sorted.shape[1]).masked_fill(~inside.view(tokens, top_k, 1), 0)
     # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
     # on the H200 that copy was 2 % of the Mixtral layer's time)
     out = (y * weights.float().unsqueeze(-1)).sum(dim=1)
