@@ -217,21 +217,17 @@ def ts_moe_block(fused: bool, decode_graphs: bool = True, router_kernel: bool = 
     """:func:`ts_moe.moe_forward`: route (router GEMM, softmax, top-k), permute,
     (fused) gate/up GEMM, down GEMM, combine; each stage an NVTX range (with
     ``decode_graphs``, a decode-sized call replays the graph of these;
-    ``router_kernel``: :func:`ts_moe.use_router_kernel` on during the call)."""
+    ``router_kernel``: ``ts_moe.settings.router_kernel`` for the call, the setting as
+    it was after)."""
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
-        from ts_moe import ops
 
         def bind(inp: BlockInputs):
             def run():
-                previous = ops.use_router_kernel(router_kernel)
-                try:
-                    with torch.no_grad():
-                        return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
-                                                  inp.top_k, fused=fused,
-                                                  decode_graphs=decode_graphs)
-                finally:
-                    ops.use_router_kernel(previous)
+                with ts_moe.settings.override(router_kernel=router_kernel), torch.no_grad():
+                    return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
+                                              inp.top_k, fused=fused,
+                                              decode_graphs=decode_graphs)
             return run
         return bind
     return factory
