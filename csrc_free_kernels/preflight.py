@@ -22,7 +22,7 @@ and the instruction (its PTX line):
    pattern's repeat) and mbarriers 8-byte aligned;
 5. ``warpgroup-uniform``: ``wgmma.*`` and ``setmaxnreg`` (``.aligned`` for a whole
    warpgroup) run only under branches and guards that are warpgroup-uniform
-   (:meth:`~.preflight_ptx.Kernel.uniformity`).
+   (:mod:`.preflight_uniform`).
 """
 
 import dataclasses
@@ -30,6 +30,7 @@ import re
 
 from .preflight_ptx import INF, LEVEL_NAMES, WARPGROUP, Kernel, _imm
 from .preflight_trace import BuildFacts
+from .preflight_uniform import UniformityFlow
 
 REGISTER_FILE = 65536            # 32-bit registers per SM (and so per CTA)
 MAX_DYNAMIC_SMEM = 232448        # 227 KB: sm_90 and sm_100 with the opt-in attribute
@@ -296,7 +297,7 @@ class Preflight:
                    if ins.op.startswith(("wgmma.", "setmaxnreg"))]
         if not targets:
             return
-        flow = self.k.uniformity()
+        flow = UniformityFlow(self.k).run()
         for ins in targets:
             worst, why = 0, ""
             if ins.guard:

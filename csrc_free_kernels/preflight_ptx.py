@@ -7,11 +7,8 @@ flow-insensitive dataflows over the virtual registers to a fixed point:
 - :meth:`Kernel.alignment`: the power of two every value of a register is a multiple of
   (constants, ``shl``, ``mul``/``mad`` by constants, ``and`` with a mask, sums; anything
   else is "not known to be aligned");
-- :meth:`Kernel.uniformity`: how far a register's value is the same across threads -
-  the CTA, each warpgroup, each warp or no further - with values of the form
-  ``a * (tid.x // d) + b`` kept exact, so that a role test such as ``warp_idx >= 4``
-  is known to split the CTA on a warpgroup boundary.  A register written in more than
-  one place takes the divergence of the branches that decide which write runs.
+- how far a register's value is the same across threads (the CTA, each warpgroup,
+  each warp or no further) is :mod:`.preflight_uniform`'s, over this reader.
 
 Inline-asm scopes (``{ ... }`` inside the body, e.g. the DSL's mbarrier wait loops) are
 read as straight-line code: their local labels and branches stay inside them.  The
@@ -336,13 +333,3 @@ class Kernel:
             if not changed:
                 return align
         raise RuntimeError("the alignment dataflow did not settle")
-
-    # ------------------------------------------------------------- uniformity
-    def uniformity(self):
-        """The settled :class:`~.preflight_uniform.UniformityFlow`: ``branch_level``
-        per block, :meth:`~.preflight_uniform.UniformityFlow.use_level` per read."""
-        from .preflight_uniform import UniformityFlow
-
-        flow = UniformityFlow(self)
-        flow.run()
-        return flow

@@ -12,6 +12,7 @@ import pytest
 from csrc_free_kernels import preflight, ptx_dump
 from csrc_free_kernels.preflight_ptx import CTA, THREAD, WARP, WARPGROUP, Kernel
 from csrc_free_kernels.preflight_trace import BuildFacts, TmaMap, parse_atom
+from csrc_free_kernels.preflight_uniform import UniformityFlow
 
 from .kernels.probe_builds import ALL_BUILDS
 
@@ -188,7 +189,7 @@ $L__BB0_2:
                                            ("gt", 100, CTA)])
 def test_role_branches_are_as_uniform_as_their_boundary(cmp, c, level):
     k = Kernel(_SNIPPET.format(cmp=cmp, c=c))
-    flow = k.uniformity()
+    flow = UniformityFlow(k).run()
     assert flow.branch_level.get(0, CTA) == level
     align = k.alignment()
     assert align["%r5"] == 6 and align["%r6"] == 6 and align["%r7"] == 3 and align["%r8"] == 3
@@ -198,7 +199,7 @@ def test_role_branches_are_as_uniform_as_their_boundary(cmp, c, level):
 def test_a_thread_value_branch_is_per_thread():
     k = Kernel(_SNIPPET.format(cmp="lt", c=4).replace("%r3, %r2, 0, 31", "%r3, %r1, 0, 31")
                .replace("shfl.sync.idx", "shfl.sync.bfly"))
-    assert k.uniformity().branch_level.get(0, CTA) == THREAD
+    assert UniformityFlow(k).run().branch_level.get(0, CTA) == THREAD
 
 
 def test_atom_types_are_read():
