@@ -323,13 +323,13 @@ def reference_block_fp8(inp: BlockInputs, recipe: str, out_dtype=torch.float32) 
     router's routing, the tokens quantized as the layer quantizes them, the SwiGLU
     output rounded to x's dtype and quantized per row, the weights dequantized."""
     import ts_moe
-    from ts_moe.fp8.recipes import ACTIVATION_FOR
+    from ts_moe.fp8.recipes import Recipe
     from ts_moe.fp8.reference import dequantize
 
     weights, ids = router_routing(inp.x, inp.router, inp.top_k)
     gq, gs, dq, ds = fp8_block_weights(inp, recipe)
     weight = FP8_WEIGHT_RECIPES[recipe]
-    act = ACTIVATION_FOR[weight]
+    act = Recipe(weight).activation
     xs = dequantize(*ts_moe.quantize_fp8(inp.x, act), act)
     inter = gq.shape[1] // 2
     out = torch.zeros(inp.x.shape, dtype=torch.float32, device=inp.x.device)
@@ -351,11 +351,12 @@ def ts_moe_fp8_block(recipe: str) -> Factory:
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
         from ts_moe.fp8 import paths
+        from ts_moe.ops.backend import NoKernel
 
         if device.type == "cuda":
             paths.use_fp8_kernels(True)  # opt-in until they pass on a GPU
         if device.type == "cuda" and (torch.cuda.get_device_capability(device) != (9, 0)
-                                      or paths.gemm_kernels() is None):
+                                      or isinstance(paths.KERNEL_SM90.gemm, NoKernel)):
             raise Unavailable("no ts_moe FP8 kernels for this GPU")
 
         def bind(inp: BlockInputs):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import ts_moe
 from ts_moe import decode_graphs
 from ts_moe.fp8.layer import dequantize_experts
-from ts_moe.fp8.recipes import ACTIVATION_FOR
+from ts_moe.fp8.recipes import Recipe
 from ts_moe.fp8.reference import dequantize
 
 from .helpers import rel_err
@@ -30,7 +30,7 @@ def fp8_layer(recipe, T=24, H=256, I=256, E=4, seed=0, down_recipe=None):
 
 
 def _act_recipe(scale):
-    return ACTIVATION_FOR[{3: "blockwise_128x128", 2: "rowwise", 1: "rowwise"}[scale.dim()]]
+    return Recipe({3: "blockwise_128x128", 2: "rowwise", 1: "rowwise"}[scale.dim()]).activation
 
 
 def reference64(x, router, gq, gs, dq, ds, top_k):

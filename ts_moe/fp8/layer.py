@@ -38,13 +38,12 @@ from ..decode_graphs import graphs
 from ..reference import swiglu
 from ..nvtx import nvtx_range
 from .quantize import quantize_fp8
-from .recipes import (ACTIVATION_FOR, BLOCK, BLOCKWISE_128X128, E4M3, ROWWISE, TENSORWISE,
-                      scale_shape)
+from .recipes import BLOCK, E4M3, Recipe
 from .reference import dequantize
 from .scaled_ops import scaled_grouped_gemm, scaled_grouped_gemm_swiglu
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-WEIGHT_RECIPES = {3: BLOCKWISE_128X128, 2: ROWWISE, 1: TENSORWISE}  # by the scale's rank
+WEIGHT_RECIPES = {3: Recipe.BLOCKWISE_128X128, 2: Recipe.ROWWISE, 1: Recipe.TENSORWISE}
 
 
 def is_fp8(t) -> bool:
@@ -63,9 +62,9 @@ def weight_recipe(name: str, scale, weight: torch.Tensor) -> str:
         raise TypeError(f"{name} must be a torch.Tensor (the fp32 scales of the e4m3 "
                         f"weights), got {type(scale).__name__}")
     recipe = WEIGHT_RECIPES.get(scale.dim())
-    expected = None if recipe is None else scale_shape(recipe, weight.shape)
+    expected = None if recipe is None else recipe.scale_shape(weight.shape)
     if recipe is None or tuple(scale.shape) != expected:
-        shapes = {r: scale_shape(r, weight.shape) for r in WEIGHT_RECIPES.values()}
+        shapes = {r: r.scale_shape(weight.shape) for r in WEIGHT_RECIPES.values()}
         raise ValueError(f"{name} has shape {tuple(scale.shape)}; for weights of shape "
                          f"{tuple(weight.shape)} it must be one of {shapes}")
     if scale.dtype != torch.float32:
@@ -105,7 +104,7 @@ def check_experts(x, gate_up_proj, gate_up_scale, down_proj, down_scale, x_name)
             raise ValueError(f"{name} = {size} must be a multiple of 16 (16-byte e4m3 rows)")
     recipes = (weight_recipe("gate_up_scale", gate_up_scale, gate_up_proj),
                weight_recipe("down_scale", down_scale, down_proj))
-    if BLOCKWISE_128X128 in recipes:
+    if Recipe.BLOCKWISE_128X128 in recipes:
         for name, size in (("hidden_size", hidden), ("intermediate_size", inter)):
             if size % BLOCK:
                 raise ValueError(f"{name} = {size} must be a multiple of {BLOCK} with "
@@ -116,8 +115,8 @@ def check_experts(x, gate_up_proj, gate_up_scale, down_proj, down_scale, x_name)
 
 def _as_used(scale: torch.Tensor, recipe: str, weight: torch.Tensor):
     """(scale, recipe) the GEMM takes: a per-expert scale becomes per channel (a view)."""
-    if recipe == TENSORWISE:
-        return scale[:, None].expand(weight.shape[:2]), ROWWISE
+    if recipe == Recipe.TENSORWISE:
+        return scale[:, None].expand(weight.shape[:2]), Recipe.ROWWISE
     return scale, recipe
 
 
@@ -127,7 +126,7 @@ def experts_in_slot_order(x, slots, weights, gate_up_proj, gate_up_scale, down_p
     gate_up_scale, gu_recipe = _as_used(gate_up_scale, recipes[0], gate_up_proj)
     down_scale, down_recipe = _as_used(down_scale, recipes[1], down_proj)
     with nvtx_range("gate_up"):
-        act = ACTIVATION_FOR[gu_recipe]
+        act = gu_recipe.activation
         xq, sx = quantize_fp8(x, act)
         if fused:
             h = scaled_grouped_gemm_swiglu(xq, gate_up_proj, sx, act, gate_up_scale, gu_recipe,
@@ -139,7 +138,7 @@ def experts_in_slot_order(x, slots, weights, gate_up_proj, gate_up_scale, down_p
                                            out_dtype=torch.float32, a_index=slots.token_index),
                        x.dtype)
     with nvtx_range("down"):
-        act = ACTIVATION_FOR[down_recipe]
+        act = down_recipe.activation
         hq, sh = quantize_fp8(h, act)
         y = scaled_grouped_gemm(hq, down_proj.transpose(-2, -1), sh, act, down_scale,
                                 down_recipe, slots.offs, out_dtype=x.dtype)
