@@ -365,7 +365,8 @@ def ts_moe_fp8_block(recipe: str) -> Factory:
             def run():
                 with torch.no_grad():
                     return ts_moe.moe_forward(inp.x, inp.router, gq, dq, inp.top_k,
-                                              gate_up_scale=gs, down_scale=ds)
+                                              gate_up_scale=gs, down_scale=ds,
+                                              scale_recipe=FP8_WEIGHT_RECIPES[recipe])
             return run
         return bind
 

@@ -172,16 +172,17 @@ def test_errors_on_cuda_are_the_cpus(case):
 @pytest.mark.parametrize("recipe", ["blockwise_128x128", "rowwise", "tensorwise"])
 def test_layer_on_cuda_and_its_decode_graph(recipe):
     x, router, gq, gs, dq, ds = fp8_layer(recipe, T=16, H=1024, I=512, E=8)
-    ref = reference64(x, router, gq, gs, dq, ds, 2)
+    ref = reference64(x, router, gq, gs, dq, ds, 2, recipe)
     cuda = [t.cuda() for t in (router, gq, gs, dq, ds)]
     decode_graphs.graphs.clear()
     with torch.no_grad():
         eager = ts_moe.moe_forward(x.cuda(), cuda[0], cuda[1], cuda[3], 2, gate_up_scale=cuda[2],
-                                   down_scale=cuda[4], decode_graphs=False)
+                                   down_scale=cuda[4], scale_recipe=recipe, decode_graphs=False)
         assert_rows_close(eager.cpu(), ref)
         for _ in range(3):
             got = ts_moe.moe_forward(x.cuda(), cuda[0], cuda[1], cuda[3], 2,
-                                     gate_up_scale=cuda[2], down_scale=cuda[4])
+                                     gate_up_scale=cuda[2], down_scale=cuda[4],
+                                     scale_recipe=recipe)
             assert torch.equal(got, eager)
     assert decode_graphs.graphs.captures == 1
     decode_graphs.graphs.clear()

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import ts_moe
 from ts_moe import loaders
 from ts_moe.fp8 import loaders as fp8_loaders
-from ts_moe.fp8.layer import dequantize_experts
+from ts_moe.fp8.reference import dequantize
 from ts_moe.fp8.loaders import fp8_scheme, load_fp8_experts
 from ts_moe.fp8.tiny import (NAMINGS, SCHEMES, make_tiny_fp8_checkpoint, quantization_config,
                              tiny_moe_weights)
@@ -80,7 +80,7 @@ def test_loads_the_files_values_into_the_layer_layouts(checkpoints, naming, sche
     bf16 = tiny_moe_weights(layers=2, seed=4, naming=naming)[layer]
     assert torch.equal(w["router"], bf16["router"])
     for name in ("gate_up_proj", "down_proj"):
-        deq = dequantize_experts(w[name], w[name + "_scale"], torch.float32)
+        deq = dequantize(w[name], w[name + "_scale"], w["scale_recipe"], torch.float32)
         assert rel_err(deq, bf16[name]) <= 2**-4  # per element <= 2**-4 relative
 
 
@@ -94,7 +94,7 @@ def test_from_pretrained_serves_the_checkpoint(checkpoints, naming, scheme):
     with torch.no_grad():
         out = moe(x)
     ref = reference64(x, moe.router, moe.gate_up_proj, moe.gate_up_proj_scale, moe.down_proj,
-                      moe.down_proj_scale, 2)
+                      moe.down_proj_scale, 2, moe.scale_recipe)
     assert rel_err(out, ref) <= 1e-2
     bf16 = tiny_moe_weights(layers=2, seed=4, naming=naming)[1]
     plain = ts_moe.moe_forward(x, bf16["router"], bf16["gate_up_proj"], bf16["down_proj"], 2)
@@ -112,7 +112,7 @@ def test_deepseek_v3_experts_serve_experts_forward_not_the_module(checkpoints):
     ids, weights = torch.tensor([[0, 3]] * 6), torch.full((6, 2), 0.5)
     out = ts_moe.experts_forward(x, ids, weights, w["gate_up_proj"], w["down_proj"],
                                  gate_up_scale=w["gate_up_proj_scale"],
-                                 down_scale=w["down_proj_scale"])
+                                 down_scale=w["down_proj_scale"], scale_recipe=w["scale_recipe"])
     assert out.shape == (6, 256) and torch.isfinite(out.float()).all()
 
 
@@ -253,6 +253,7 @@ def test_without_a_config_count_the_router_decides(checkpoints, tmp_path):
     got = load_fp8_experts(path, device="cpu")
     want = load_fp8_experts(checkpoints[("mixtral", "tensor")], device="cpu")
     for layer, weights in want.items():
+        assert got[layer]["scale_recipe"] == weights.pop("scale_recipe")
         for name, t in weights.items():
             assert torch.equal(got[layer][name].view(torch.uint8), t.view(torch.uint8))
 

@@ -100,7 +100,7 @@ def test_fp8_qwen3_moe_routing_follows_norm_topk_prob(tmp_path, norm):
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)
     want = experts_reference64(x, ids, weights, moe.gate_up_proj, moe.gate_up_proj_scale,
-                               moe.down_proj, moe.down_proj_scale)
+                               moe.down_proj, moe.down_proj_scale, moe.scale_recipe)
     assert rel_err(out, want) <= 1e-2
 
 

@@ -56,7 +56,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .checks import check_flag
-from .moe import _check_tensor, check_layer_config, init_linear_
+from .experts import check_tensor as _check_tensor
+from .moe import check_layer_config, init_linear_
 from .ops import (combine, grouped_gemm, grouped_gemm_swiglu, route, router_logits, scatter_rows,
                   sort_slots)
 from .reference import gather_permutation, gather_rows

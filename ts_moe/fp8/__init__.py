@@ -8,7 +8,6 @@
 * :mod:`.paths`: which backends a call tries on each device;
 * :mod:`.scaled_ops`: ``torch.ops.ts_moe.scaled_grouped_gemm`` (and its SwiGLU form);
 * :mod:`.quantize`: ``torch.ops.ts_moe.quantize_fp8``;
-* :mod:`.layer`: the MoE layer on FP8 experts (what ``ts_moe.moe_forward`` runs for them);
 * :mod:`.loaders`, :mod:`.tiny`: FP8 checkpoints (Mixtral, Qwen3-MoE, DeepSeek-V3 namings).
 """
 

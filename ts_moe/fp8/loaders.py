@@ -28,7 +28,7 @@ import torch
 from ..loaders import (INDEX_NUMBER, _weight_index, check_experts_range, config_intermediate,
                        expert_count, local_checkpoint, read_config, resolve_device,
                        selected_layers, shard_opener)
-from .recipes import BLOCK
+from .recipes import BLOCK, Recipe
 
 _EXPERT = re.compile(rf"model\.layers\.{INDEX_NUMBER}\.(block_sparse_moe|mlp)\.experts\."
                      rf"{INDEX_NUMBER}\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -113,7 +113,8 @@ def load_fp8_experts(path, layers=None, device=None,
     local directory; None: every MoE layer; None: CUDA when there is one, else the
     CPU; a ``range`` of experts for an expert-parallel rank).  Returns ``{layer:
     {"router": (E, H), "gate_up_proj": (E, 2I, H) e4m3 (gate rows, then up),
-    "gate_up_proj_scale", "down_proj": (E, H, I) e4m3, "down_proj_scale"}}``,
+    "gate_up_proj_scale", "down_proj": (E, H, I) e4m3, "down_proj_scale",
+    "scale_recipe"}}``,
     ready for :meth:`ts_moe.MoE.from_weights` and :func:`ts_moe.experts_forward`.
     Scales, fp32: blockwise (E, 2I/128, H/128) and (E, H/128, I/128) (I a multiple of
     128, so that gate and up blocks stack); per channel (E, 2I) and (E, H); per
@@ -231,7 +232,8 @@ def _read_layer(plan: dict, handle, shapes: dict, scheme: str, device) -> dict:
             s = read(scale).float()
             s_dst.copy_(s if scheme == "blockwise" else s.reshape(-1).expand(s_dst.shape))
     return {"router": router, "gate_up_proj": gate_up, "gate_up_proj_scale": gu_scale,
-            "down_proj": down, "down_proj_scale": down_scale}
+            "down_proj": down, "down_proj_scale": down_scale,
+            "scale_recipe": Recipe.BLOCKWISE_128X128 if scheme == "blockwise" else Recipe.ROWWISE}
 
 
 def pretrained_layer(path, layer: int, device=None) -> dict | None:
