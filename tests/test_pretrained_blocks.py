@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import ts_moe
 from ts_moe.distributed import ExpertParallelMoE
-from ts_moe.fp8.tiny import make_tiny_fp8_checkpoint
+from ts_moe.tiny import make_tiny_fp8_checkpoint
 
 from .helpers import rel_err
 from .ranks import run_ranks

@@ -278,7 +278,8 @@ class ExpertParallelMoE(nn.Module):
         """Layer ``layer`` of a local Mixtral (or Qwen3-MoE) checkpoint, reading only
         this rank's experts (:func:`ts_moe.load_mixtral_experts` with ``experts=``);
         config.json read and checked as :meth:`ts_moe.MoE.from_pretrained` reads it."""
-        from .loaders import EXPERT_FIELDS, load_mixtral_experts
+        from .checkpoint import EXPERT_FIELDS
+        from .loaders import load_mixtral_experts
         from .pretrained import block_settings
 
         world, rank = _group_info(group)

@@ -272,19 +272,16 @@ class MoE(nn.Module):
     def from_pretrained(cls, path, layer: int, *, device=None, fused: bool = True) -> "MoE":
         """Layer ``layer`` of the local checkpoint directory ``path``: a Mixtral or a
         Qwen3-MoE one, bf16 (:func:`ts_moe.load_mixtral_experts`) or FP8
-        (:mod:`ts_moe.fp8.loaders`).  Top-k and the routing from config.json
+        (:func:`ts_moe.fp8.load_fp8_experts`).  Top-k and the routing from config.json
         (:func:`ts_moe.pretrained.block_settings`: Qwen-MoE's ``norm_topk_prob``
         honoured, a model type whose block the layer does not reproduce refused).
         ``device``: as :func:`ts_moe.load_mixtral_experts` (None: CUDA when there
         is one, else the CPU)."""
-        from .fp8.loaders import pretrained_layer
-        from .loaders import load_mixtral_experts, resolve_device
+        from . import loaders
         from .pretrained import block_settings
 
-        resolve_device(device)
+        loaders.resolve_device(device)
         settings = block_settings(path, "MoE.from_pretrained")
-        weights = pretrained_layer(path, layer, device)  # an FP8 checkpoint's, else None
-        if weights is None:
-            weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
+        weights = loaders.pretrained_layer(path, layer, device)
         return cls.from_weights(weights, settings.top_k, fused=fused,
                                 renormalize=settings.renormalize)
