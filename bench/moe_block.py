@@ -220,18 +220,13 @@ def ts_moe_block(fused: bool, decode_graphs: bool = True, router_kernel: bool = 
     ``router_kernel``: :func:`ts_moe.use_router_kernel` on during the call)."""
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
-        from ts_moe import ops
 
         def bind(inp: BlockInputs):
-            def run():
-                previous = ops.use_router_kernel(router_kernel)
-                try:
-                    with torch.no_grad():
-                        return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
-                                                  inp.top_k, fused=fused,
-                                                  decode_graphs=decode_graphs)
-                finally:
-                    ops.use_router_kernel(previous)
+            def run():  # the setting put back as it was found (set or not)
+                with ts_moe.settings.override(router_kernel=router_kernel), torch.no_grad():
+                    return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
+                                              inp.top_k, fused=fused,
+                                              decode_graphs=decode_graphs)
             return run
         return bind
     return factory
