@@ -144,17 +144,19 @@ def ts_moe_fp8(case: Case, device: torch.device) -> Bind:
     CUDA device where it would not run them (its fallback would be timed): unavailable."""
     import ts_moe
     from ts_moe.fp8 import paths
-    from ts_moe.fp8.recipes import PAIRS
+    from ts_moe.fp8.recipes import Pair, Recipe
 
     act, weight = RECIPES[case.step]
 
     def bind(inp: Fp8Inputs):
         if device.type == "cuda":
             paths.use_fp8_kernels(True)
-            path = paths.scaled_path(inp.a, PAIRS[(act, weight)], case.K, case.N,
-                                     torch.bfloat16, case.E)
-            if path is not paths.Fp8Path.KERNEL_SM90:
-                raise Unavailable(f"no ts_moe FP8 kernel here (the op takes: {path.value})")
+            out = torch.empty(case.M, case.N, dtype=torch.bfloat16, device=device)
+            taken, _ = paths.gemm_path(paths.paths_for(inp.a), inp.a, inp.b, inp.scale_a,
+                                         inp.scale_b, inp.offs, out, None,
+                                         Pair.of(Recipe(act), Recipe(weight)))
+            if taken.path is not paths.Fp8Path.KERNEL_SM90:
+                raise Unavailable(f"no ts_moe FP8 kernel here (the op takes: {taken.path.value})")
         return lambda: ts_moe.scaled_grouped_gemm(inp.a, inp.b, inp.scale_a, act, inp.scale_b,
                                                   weight, inp.offs)
     return bind
@@ -246,12 +248,12 @@ def ts_moe_fp8_fallback(case: Case, device: torch.device) -> Bind:
     the transient bytes and bytes moved, and the whole stack's, against the FP8 weight
     bytes (:mod:`bench.fp8_fallback`)."""
     from ts_moe.fp8 import scaled_ops
-    from ts_moe.fp8.paths import Fp8Path
+    from ts_moe.fp8.paths import DEQUANTIZE
+    from ts_moe.fp8.recipes import Pair
 
-    act, weight, pair = fp8_fallback.RECIPES[case.step]
+    pair = Pair(fp8_fallback.RECIPES[case.step][2])
     return lambda inp: lambda: scaled_ops.run_gemm(
-        Fp8Path.DEQUANTIZE, pair, inp.a, inp.b, inp.scale_a, act, inp.scale_b, weight,
-        inp.offs, torch.bfloat16)
+        (DEQUANTIZE,), inp.a, inp.b, inp.scale_a, inp.scale_b, inp.offs, torch.bfloat16, pair)
 
 
 ts_moe_fp8_fallback.fields = fp8_fallback.case_fields

@@ -33,12 +33,12 @@ def whole_stack_gemm(a, b_stored, scale_a, recipe_a, scale_b, recipe_b, offs):
 
 
 def _fake_operands(recipe: str, e: int, n: int, k: int, rows: int):
-    from ts_moe.fp8.recipes import scale_shape
+    from ts_moe.fp8.recipes import Recipe
 
     act, weight, _ = RECIPES[recipe]
     fp8 = torch.float8_e4m3fn
-    return (torch.empty(rows, k, dtype=fp8), torch.empty(scale_shape(act, (rows, k))),
-            torch.empty(e, n, k, dtype=fp8), torch.empty(scale_shape(weight, (e, n, k))),
+    return (torch.empty(rows, k, dtype=fp8), torch.empty(Recipe(act).scale_shape((rows, k))),
+            torch.empty(e, n, k, dtype=fp8), torch.empty(Recipe(weight).scale_shape((e, n, k))),
             torch.empty(e, dtype=torch.int32))
 
 
@@ -46,14 +46,15 @@ def measure(recipe: str, e: int, n: int, k: int, rows: int) -> dict:
     """The fallback's and the whole stack's peak transient bytes and bytes moved for an
     (E, N, K) weight stack and ``rows`` token rows, with the FP8 weight bytes."""
     from ts_moe.fp8 import scaled_ops
-    from ts_moe.fp8.paths import Fp8Path
+    from ts_moe.fp8.paths import DEQUANTIZE
+    from ts_moe.fp8.recipes import Pair
 
     act, weight, pair = RECIPES[recipe]
     with FakeTensorMode():
         a, sa, w, sw, offs = _fake_operands(recipe, e, n, k, rows)
         with MemoryMeter() as fallback:
-            scaled_ops.run_gemm(Fp8Path.DEQUANTIZE, pair, a, w.transpose(-2, -1), sa, act, sw,
-                                weight, offs, torch.bfloat16)
+            scaled_ops.run_gemm((DEQUANTIZE,), a, w.transpose(-2, -1), sa, sw, offs,
+                                torch.bfloat16, Pair(pair))
         with MemoryMeter() as whole:
             whole_stack_gemm(a, w, sa, act, sw, weight, offs)
     return {"fallback_transient_bytes": fallback.peak, "fallback_moved_bytes": fallback.moved,

@@ -217,13 +217,12 @@ def ts_moe_block(fused: bool, decode_graphs: bool = True, router_kernel: bool = 
     """:func:`ts_moe.moe_forward`: route (router GEMM, softmax, top-k), permute,
     (fused) gate/up GEMM, down GEMM, combine; each stage an NVTX range (with
     ``decode_graphs``, a decode-sized call replays the graph of these;
-    ``router_kernel``: ``ts_moe.settings.router_kernel`` for the call, the setting as
-    it was after)."""
+    ``router_kernel``: :func:`ts_moe.use_router_kernel` on during the call)."""
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
 
         def bind(inp: BlockInputs):
-            def run():
+            def run():  # the setting put back as it was found (set or not)
                 with ts_moe.settings.override(router_kernel=router_kernel), torch.no_grad():
                     return ts_moe.moe_forward(inp.x, inp.router, inp.gate_up, inp.down,
                                               inp.top_k, fused=fused,
@@ -319,13 +318,13 @@ def reference_block_fp8(inp: BlockInputs, recipe: str, out_dtype=torch.float32) 
     router's routing, the tokens quantized as the layer quantizes them, the SwiGLU
     output rounded to x's dtype and quantized per row, the weights dequantized."""
     import ts_moe
-    from ts_moe.fp8.recipes import ACTIVATION_FOR
+    from ts_moe.fp8.recipes import Recipe
     from ts_moe.fp8.reference import dequantize
 
     weights, ids = router_routing(inp.x, inp.router, inp.top_k)
     gq, gs, dq, ds = fp8_block_weights(inp, recipe)
     weight = FP8_WEIGHT_RECIPES[recipe]
-    act = ACTIVATION_FOR[weight]
+    act = Recipe(weight).activation
     xs = dequantize(*ts_moe.quantize_fp8(inp.x, act), act)
     inter = gq.shape[1] // 2
     out = torch.zeros(inp.x.shape, dtype=torch.float32, device=inp.x.device)
@@ -347,11 +346,12 @@ def ts_moe_fp8_block(recipe: str) -> Factory:
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
         from ts_moe.fp8 import paths
+        from ts_moe.ops.backend import NoKernel
 
         if device.type == "cuda":
             paths.use_fp8_kernels(True)  # opt-in until they pass on a GPU
         if device.type == "cuda" and (torch.cuda.get_device_capability(device) != (9, 0)
-                                      or paths.gemm_kernels() is None):
+                                      or isinstance(paths.KERNEL_SM90.gemm, NoKernel)):
             raise Unavailable("no ts_moe FP8 kernels for this GPU")
 
         def bind(inp: BlockInputs):
@@ -360,7 +360,8 @@ def ts_moe_fp8_block(recipe: str) -> Factory:
             def run():
                 with torch.no_grad():
                     return ts_moe.moe_forward(inp.x, inp.router, gq, dq, inp.top_k,
-                                              gate_up_scale=gs, down_scale=ds)
+                                              gate_up_scale=gs, down_scale=ds,
+                                              scale_recipe=FP8_WEIGHT_RECIPES[recipe])
             return run
         return bind
 

@@ -1,10 +1,31 @@
-"""Torch launch code of the FP8 grouped GEMM (sm_90a): arguments already validated.
+"""Torch side of the FP8 grouped GEMM (sm_90a): compile once per configuration and
+launch :class:`~csrc_free_kernels.grouped_gemm_fp8_sm90.GroupedGemmFp8Sm90` (and its
+SwiGLU subclass) on the current stream.
+
+- :data:`GROUPED_GEMM`, :data:`GROUPED_GEMM_SWIGLU`: the sm_90 backends of the FP8 op
+  families (``ts_moe.ops.backend.ScaledGroupedGemm`` and ``ScaledGroupedGemmSwiglu``):
+  ``choose_config`` picks the tiles from the shapes
+  (:mod:`.grouped_gemm_fp8_sm90_config`), or answers a
+  :class:`~.kernel_config.Declined` naming the limit the call meets (more than
+  :data:`MAX_EXPERTS` experts, K not a multiple of 16, an I the fused kernel's tiles do
+  not cover); ``run`` is :func:`launch` with that configuration;
+- :func:`launch`: the one entry point (the backends', and the GPU tests', benchmarks' and
+  diagnosis's): the compiled kernel launched once, on arguments the op layer validated,
+  with a configuration ``choose_config`` took.  It checks nothing.
+
+The scale recipes arrive as a plain name, ``"blockwise"``, ``"rowwise"`` or
+``"tensorwise"`` (``grouped_gemm_fp8_sm90_config.RECIPES``): the kernels know nothing
+of ts_moe (data flows down), and the op layer's parsed value
+(``ts_moe.fp8.recipes.Pair``) is a ``str`` enum whose members are exactly these names,
+so it is handed down as it is (the compile keys take its ``str``).
 
 Conventions (``torch.nn.functional.scaled_grouped_mm``'s, for 2-D ``a`` and 3-D ``b``):
 
-- ``a`` (M, K) ``torch.float8_e4m3fn``, row-major (``stride(-1) == 1``, 16-byte rows);
-- ``b`` (E, K, N) e4m3 with K contiguous (``stride(1) == 1``): the ``transpose(-2, -1)``
-  view of the (E, N, K) checkpoint stack (the kernel reads weights K-major only);
+- ``a`` (M, K) ``torch.float8_e4m3fn``, K a multiple of 16; read row-major with
+  16-byte rows (another layout is copied into that one here);
+- ``b`` (E, K, N) e4m3, read K-major with 16-byte strides: the ``transpose(-2, -1)``
+  view of the (E, N, K) checkpoint stack (another layout is copied, the whole stack:
+  convert the weights once instead);
 - ``offs`` int32 (E,) row ends on the device, any values (the kernel segments by
   ``cummax(clamp(offs, 0, M))``); rows at or past ``offs[-1]`` are written as zeros;
 - scales are dequantization multipliers (``real ~ fp8 * scale``), fp32:
@@ -26,8 +47,10 @@ Conventions (``torch.nn.functional.scaled_grouped_mm``'s, for 2-D ``a`` and 3-D 
 
 - ``a_index`` (M',) int32/int64: the rows ``a[a_index]`` (zero rows, and zero scales, for
   indices outside ``[0, M)``) are gathered on the device first, with their scales, as the
-  bf16 Hopper path gathers; ``offs`` then indexes the M' gathered rows and the output has
-  M' rows.
+  bf16 Hopper path gathers; ``offs`` then indexes the M' gathered rows;
+- ``out`` (M', N) of bf16, fp16 or fp32 (N / 2 columns for the SwiGLU kernel), a unit
+  stride on its columns and 16-byte rows, no empty dimension anywhere (the op answers
+  those).
 
 Nothing here reads a device value on the host: no sync; all launches on the current stream.
 """
@@ -40,14 +63,13 @@ import torch
 
 from . import compile as kcompile
 from .grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90, GroupedGemmFp8SwigluSm90
-from .grouped_gemm_fp8_sm90_config import (RECIPES, SCALE_BLOCK, TileConfig, choose_config,
+from .grouped_gemm_fp8_sm90_config import (SCALE_BLOCK, TileConfig, choose_config,
                                            swiglu_supported)
 from .grouped_gemm_sm90_config import MAX_EXPERTS
+from .kernel_config import Declined
 from .quantize_fp8_sm90_launch import one_row_view
 
-__all__ = ["scaled_grouped_gemm", "scaled_grouped_gemm_swiglu", "choose_config",
-           "swiglu_supported", "fast_scale_a", "compiled_kernel"]
-
+ALIGN = 16  # bytes: the kernel's row strides and pointers
 _OUT_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                torch.float32: cutlass.Float32}
 
@@ -77,8 +99,10 @@ def fake_args(recipe: str, c_dtype, swiglu: bool = False) -> tuple:
 @functools.cache
 def compiled_kernel(config: TileConfig, recipe: str, out_dtype: torch.dtype,
                     swiglu: bool = False):
-    """The compiled kernel of one configuration, recipe, output dtype (memoized)."""
+    """The compiled kernel of one configuration, recipe (its plain name), output dtype
+    (memoized)."""
     cls = GroupedGemmFp8SwigluSm90 if swiglu else GroupedGemmFp8Sm90
+    recipe = str(recipe)
     key = (cls.__name__, config, recipe, str(out_dtype), "sm_90a")
 
     def build():
@@ -146,62 +170,78 @@ def _prepare_scales(scale_a, scale_b, recipe):
     return _compact(scale_a), _compact(scale_b)
 
 
-def _launch(a, b, scale_a, scale_b, offs, recipe, out_dtype, a_index, out, swiglu, config):
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    num_experts, k, n = b.shape
-    n_out = n // 2 if swiglu else n
+def _rows(a: torch.Tensor) -> torch.Tensor:
+    """``a`` (M, K) as the kernel reads it: row-major, 16-byte row stride and pointer."""
+    if (a.stride(-1) == 1 and (a.shape[0] <= 1 or a.stride(0) % ALIGN == 0)
+            and a.data_ptr() % ALIGN == 0):
+        return a
+    return a.contiguous()
+
+
+def _weights(b: torch.Tensor) -> torch.Tensor:
+    """``b`` (E, K, N) as the kernel reads it: K-major (the transposed view of an (E, N, K)
+    stack) with 16-byte strides."""
+    e, _, n = b.shape
+    if (b.stride(1) == 1 and (n <= 1 or b.stride(2) % ALIGN == 0)
+            and (e <= 1 or b.stride(0) % ALIGN == 0) and b.data_ptr() % ALIGN == 0):
+        return b
+    return b.transpose(-2, -1).contiguous().transpose(-2, -1)
+
+
+def launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+           offs: torch.Tensor, out: torch.Tensor, config: TileConfig, recipe: str, *,
+           swiglu: bool = False, a_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[r] = (a[r] @ b[e]) * scales`` for the rows ``r`` of expert ``e`` (``swiglu``:
+    ``silu(a @ gate) * (a @ up)``, ``b`` the (E, K, 2I) view of the (E, 2I, H) gate_up
+    stack), zeros past ``offs[-1]``; returns ``out``.  Arguments as in the module
+    docstring; ``config`` one that ``choose_config`` of :data:`GROUPED_GEMM` (or of
+    :data:`GROUPED_GEMM_SWIGLU`) took for them, or a test's."""
     if a_index is not None:
         a, scale_a = _gather(a, scale_a, a_index, recipe)
-    m = a.shape[0]
-    if out is None:
-        out = torch.empty(m, n_out, dtype=out_dtype, device=a.device)
-    if m == 0 or n_out == 0:
-        return out
-    if k == 0 or num_experts == 0:
-        return out.zero_()
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, "
-                         f"got {num_experts}")
-    cfg = config or choose_config(num_experts, n, k, m, recipe=recipe, swiglu=swiglu)
-    if swiglu and not swiglu_supported(n, recipe, cfg):
-        raise ValueError(f"the fused FP8 SwiGLU kernel needs I = {n // 2} to be a multiple "
-                         f"of {cfg.tile_n // 2}" + (f" and of {SCALE_BLOCK}"
-                                                   if recipe == "blockwise" else ""))
     scale_a, scale_b = _prepare_scales(scale_a, scale_b, recipe)
-    fn = compiled_kernel(cfg, recipe, out.dtype, swiglu)
-    fn(one_row_view(a), b, one_row_view(out), offs, scale_a, scale_b,
-       _ctas(cfg, a.get_device()))
+    fn = compiled_kernel(config, recipe, out.dtype, swiglu)
+    fn(one_row_view(_rows(a)), _weights(b), one_row_view(out), offs, scale_a, scale_b,
+       _ctas(config, a.get_device()))
     return out
 
 
-def scaled_grouped_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-                        scale_b: torch.Tensor, offs: torch.Tensor, *, recipe: str,
-                        out_dtype: torch.dtype = torch.bfloat16,
-                        a_index: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                        config: TileConfig | None = None) -> torch.Tensor:
-    """``out[r] = (a[r] @ b[e]) * scales`` for the rows ``r`` of expert ``e``; zeros past
-    ``offs[-1]``.  Arguments as in the module docstring, validated by the caller.
+class ScaledGroupedGemmBackend:
+    """The sm_90 backend of ``ts_moe.scaled_grouped_gemm``: tiles from the shapes, or the
+    limit the call meets."""
 
-    ``out``: (M, N) (M' with ``a_index``) of ``out_dtype`` (bf16, fp16 or fp32),
-    ``stride(-1) == 1``, 16-byte aligned rows; allocated when omitted.  ``config``
-    (instead of :func:`choose_config`) is for tests and benchmarks.
-    """
-    return _launch(a, b, scale_a, scale_b, offs, recipe, out_dtype, a_index, out, False,
-                   config)
+    def choose_config(self, a, b, scale_a, scale_b, offs, out, a_index, pair):
+        num_experts, k, n = b.shape
+        if num_experts > MAX_EXPERTS:
+            return Declined(f"{num_experts} experts: the sm_90 FP8 kernel takes at most "
+                            f"{MAX_EXPERTS}")
+        if k % ALIGN:
+            return Declined(f"K = {k}: the sm_90 FP8 kernel reads 16-byte rows (K a "
+                            f"multiple of 16)")
+        return choose_config(num_experts, n, k, out.shape[0], recipe=pair)
+
+    def run(self, a, b, scale_a, scale_b, offs, out, config, pair, *, a_index=None):
+        return launch(a, b, scale_a, scale_b, offs, out, config, pair, a_index=a_index)
 
 
-def scaled_grouped_gemm_swiglu(a: torch.Tensor, gate_up_b: torch.Tensor,
-                               scale_a: torch.Tensor, scale_b: torch.Tensor,
-                               offs: torch.Tensor, *, recipe: str,
-                               out_dtype: torch.dtype = torch.bfloat16,
-                               a_index: torch.Tensor | None = None,
-                               out: torch.Tensor | None = None,
-                               config: TileConfig | None = None) -> torch.Tensor:
-    """``silu(a @ gate) * (a @ up)`` per expert, (M, I): ``gate_up_b`` (E, K, 2I) e4m3
-    with K contiguous (the transpose view of the (E, 2I, H) stack, gate rows first);
-    ``scale_b`` blockwise (E, ceil(2I/128), ceil(K/128)), rowwise (E, 2I), tensorwise
-    (E,).  A ValueError where :func:`swiglu_supported` is False for the chosen tiles
-    (the caller then runs :func:`scaled_grouped_gemm` and the activation apart)."""
-    return _launch(a, gate_up_b, scale_a, scale_b, offs, recipe, out_dtype, a_index, out, True,
-                   config)
+class ScaledGroupedGemmSwigluBackend:
+    """The sm_90 backend of ``ts_moe.scaled_grouped_gemm_swiglu``: the fused kernel where
+    its tiles cover I (:func:`swiglu_supported`); otherwise the op runs the path's GEMM to
+    fp32 and the activation apart."""
+
+    def choose_config(self, a, gate_up, scale_a, scale_b, offs, out, a_index, pair):
+        config = GROUPED_GEMM.choose_config(a, gate_up.transpose(-2, -1), scale_a, scale_b,
+                                            offs, out, a_index, pair)
+        two_i = gate_up.shape[1]
+        if config and not swiglu_supported(two_i, pair, config):
+            return Declined(f"I = {two_i // 2}: the fused FP8 SwiGLU kernel needs a multiple "
+                            f"of {config.tile_n // 2}"
+                            + (f" and of {SCALE_BLOCK}" if pair == "blockwise" else ""))
+        return config
+
+    def run(self, a, gate_up, scale_a, scale_b, offs, out, config, pair, *, a_index=None):
+        return launch(a, gate_up.transpose(-2, -1), scale_a, scale_b, offs, out, config, pair,
+                      swiglu=True, a_index=a_index)
+
+
+GROUPED_GEMM = ScaledGroupedGemmBackend()
+GROUPED_GEMM_SWIGLU = ScaledGroupedGemmSwigluBackend()

@@ -1,4 +1,5 @@
-"""The base of every kernel family's configuration class."""
+"""The base of every kernel family's configuration class, and what a backend answers
+for a call it does not take (:class:`Declined`)."""
 
 from dataclasses import dataclass
 
@@ -22,3 +23,18 @@ class KernelConfig:
 
     def __hash__(self) -> int:
         return hash(self.name)
+
+
+@dataclass(frozen=True)
+class Declined:
+    """What a backend's ``choose_config`` returns for a call it does not take, with the
+    reason: falsy, so that a caller asks ``if config:``, and the reason says which
+    limit the call met (the next backend then takes it)."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return self.reason

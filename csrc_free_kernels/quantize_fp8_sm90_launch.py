@@ -1,8 +1,17 @@
-"""Torch launch code of the activation quantizer (sm_90a): :func:`quantize`.
+"""Torch launch code of the activation quantizer (sm_90a).
 
-Arguments are validated by the caller (the op layer); this module allocates the outputs
-in the GEMM's layouts and launches :class:`~csrc_free_kernels.quantize_fp8_sm90.QuantizeFp8Sm90`
-on the current stream, with no host sync.
+- :data:`QUANTIZE`: the sm_90 backend of the FP8 quantizer family
+  (``ts_moe.ops.backend.QuantizeFp8``): ``choose_config`` takes a 2-D activation of
+  bf16, fp16 or fp32 with rows to quantize, K a multiple of 16 (of 128 for
+  ``blockwise_1x128``), or answers a :class:`~.kernel_config.Declined` naming what the
+  call lacks; ``run`` is :func:`quantize`;
+- :func:`quantize`: the one entry point, on arguments the op layer validated and this
+  backend took: it allocates the outputs in the GEMM's layouts and launches
+  :class:`~csrc_free_kernels.quantize_fp8_sm90.QuantizeFp8Sm90` on the current stream,
+  with no host sync.  It checks nothing.
+
+The recipe arrives as its plain name (:data:`~.quantize_fp8_sm90.RECIPES`): ts_moe's
+parsed ``Recipe`` is a ``str`` enum of these names, handed down as it is.
 """
 
 import functools
@@ -12,7 +21,11 @@ import cutlass.cute as cute
 import torch
 
 from . import compile as kcompile
+from .kernel_config import Declined
 from .quantize_fp8_sm90 import FP8_MAX, GROUP, RECIPES, QuantizeFp8Sm90
+
+ALIGN = 16  # bytes: the kernel's row strides and pointers
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def fake_args(recipe: str, dtype) -> tuple:
     """Symbolic (M, K) input and e4m3 output (rows of 16-byte multiples, K a multiple
@@ -37,7 +50,8 @@ def fake_args(recipe: str, dtype) -> tuple:
 
 @functools.cache
 def compiled_kernel(recipe: str, dtype: torch.dtype):
-    """The compiled quantizer for ``recipe`` and input dtype (memoized)."""
+    """The compiled quantizer for ``recipe`` (its plain name) and input dtype (memoized)."""
+    recipe = str(recipe)
     key = ("QuantizeFp8Sm90", recipe, str(dtype), "sm_90a")
 
     def build():
@@ -62,10 +76,11 @@ def one_row_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_fp8, scale)`` of ``x`` (M, K) bf16 / fp16 / fp32 on a CUDA device,
-    ``stride(-1) == 1``, 16-byte aligned rows, ``K % 16 == 0`` (and ``K % 128 == 0`` for
-    ``blockwise_1x128``).  ``scale = amax / 448`` per group, ``x_fp8 = satfinite(x /
-    scale)``; a group of zeros gets scale 0 and zeros.
+    """``(x_fp8, scale)`` of ``x`` (M, K) bf16 / fp16 / fp32 on a CUDA device, M and K
+    positive, ``K % 16 == 0`` (and ``K % 128 == 0`` for ``blockwise_1x128``): what
+    :data:`QUANTIZE` takes.  ``scale = amax / 448`` per group, ``x_fp8 = satfinite(x /
+    scale)``; a group of zeros gets scale 0 and zeros.  ``x`` is read row-major with a
+    16-byte row stride and pointer (another layout is copied into that one).
 
     - ``blockwise_1x128``: scale (M, K/128), M-major: ``stride() == (1, Mp)``, ``Mp`` =
       M rounded up to 4 (a view of a contiguous (K/128, Mp) tensor): the FP8 GEMM's
@@ -73,35 +88,56 @@ def quantize(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     - ``rowwise``: scale (M,); ``tensorwise``: scale a 0-d tensor (the amax comes from
       one device reduction, ``x.abs().amax()``, before the quantizing launch).
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    x = _rows(x)
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    amax = None
-    if recipe == "blockwise_1x128":
-        if k % GROUP:
-            raise ValueError(f"blockwise_1x128 needs K % {GROUP} == 0, got K = {k}")
-        mp = -(-m // 4) * 4
-        scale = torch.empty(k // GROUP, mp, dtype=torch.float32, device=x.device)[:, :m].t()
-    elif recipe == "rowwise":
-        scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    else:
-        amax = (x.abs().amax().float().reshape(1) if x.numel()
-                else torch.zeros(1, dtype=torch.float32, device=x.device))
-        scale = (amax / FP8_MAX).reshape(())
-    if m == 0 or k == 0:
-        if recipe == "rowwise":
-            scale.zero_()
-        return q, scale
-    if k % 16:
-        raise ValueError(f"K must be a multiple of 16, got K = {k}")
     fn = compiled_kernel(recipe, x.dtype)
     if recipe == "tensorwise":  # the kernel writes no scale: the amax is its input
+        amax = x.abs().amax().float().reshape(1)
+        scale = (amax / FP8_MAX).reshape(())
         fn(one_row_view(x), one_row_view(q), amax, amax, _max_ctas(x.get_device()))
+        return q, scale
+    if recipe == "blockwise_1x128":
+        mp = -(-m // 4) * 4
+        scale = torch.empty(k // GROUP, mp, dtype=torch.float32, device=x.device)[:, :m].t()
     else:
-        fn(one_row_view(x), one_row_view(q), scale, _unused(x.get_device()),
-           _max_ctas(x.get_device()))
+        scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    fn(one_row_view(x), one_row_view(q), scale, _unused(x.get_device()),
+       _max_ctas(x.get_device()))
     return q, scale
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` row-major with a 16-byte row stride and pointer; a contiguous copy otherwise."""
+    rows_ok = x.shape[0] <= 1 or (x.stride(0) * x.element_size()) % ALIGN == 0
+    if x.stride(-1) == 1 and rows_ok and x.data_ptr() % ALIGN == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+class QuantizeBackend:
+    """The sm_90 backend of ``ts_moe.quantize_fp8``: 2-D activations (module docstring)."""
+
+    def choose_config(self, x, recipe):
+        if recipe not in RECIPES:
+            return Declined(f"{recipe}: the quantize kernel serves the activation recipes "
+                            f"({', '.join(RECIPES)})")
+        if x.dim() != 2 or x.dtype not in _DTYPES:
+            return Declined(f"a {x.dim()}-D {x.dtype} x: the quantize kernel takes a 2-D "
+                            f"bf16, fp16 or fp32 activation")
+        m, k = x.shape
+        if m == 0 or k == 0:
+            return Declined(f"x {tuple(x.shape)}: nothing to quantize")
+        if k % ALIGN or (recipe == "blockwise_1x128" and k % GROUP):
+            return Declined(f"K = {k}: the quantize kernel needs a multiple of "
+                            f"{GROUP if recipe == 'blockwise_1x128' else ALIGN}")
+        return recipe
+
+    def run(self, x, recipe, config):
+        return quantize(x, recipe)
+
+
+QUANTIZE = QuantizeBackend()
 
 
 @functools.cache

@@ -92,8 +92,8 @@ def old_scale_box_class():
 
 
 def launch(config_name, recipe, layout, a, w, sa, sw, offs):
-    """One FP8 kernel launch: the shipped class (``layout == "fixed"``) or the old scale
-    box (``"old"``, blockwise only), through the launch module's glue."""
+    """One FP8 kernel launch: the shipped class (``layout == "fixed"``) through the launch
+    module's entry point, or the old scale box (``"old"``, blockwise only) compiled here."""
     import cutlass
     import torch
 
@@ -103,15 +103,13 @@ def launch(config_name, recipe, layout, a, w, sa, sw, offs):
     from csrc_free_kernels.quantize_fp8_sm90_launch import one_row_view
 
     cfg = CONFIGS[config_name]
+    out = a.new_empty(a.shape[0], w.shape[1], dtype=torch.bfloat16)
     if layout == "fixed":
-        return glue.scaled_grouped_gemm(a, w.transpose(-2, -1), glue.fast_scale_a(sa)
-                                        if recipe == "blockwise" else sa, sw, offs,
-                                        recipe=recipe, config=cfg)
+        return glue.launch(a, w.transpose(-2, -1), sa, sw, offs, out, cfg, recipe)
     old = old_scale_box_class()
     fn = kcompile.get_compiled(("diag_old_scale_box", cfg, recipe), lambda: (
         old(cfg, recipe), (*glue.fake_args(recipe, cutlass.BFloat16), cutlass.Int32(1),
                            kcompile.fake_stream())))
-    out = a.new_empty(a.shape[0], w.shape[1], dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     fn(one_row_view(a), w.transpose(-2, -1), one_row_view(out), offs, glue.fast_scale_a(sa),
        sw.contiguous(), sms // cfg.cluster_m * cfg.cluster_m)

@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from ts_moe.fp8 import backends as fp8_backends
+from ts_moe.fp8 import paths as fp8_paths
 from ts_moe.ops import backend, kernel_status, kernels, paths, reference_backend, torch_backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -24,7 +26,11 @@ def _all_backends():
     for device in (paths.REFERENCE_DEVICE, paths.SM90_DEVICE):
         found += zip((backend.RouteSlots, backend.RouteTopK, backend.SortSlots, backend.RowSum,
                       backend.RouterLogits, backend.SwigluActivation), device)
-    return [(family, b) for family, b in found if not isinstance(b, backend.NoKernel)]
+    for fp8 in fp8_paths.PATH_BACKENDS.values():
+        found += zip((backend.ScaledGroupedGemm, backend.ScaledGroupedGemmSwiglu,
+                      backend.QuantizeFp8), fp8[1:])
+    unique = {id(b): (family, b) for family, b in found}  # a reference serves several paths
+    return [(family, b) for family, b in unique.values() if not isinstance(b, backend.NoKernel)]
 
 
 BACKENDS = _all_backends()
@@ -42,7 +48,10 @@ def test_the_kernels_are_available_here():
     assert kernels.AVAILABLE == {f.name for f in kernel_status.STATUS if f.in_ops}
     assert not kernels.FAILED
     assert set(paths.PATH_BACKENDS) == set(paths.Path)
-    assert len({id(b) for _, b in BACKENDS}) == len(BACKENDS) == 3 * 4 - 1 + 2 * 6
+    assert set(fp8_paths.PATH_BACKENDS) == set(fp8_paths.Fp8Path)
+    # bf16: 3 GEMMs per path (sm_100 has no k-grouped one), 6 small kernels twice;
+    # FP8: a GEMM and a SwiGLU GEMM per path, the kernel's quantizer and the reference's
+    assert len(BACKENDS) == 3 * 4 - 1 + 2 * 6 + 2 * 4 + 2
 
 
 @pytest.mark.parametrize("family, impl", BACKENDS,
@@ -78,6 +87,23 @@ def test_each_path_runs_the_backends_it_names():
                                  swiglu_sm90_launch.SWIGLU_ACTIVATION)
 
 
+def test_each_fp8_path_runs_the_backends_it_names():
+    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch, quantize_fp8_sm90_launch
+
+    p = fp8_paths.PATH_BACKENDS
+    assert p[fp8_paths.Fp8Path.KERNEL_SM90][1:] == (
+        grouped_gemm_fp8_sm90_launch.GROUPED_GEMM, grouped_gemm_fp8_sm90_launch.GROUPED_GEMM_SWIGLU,
+        quantize_fp8_sm90_launch.QUANTIZE)
+    assert p[fp8_paths.Fp8Path.TORCH_SCALED][1:] == (
+        fp8_backends.TORCH_SCALED_GEMM, fp8_backends.TORCH_SCALED_SWIGLU,
+        fp8_backends.REFERENCE_QUANTIZE)
+    assert p[fp8_paths.Fp8Path.DEQUANTIZE].gemm is fp8_backends.DEQUANTIZE_GEMM
+    assert p[fp8_paths.Fp8Path.REFERENCE].swiglu is fp8_backends.REFERENCE_SWIGLU
+    for family in (backend.ScaledGroupedGemm, backend.ScaledGroupedGemmSwiglu,
+                   backend.QuantizeFp8):
+        assert family in backend.FAMILIES
+
+
 def test_the_kernels_choose_from_shapes_the_references_take_everything():
     """choose_config runs without a GPU: a kernel declines what its tiles cannot
     take (the op then takes the next backend); a reference never declines."""
@@ -95,6 +121,23 @@ def test_the_kernels_choose_from_shapes_the_references_take_everything():
         k_a, k_b, offs, torch.empty(8, 60, 32, dtype=bf16)) is None  # K = 60
     for impl in (reference_backend.GROUPED_GEMM_SWIGLU, torch_backend.GROUPED_GEMM_SWIGLU):
         assert impl.choose_config(a, gate_up, offs, out, None) is not None
+    # FP8: a decline is falsy and says why; the fallbacks take every call
+    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as fp8
+
+    from ts_moe.fp8.recipes import Pair
+
+    e4m3 = torch.float8_e4m3fn
+    a8, w8 = torch.empty(64, 256, dtype=e4m3), torch.empty(600, 256, 256, dtype=e4m3)
+    sa, sb = torch.empty(64), torch.empty(600, 256)
+    offs8, out8 = torch.empty(600, dtype=torch.int32), torch.empty(64, 256, dtype=bf16)
+    call = (a8, w8.mT, sa, sb, offs8, out8, None, Pair.ROWWISE)
+    declined = fp8.GROUPED_GEMM.choose_config(*call)
+    assert not declined and isinstance(declined, kernels.Declined)
+    assert "600 experts" in declined.reason
+    assert fp8.GROUPED_GEMM.choose_config(a8, w8[:8].mT, sa, sb[:8], offs8[:8], out8, None,
+                                          Pair.ROWWISE)
+    for impl in (fp8_backends.DEQUANTIZE_GEMM, fp8_backends.REFERENCE_GEMM):
+        assert impl.choose_config(*call)
 
 
 def test_ops_import_their_backends_statically():

@@ -1,5 +1,5 @@
 """Every read of a checkpoint's JSON files goes through the one checked reader
-(ts_moe.loaders._Checkpoint): a regular file inside the checkpoint, opened without
+(ts_moe.checkpoint._Checkpoint): a regular file inside the checkpoint, opened without
 following a link or blocking, checked again on the descriptor it reads, no larger than
 JSON_LIMIT and nested no deeper than the parser goes.  A FIFO, a link to /dev/zero, a
 file swapped after the check, an oversize or a deeply nested file is a ValueError naming
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import ts_moe
-from ts_moe import loaders
-from ts_moe.fp8.loaders import load_fp8_experts
-from ts_moe.fp8.tiny import make_tiny_fp8_checkpoint
+from ts_moe import checkpoint, loaders
+from ts_moe.loaders import load_fp8_experts
+from ts_moe.tiny import make_tiny_fp8_checkpoint
 
 from .helpers import FifoWatch
 
@@ -88,7 +88,7 @@ def test_config_is_not_read_again_after_the_weights(ckpt, monkeypatch):
     """The settings come from the checked read: a config.json swapped for a FIFO once
     the weights are read is never opened."""
     fifo = []
-    real_load = loaders.load_mixtral_experts
+    real_load = loaders.pretrained_layer
 
     def load_then_swap(*args, **kwargs):
         weights = real_load(*args, **kwargs)
@@ -96,7 +96,7 @@ def test_config_is_not_read_again_after_the_weights(ckpt, monkeypatch):
         fifo.append(FifoWatch(ckpt / "config.json"))
         return weights
 
-    monkeypatch.setattr(loaders, "load_mixtral_experts", load_then_swap)
+    monkeypatch.setattr(loaders, "pretrained_layer", load_then_swap)
     try:
         moe = ts_moe.MoE.from_pretrained(ckpt, 0, device="cpu")
     finally:
@@ -112,7 +112,7 @@ def test_a_file_swapped_after_its_check_is_refused_on_the_descriptor(ckpt, tmp_p
     instead of blocking the test), put in place between the check and the open: the
     FIFO is opened without blocking and refused on its descriptor, the link not
     followed."""
-    real_file = loaders._Checkpoint.file
+    real_file = checkpoint._Checkpoint.file
     watches = []
 
     def check_then_swap(self, name, what):
@@ -126,7 +126,7 @@ def test_a_file_swapped_after_its_check_is_refused_on_the_descriptor(ckpt, tmp_p
                 real.symlink_to(tmp_path / "fifo")
         return real
 
-    monkeypatch.setattr(loaders._Checkpoint, "file", check_then_swap)
+    monkeypatch.setattr(checkpoint._Checkpoint, "file", check_then_swap)
     match = "is not a regular file" if swap == "fifo" else "cannot be opened"
     try:
         with pytest.raises(ValueError, match=rf"config\.json: .*config\.json'? {match}"):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import ts_moe
 from ts_moe import __main__ as demo_main
-from ts_moe import loaders
+from ts_moe import checkpoint, loaders
 
 REPO = Path(__file__).resolve().parents[1]
 # run a module as `python -m` would, with transformers unimportable
@@ -292,7 +292,7 @@ def test_default_device_is_cuda_when_there_is_one(monkeypatch):
 
 def test_device_is_checked_before_any_file_is_read(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(loaders, "safe_open", lambda *a, **k: pytest.fail("a file was read"))
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: pytest.fail("a file was read"))
     with pytest.raises(ValueError, match="device"):
         ts_moe.load_mixtral_experts(tmp_path / "nowhere", device="cuda")
 

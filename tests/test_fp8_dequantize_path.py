@@ -7,13 +7,14 @@ stack; and every call it hands torch's FP8 grouped GEMM is one torch accepts."""
 import pytest
 import torch
 from bench import fp8_fallback
-from ts_moe.fp8 import dequantize_path, scaled_ops
-from ts_moe.fp8.paths import Fp8Path
+from ts_moe.fp8 import backends, dequantize_path, scaled_ops
+from ts_moe.fp8.paths import DEQUANTIZE, TORCH_SCALED
+from ts_moe.fp8.recipes import Pair, Recipe
 
 from .helpers import rel_err
 from .test_fp8_ops import PAIRS, problem, ref64
 
-RECIPE_PAIRS = {p: n for p, n in zip(PAIRS, ("blockwise", "rowwise", "tensorwise"))}
+RECIPE_PAIRS = {p: Pair.of(*map(Recipe, p)) for p in PAIRS}
 
 
 @pytest.fixture
@@ -29,8 +30,8 @@ def small_chunks(monkeypatch):
 def test_gemm_matches_float64(pair, counts, out_dtype, small_chunks):
     m = sum(counts) + 3  # rows past offs[-1]
     xq, wq, sx, sw, offs = problem(m=m, k=256, n=200, counts=counts, pair=pair)
-    out = scaled_ops.run_gemm(Fp8Path.DEQUANTIZE, RECIPE_PAIRS[pair], xq, wq.mT, sx, pair[0],
-                              sw, pair[1], offs, out_dtype)
+    out = scaled_ops.run_gemm((DEQUANTIZE,), xq, wq.mT, sx, sw, offs, out_dtype,
+                              RECIPE_PAIRS[pair])
     ref = ref64(xq, wq, sx, pair[0], sw, pair[1], offs)
     assert out.dtype == out_dtype and out.shape == ref.shape
     assert rel_err(out, ref) <= 1e-2
@@ -48,8 +49,8 @@ def test_swiglu_and_a_index(pair, out_dtype, small_chunks):
     counts = (7, 0, 11, 2)
     xq, wq, sx, sw, offs = problem(m=30, k=256, n=2 * 80, counts=counts, pair=pair)
     index = torch.randint(-3, 33, (sum(counts) + 2,), generator=g).to(torch.int32)
-    out = scaled_ops.run_swiglu(Fp8Path.DEQUANTIZE, RECIPE_PAIRS[pair], xq, wq, sx, pair[0], sw,
-                                pair[1], offs, out_dtype, index)
+    out = scaled_ops.run_swiglu((DEQUANTIZE,), xq, wq, sx, sw, offs, out_dtype,
+                                RECIPE_PAIRS[pair], index)
     h = ref64(xq, wq, sx, pair[0], sw, pair[1], offs, a_index=index)
     ref = torch.nn.functional.silu(h[:, :80]) * h[:, 80:]
     assert out.dtype == out_dtype and rel_err(out, ref) <= 1e-2
@@ -124,11 +125,11 @@ def test_torch_gets_rows_and_weights_it_accepts():
         with pytest.raises(RuntimeError):
             torch._scaled_grouped_mm(a, b, torch.empty(a.shape[0], device="meta"), sb,
                                      offs=offs, out_dtype=torch.bfloat16)
-        out = torch._scaled_grouped_mm(scaled_ops.torch_rows(a), scaled_ops.torch_weights(b),
+        out = torch._scaled_grouped_mm(backends.torch_rows(a), backends.torch_weights(b),
                                        torch.empty(a.shape[0], device="meta"), sb, offs=offs,
                                        out_dtype=torch.bfloat16)
         assert out.shape == (a.shape[0], n)
-    assert scaled_ops.torch_rows(rows8) is rows8 and scaled_ops.torch_weights(weights) is weights
+    assert backends.torch_rows(rows8) is rows8 and backends.torch_weights(weights) is weights
 
 
 def test_torch_path_names_the_recipes(monkeypatch):
@@ -144,8 +145,8 @@ def test_torch_path_names_the_recipes(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", fake)
     xq, wq, sx, sw, offs = problem(m=8, k=256, n=128, counts=(4, 4, 0, 0), pair=PAIRS[1])
-    scaled_ops.run_gemm(Fp8Path.TORCH_SCALED, "rowwise", xq[:1], wq.mT, sx[:1], "rowwise", sw,
-                        "rowwise", offs.clamp(max=1), torch.bfloat16)
+    scaled_ops.run_gemm((TORCH_SCALED,), xq[:1], wq.mT, sx[:1], sw, offs.clamp(max=1),
+                        torch.bfloat16, Pair.ROWWISE)
     ((ra, rb, dtype, a_stride, b_stride),) = calls
     rowwise = torch.nn.functional.ScalingType.RowWise
     assert ra == rb == rowwise and dtype == torch.bfloat16

@@ -9,7 +9,7 @@ import ts_moe
 from ts_moe import decode_graphs
 from ts_moe.fp8 import paths, scaled_ops
 from ts_moe.fp8.paths import Fp8Path
-from ts_moe.fp8.recipes import PAIRS as RECIPE_PAIRS
+from ts_moe.fp8.recipes import Pair, Recipe
 from ts_moe.fp8.reference import dequantize, quantize_reference
 
 
@@ -62,7 +62,10 @@ def _cpu(*ts):
 def test_kernel_matches_float64(shape, pair):
     m, k, n, e = shape
     a, b, sa, sb, offs = cuda_problem(m, k, n, e, pair)
-    assert paths.scaled_path(a, RECIPE_PAIRS[pair], k, n, BF16, e) is Fp8Path.KERNEL_SM90
+    out = torch.empty(m, n, dtype=BF16, device="cuda")
+    taken, _ = paths.gemm_path(paths.paths_for(a), a, b.mT, sa, sb, offs, out, None,
+                               Pair.of(*map(Recipe, pair)))
+    assert taken.path is Fp8Path.KERNEL_SM90
     poison_allocator()
     out = ts_moe.scaled_grouped_gemm(a, b.mT, sa, pair[0], sb, pair[1], offs)
     ref = ref64(*_cpu(a, b, sa), pair[0], sb.cpu(), pair[1], offs.cpu())
@@ -94,8 +97,8 @@ def test_fallback_paths_on_cuda(path):
     a, b, sa, sb, offs = cuda_problem(700, 1024, 512, 8, pair)
     a_index = torch.randint(-1, 701, (900,), dtype=torch.int32).cuda()
     offs = (offs.long() * 900 // 700).to(torch.int32)
-    out = scaled_ops.run_gemm(path, RECIPE_PAIRS[pair], a, b.mT, sa, pair[0], sb, pair[1], offs,
-                              BF16, a_index)
+    out = scaled_ops.run_gemm((paths.PATH_BACKENDS[path],), a, b.mT, sa, sb, offs, BF16,
+                              Pair.of(*map(Recipe, pair)), a_index)
     ref = ref64(*_cpu(a, b, sa), pair[0], sb.cpu(), pair[1], offs.cpu(), a_index.cpu())
     assert_rows_close(out.cpu(), ref)
 
@@ -169,16 +172,17 @@ def test_errors_on_cuda_are_the_cpus(case):
 @pytest.mark.parametrize("recipe", ["blockwise_128x128", "rowwise", "tensorwise"])
 def test_layer_on_cuda_and_its_decode_graph(recipe):
     x, router, gq, gs, dq, ds = fp8_layer(recipe, T=16, H=1024, I=512, E=8)
-    ref = reference64(x, router, gq, gs, dq, ds, 2)
+    ref = reference64(x, router, gq, gs, dq, ds, 2, recipe)
     cuda = [t.cuda() for t in (router, gq, gs, dq, ds)]
     decode_graphs.graphs.clear()
     with torch.no_grad():
         eager = ts_moe.moe_forward(x.cuda(), cuda[0], cuda[1], cuda[3], 2, gate_up_scale=cuda[2],
-                                   down_scale=cuda[4], decode_graphs=False)
+                                   down_scale=cuda[4], scale_recipe=recipe, decode_graphs=False)
         assert_rows_close(eager.cpu(), ref)
         for _ in range(3):
             got = ts_moe.moe_forward(x.cuda(), cuda[0], cuda[1], cuda[3], 2,
-                                     gate_up_scale=cuda[2], down_scale=cuda[4])
+                                     gate_up_scale=cuda[2], down_scale=cuda[4],
+                                     scale_recipe=recipe)
             assert torch.equal(got, eager)
     assert decode_graphs.graphs.captures == 1
     decode_graphs.graphs.clear()

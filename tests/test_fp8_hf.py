@@ -13,9 +13,10 @@ finegrained = pytest.importorskip("transformers.integrations.finegrained_fp8")
 from transformers import FineGrainedFP8Config, MixtralConfig, MixtralForCausalLM  # noqa: E402
 from transformers.integrations.moe import ExpertsInterface  # noqa: E402
 
-from ts_moe.fp8.layer import dequantize_experts  # noqa: E402
+from ts_moe.fp8.recipes import Recipe  # noqa: E402
+from ts_moe.fp8.reference import dequantize  # noqa: E402
 from ts_moe.integrations.transformers import register, replace_moe_blocks  # noqa: E402
-from ts_moe.integrations.transformers_fp8 import fp8_scales  # noqa: E402
+from ts_moe.integrations.transformers_experts import module_experts  # noqa: E402
 
 from .helpers import OpRecorder, rel_err  # noqa: E402
 from .test_fp8_layer import experts_reference64  # noqa: E402
@@ -71,11 +72,12 @@ def dequantized(fp8_model, ref):
     state = ref.state_dict()
     for name, module in fp8_model.named_modules():
         if isinstance(module, finegrained.FP8Experts):
-            scales = fp8_scales(module)
-            state[f"{name}.gate_up_proj"] = dequantize_experts(module.gate_up_proj.data,
-                                                               scales["gate_up_scale"])
-            state[f"{name}.down_proj"] = dequantize_experts(module.down_proj.data,
-                                                            scales["down_scale"])
+            experts = module_experts(module)
+            state[f"{name}.gate_up_proj"] = dequantize(module.gate_up_proj.data,
+                                                       experts.gate_up_scale, experts.recipes[0],
+                                                       torch.bfloat16)
+            state[f"{name}.down_proj"] = dequantize(module.down_proj.data, experts.down_scale,
+                                                    experts.recipes[1], torch.bfloat16)
     model.load_state_dict(state)
     return model
 
@@ -94,8 +96,8 @@ def test_scale_convention_is_transformers_own():
     theirs = finegrained._dequantize_fp8_weight(experts.gate_up_proj.data,
                                                 experts.gate_up_proj_scale_inv.data,
                                                 experts.block_size, torch.float32)
-    ours = dequantize_experts(experts.gate_up_proj.data, experts.gate_up_proj_scale_inv.data,
-                              torch.float32)
+    ours = dequantize(experts.gate_up_proj.data, experts.gate_up_proj_scale_inv.data,
+                      Recipe.BLOCKWISE_128X128, torch.float32)
     assert torch.equal(theirs, ours)
 
 
@@ -117,10 +119,10 @@ def test_experts_implementation_ts_moe_serves_fp8_experts(registered, block):
     weights = torch.softmax(torch.randn(12, 2, generator=g), -1)
     with torch.no_grad():
         out = experts(x, ids, weights)
-    scales = fp8_scales(experts)
+    value = module_experts(experts)
     want = experts_reference64(x, ids, weights, experts.gate_up_proj.data,
-                               scales["gate_up_scale"], experts.down_proj.data,
-                               scales["down_scale"])
+                               value.gate_up_scale, experts.down_proj.data, value.down_scale,
+                               value.recipes)
     assert rel_err(out, want) <= 1e-2
     # the model against the bf16 model with the dequantized experts: e4m3 activations
     with torch.no_grad():

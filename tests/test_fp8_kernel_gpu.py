@@ -10,6 +10,8 @@ shapes, the largest case, CUDA-graph capture (no host sync)."""
 import pytest
 import torch
 
+import ts_moe
+
 from .helpers import counts_to_offs, random_counts
 
 pytestmark = pytest.mark.gpu
@@ -117,13 +119,18 @@ def check(out, ref, offs, tol=1e-2):
 
 def run(a, w, sa, sw, offs, recipe, *, swiglu=False, config=None, out_dtype=torch.bfloat16,
         a_index=None):
-    """The launch on poisoned output; ``w`` (E, N, K) passed as its (E, K, N) view."""
+    """The launch module's entry point on poisoned output, ``w`` (E, N, K) passed as its
+    (E, K, N) view; ``config`` None: the one the backend's choose_config takes."""
     rows = a.shape[0] if a_index is None else a_index.shape[0]
     n = w.shape[1] // 2 if swiglu else w.shape[1]
     out = torch.full((rows, n), float("nan"), device="cuda", dtype=out_dtype)
-    fn = L().scaled_grouped_gemm_swiglu if swiglu else L().scaled_grouped_gemm
-    got = fn(a, w.transpose(-2, -1), sa, sw, offs, recipe=recipe, out_dtype=out_dtype,
-             a_index=a_index, out=out, config=config)
+    if config is None:
+        backend = L().GROUPED_GEMM_SWIGLU if swiglu else L().GROUPED_GEMM
+        config = backend.choose_config(a, w if swiglu else w.transpose(-2, -1), sa, sw, offs,
+                                       out, a_index, recipe)
+        assert config, config
+    got = L().launch(a, w.transpose(-2, -1), sa, sw, offs, out, config, recipe, swiglu=swiglu,
+                     a_index=a_index)
     torch.cuda.synchronize()
     assert got is out
     return out
@@ -213,7 +220,14 @@ def test_degenerate_offs():
         odd = torch.tensor([40, 20, 500], dtype=torch.int32, device="cuda")
         check(run(a, w, sa, sw, odd, recipe), reference(a, w, sa, sw, odd, recipe), odd)
         a0, sa0 = a[:0], (sa[:0] if recipe != "tensorwise" else sa)
-        out = L().scaled_grouped_gemm(a0, w.transpose(-2, -1), sa0, sw, zero, recipe=recipe)
+        pair = {"blockwise": ("blockwise_1x128", "blockwise_128x128")}.get(recipe,
+                                                                          (recipe, recipe))
+        ts_moe.use_fp8_kernels()  # M = 0 is the op's to answer: the launch takes none
+        try:
+            out = ts_moe.scaled_grouped_gemm(a0, w.transpose(-2, -1), sa0, pair[0], sw, pair[1],
+                                             zero)
+        finally:
+            ts_moe.use_fp8_kernels(False)
         assert out.shape == (0, 128)
 
 
@@ -245,12 +259,13 @@ def test_cuda_graph_capture():
     a, w, sa, sw, offs = make(512, 512, 384, 8, "blockwise")
     b = w.transpose(-2, -1)
     fast = L().fast_scale_a(sa)
-    L().scaled_grouped_gemm(a, b, fast, sw, offs, recipe="blockwise")  # compile, warm up
     out = torch.empty(512, 384, dtype=torch.bfloat16, device="cuda")
+    config = L().GROUPED_GEMM.choose_config(a, b, fast, sw, offs, out, None, "blockwise")
+    L().launch(a, b, fast, sw, offs, out, config, "blockwise")  # compile, warm up
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        L().scaled_grouped_gemm(a, b, fast, sw, offs, recipe="blockwise", out=out)
+        L().launch(a, b, fast, sw, offs, out, config, "blockwise")
     for counts in ([64] * 8, [0, 300, 0, 0, 100, 0, 0, 50], [1] * 8):
         offs.copy_(counts_to_offs(counts))
         out.fill_(float("nan"))

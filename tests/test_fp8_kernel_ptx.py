@@ -151,10 +151,8 @@ def test_quantize_ptx(ptx, name):
 def test_choose_config(shape, name):
     from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
 
-    for recipe in RECIPES:
+    for recipe in RECIPES:  # a recipe reaches the heuristic parsed (the op layer's)
         assert C.choose_config(*shape, recipe=recipe).name == name
-    with pytest.raises(ValueError, match="recipe must be one of"):
-        C.choose_config(*shape, recipe="mxfp8")
 
 
 def test_refused_configurations():

@@ -1,4 +1,4 @@
-"""load_fp8_experts and MoE.from_pretrained on tiny FP8 checkpoints (ts_moe.fp8.tiny) of
+"""load_fp8_experts and MoE.from_pretrained on tiny FP8 checkpoints (ts_moe.tiny) of
 each naming (Mixtral, Qwen3-MoE, DeepSeek-V3) and scheme (blockwise, channel, tensor)."""
 
 import json
@@ -11,16 +11,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ts_moe
-from ts_moe import loaders
-from ts_moe.fp8 import loaders as fp8_loaders
-from ts_moe.fp8.layer import dequantize_experts
-from ts_moe.fp8.loaders import fp8_scheme, load_fp8_experts
-from ts_moe.fp8.tiny import (NAMINGS, SCHEMES, make_tiny_fp8_checkpoint, quantization_config,
-                             tiny_moe_weights)
+from ts_moe import checkpoint, loaders
+from ts_moe.fp8.reference import dequantize
+from ts_moe.loaders import fp8_scheme, load_fp8_experts
+from ts_moe.tiny import (make_tiny_checkpoint, make_tiny_fp8_checkpoint, quantization_config,
+                         tiny_moe_weights)
 
 from .helpers import rel_err
 from .test_fp8_layer import reference64
 
+NAMINGS = ("mixtral", "qwen3_moe", "deepseek_v3")
+SCHEMES = ("blockwise", "channel", "tensor")
 EXPERT_KEYS = {"mixtral": "model.layers.{}.block_sparse_moe.experts.{}.{}",
                "qwen3_moe": "model.layers.{}.mlp.experts.{}.{}",
                "deepseek_v3": "model.layers.{}.mlp.experts.{}.{}"}
@@ -80,8 +81,38 @@ def test_loads_the_files_values_into_the_layer_layouts(checkpoints, naming, sche
     bf16 = tiny_moe_weights(layers=2, seed=4, naming=naming)[layer]
     assert torch.equal(w["router"], bf16["router"])
     for name in ("gate_up_proj", "down_proj"):
-        deq = dequantize_experts(w[name], w[name + "_scale"], torch.float32)
+        deq = dequantize(w[name], w[name + "_scale"], w["scale_recipe"], torch.float32)
         assert rel_err(deq, bf16[name]) <= 2**-4  # per element <= 2**-4 relative
+
+
+@pytest.mark.parametrize("naming", NAMINGS)
+def test_one_plan_reads_each_format_of_the_one_maker(tmp_path, naming):
+    """The one maker writes a naming in bf16 and in FP8, the one plan reads both: the
+    same layers and routers, bf16 the weights as written, FP8 within e4m3's rounding of
+    them, an expert range of either the same slice."""
+    sizes = dict(naming=naming, layers=3, hidden=128, intermediate=128, experts=4, seed=3)
+    bf16 = make_tiny_checkpoint(tmp_path / "bf16", format="bf16", **sizes)
+    fp8 = make_tiny_checkpoint(tmp_path / "fp8", format="blockwise", **sizes)
+    want = tiny_moe_weights(**sizes)
+    got16 = ts_moe.load_mixtral_experts(bf16, device="cpu")
+    got8 = load_fp8_experts(fp8, device="cpu")
+    assert list(got16) == list(got8) == list(want)
+    for layer, w in want.items():
+        assert got8[layer]["scale_recipe"] is ts_moe.fp8.Recipe.BLOCKWISE_128X128
+        for name in ("router", "gate_up_proj", "down_proj"):
+            assert torch.equal(got16[layer][name], w[name])
+            if name == "router":
+                assert torch.equal(got8[layer][name], w[name])
+            else:
+                deq = dequantize(got8[layer][name], got8[layer][name + "_scale"],
+                                 got8[layer]["scale_recipe"], torch.float32)
+                assert rel_err(deq, w[name]) <= 2**-4
+    last = list(want)[-1]
+    part16 = ts_moe.load_mixtral_experts(bf16, layers=last, experts=range(1, 3), device="cpu")
+    part8 = load_fp8_experts(fp8, layers=last, experts=range(1, 3), device="cpu")
+    assert torch.equal(part16[last]["down_proj"], want[last]["down_proj"][1:3])
+    assert torch.equal(part8[last]["down_proj"].view(torch.uint8),
+                       got8[last]["down_proj"][1:3].view(torch.uint8))
 
 
 @pytest.mark.parametrize("naming", ["mixtral", "qwen3_moe"])
@@ -94,7 +125,7 @@ def test_from_pretrained_serves_the_checkpoint(checkpoints, naming, scheme):
     with torch.no_grad():
         out = moe(x)
     ref = reference64(x, moe.router, moe.gate_up_proj, moe.gate_up_proj_scale, moe.down_proj,
-                      moe.down_proj_scale, 2)
+                      moe.down_proj_scale, 2, moe.scale_recipe)
     assert rel_err(out, ref) <= 1e-2
     bf16 = tiny_moe_weights(layers=2, seed=4, naming=naming)[1]
     plain = ts_moe.moe_forward(x, bf16["router"], bf16["gate_up_proj"], bf16["down_proj"], 2)
@@ -112,20 +143,20 @@ def test_deepseek_v3_experts_serve_experts_forward_not_the_module(checkpoints):
     ids, weights = torch.tensor([[0, 3]] * 6), torch.full((6, 2), 0.5)
     out = ts_moe.experts_forward(x, ids, weights, w["gate_up_proj"], w["down_proj"],
                                  gate_up_scale=w["gate_up_proj_scale"],
-                                 down_scale=w["down_proj_scale"])
+                                 down_scale=w["down_proj_scale"], scale_recipe=w["scale_recipe"])
     assert out.shape == (6, 256) and torch.isfinite(out.float()).all()
 
 
 def test_layer_subset_and_expert_range(checkpoints, monkeypatch):
     path = checkpoints[("qwen3_moe", "blockwise")]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    opened, real_open = [], loaders.safe_open
+    opened, real_open = [], checkpoint.safe_open
 
     def recording_open(file, *args, **kwargs):
         opened.append(Path(file).name)
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(loaders, "safe_open", recording_open)
+    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
     full = load_fp8_experts(path, layers=[1], device="cpu")[1]
     needed = {shard for key, shard in index.items() if key.startswith("model.layers.1.")}
     assert sorted(opened) == sorted(needed)  # each needed shard once, none other
@@ -164,7 +195,7 @@ def test_bf16_checkpoint_is_not_an_fp8_one(tmp_path):
     path = ts_moe.make_tiny_moe_checkpoint(tmp_path / "bf16", layers=1)
     with pytest.raises(ValueError, match="no quantization_config"):
         load_fp8_experts(path, device="cpu")
-    assert fp8_loaders.pretrained_layer(path, 0) is None  # from_pretrained: the bf16 loader
+    assert loaders.pretrained_layer(path, 0)["gate_up_proj"].dtype == torch.bfloat16
     assert ts_moe.MoE.from_pretrained(path, 0, device="cpu").gate_up_proj.dtype == torch.bfloat16
 
 
@@ -253,6 +284,7 @@ def test_without_a_config_count_the_router_decides(checkpoints, tmp_path):
     got = load_fp8_experts(path, device="cpu")
     want = load_fp8_experts(checkpoints[("mixtral", "tensor")], device="cpu")
     for layer, weights in want.items():
+        assert got[layer]["scale_recipe"] == weights.pop("scale_recipe")
         for name, t in weights.items():
             assert torch.equal(got[layer][name].view(torch.uint8), t.view(torch.uint8))
 

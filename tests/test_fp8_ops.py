@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import ts_moe
 from ts_moe.fp8 import scaled_grouped_gemm_swiglu
-from ts_moe.fp8.recipes import E4M3
+from ts_moe.fp8.recipes import E4M3, RECIPES, Pair, Recipe
 from ts_moe.fp8.reference import dequantize
 from ts_moe.reference import segment_ends
 
@@ -83,6 +83,23 @@ def test_recipes_as_scaling_types():
     by_type = ts_moe.scaled_grouped_gemm(a, w.mT, sa, F.ScalingType.BlockWise1x128, sw,
                                          F.ScalingType.BlockWise128x128, offs)
     assert torch.equal(by_name, by_type)
+
+
+def test_recipe_is_one_value():
+    """ScalingType is the public spelling; its members, their names and ts_moe's names all
+    parse to one Recipe (a str: the kernels' plain name), each pair to one Pair; the
+    weights' recipe names the activation recipe the layer pairs with it."""
+    for member in RECIPES:
+        st = member.scaling_type
+        assert Recipe.parse(st) is Recipe.parse(st.name) is Recipe.parse(member.value) is member
+        assert member == member.value and getattr(F.ScalingType, st.name) == st
+    assert [Pair.of(Recipe.parse(a), Recipe.parse(b)) for a, b in PAIRS] == list(Pair)
+    assert [(p.a, p.b) for p in Pair] == [tuple(map(Recipe, pair)) for pair in PAIRS]
+    assert Pair.BLOCKWISE == "blockwise" and Recipe.BLOCKWISE_128X128.activation is \
+        Recipe.BLOCKWISE_1X128
+    assert Recipe.TENSORWISE.activation is Recipe.ROWWISE is Recipe.ROWWISE.activation
+    with pytest.raises(ValueError, match="scale_recipe_a/scale_recipe_b"):
+        Pair.of(Recipe.ROWWISE, Recipe.TENSORWISE)
 
 
 def test_invalid_offs_read_as_segment_ends():

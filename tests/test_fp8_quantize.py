@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ts_moe
-from ts_moe.fp8.recipes import E4M3, scale_strides
+from ts_moe.fp8.recipes import E4M3, Recipe
 from ts_moe.fp8.reference import dequantize
 
 # every recipe on activations (2-D) and weights (3-D), sizes not multiples of 128
@@ -54,7 +54,7 @@ def test_scale_is_amax_over_448_and_round_trip_within_e4m3(recipe, shape, dtype)
     x = _data(shape, dtype)
     q, scale = ts_moe.quantize_fp8(x, recipe)
     assert q.dtype == E4M3 and q.shape == x.shape and q.is_contiguous()
-    assert scale.dtype == torch.float32 and scale.stride() == scale_strides(recipe, shape)
+    assert scale.dtype == torch.float32 and scale.stride() == Recipe(recipe).scale_strides(shape)
     xf = x.float()
     deq = dequantize(q, scale, recipe)
     for s_idx, elems in _groups(recipe, shape):

@@ -33,7 +33,7 @@ else:
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import torch, ts_moe
-from ts_moe.ops import kernels, paths
+from ts_moe.ops import backend, kernels, paths
 from ts_moe.fp8 import paths as fp8_paths
 from ts_moe import info_cli
 
@@ -48,8 +48,8 @@ print(json.dumps({
     "bf16_path": paths.cuda_path(0, torch.bfloat16)[0].name,
     "gemm_k": type(paths.PATH_BACKENDS[paths.Path.KERNEL_SM90].gemm_k).__name__,
     "device": [type(b).__module__ + "." + type(b).__name__ for b in paths.SM90_DEVICE],
-    "fp8_kernels": fp8_paths.gemm_kernels() is not None,
-    "quantize_kernels": fp8_paths.quantize_kernels() is not None,
+    "fp8_kernels": not isinstance(fp8_paths.KERNEL_SM90.gemm, backend.NoKernel),
+    "quantize_kernels": not isinstance(fp8_paths.KERNEL_SM90.quantize, backend.NoKernel),
     "info": rows,
 }))
 """

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ts_moe
-from ts_moe.fp8.tiny import make_tiny_fp8_checkpoint
+from ts_moe.tiny import make_tiny_fp8_checkpoint
 
 HUGE = 10**7
 SECONDS, MIB = 0.5, 100
@@ -26,7 +26,7 @@ _MEASURE = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 import ts_moe
-from ts_moe.fp8.loaders import load_fp8_experts
+from ts_moe.loaders import load_fp8_experts
 
 LOADERS = {"bf16": ts_moe.load_mixtral_experts, "fp8": load_fp8_experts}
 warm, cases = json.loads(sys.argv[1])

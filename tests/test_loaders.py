@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ts_moe
-from ts_moe import loaders
+from ts_moe import checkpoint
 
 transformers = pytest.importorskip("transformers")
 from transformers import MixtralForCausalLM  # noqa: E402
@@ -100,13 +100,13 @@ def test_layer_subset_opens_each_needed_shard_once(checkpoints, names, monkeypat
     path = checkpoints[(names, 3)]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     opened = []
-    real_open = loaders.safe_open
+    real_open = checkpoint.safe_open
 
     def recording_open(file, *args, **kwargs):
         opened.append(Path(file).name)
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(loaders, "safe_open", recording_open)
+    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
     weights = ts_moe.load_mixtral_experts(path, layers=[2], device="cpu")
     assert list(weights) == [2]
     prefix = (V4 if names == "v4" else V5).format(2)

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import ts_moe
 from ts_moe.distributed import ExpertParallelMoE
-from ts_moe.fp8.tiny import make_tiny_fp8_checkpoint
+from ts_moe.tiny import make_tiny_fp8_checkpoint
 
 from .helpers import rel_err
 from .ranks import run_ranks
@@ -100,7 +100,7 @@ def test_fp8_qwen3_moe_routing_follows_norm_topk_prob(tmp_path, norm):
     if norm:
         weights = weights / weights.sum(-1, keepdim=True)
     want = experts_reference64(x, ids, weights, moe.gate_up_proj, moe.gate_up_proj_scale,
-                               moe.down_proj, moe.down_proj_scale)
+                               moe.down_proj, moe.down_proj_scale, moe.scale_recipe)
     assert rel_err(out, want) <= 1e-2
 
 

@@ -48,6 +48,7 @@ from torch import nn
 from torch.autograd import forward_ad as _forward_ad
 
 from . import ops
+from .experts import ExpertWeights
 from .settings import settings
 
 MAX_TOKENS = 128  # the decode regime of the targets (T <= 128)
@@ -100,8 +101,9 @@ class DecodeGraphs:
 
     ``call(fn, num_experts, dynamic, fixed, *static)`` returns ``fn(*dynamic,
     *fixed, *static)``: ``dynamic`` the per-call tensors (copied into the
-    graph), ``fixed`` the weights (read in place by address), ``static``
-    hashable arguments; ``fn`` returns a tensor or a tuple of tensors and
+    graph), ``fixed`` the weights (read in place by address: tensors, or the
+    experts' value of :mod:`ts_moe.experts`, whose tensors and kind count),
+    ``static`` hashable arguments; ``fn`` returns a tensor or a tuple of tensors and
     runs ``num_experts`` experts (which decides its path in ops).
 
     Admission: a signature is captured at its second call while it is among
@@ -201,10 +203,14 @@ class DecodeGraphs:
             if type(t) not in _PLAIN or (grad and t.requires_grad):
                 return None
             parts.append((t.shape, t.dtype, t.get_device()))
-        for t in fixed:
-            if type(t) not in _PLAIN or (grad and t.requires_grad):
-                return None
-            parts.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()))
+        for f in fixed:  # a tensor, or the experts' value: its tensors and its kind
+            experts = isinstance(f, ExpertWeights)
+            for t in f.tensors if experts else (f,):
+                if type(t) not in _PLAIN or (grad and t.requires_grad):
+                    return None
+                parts.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()))
+            if experts:
+                parts.append((type(f), f.kind))
         device = parts[1]
         if torch.is_autocast_enabled("cuda") or torch.cuda.is_current_stream_capturing():
             return None

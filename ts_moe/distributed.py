@@ -56,7 +56,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .checks import check_flag
-from .moe import _check_tensor, check_layer_config, init_linear_
+from .experts import check_tensor as _check_tensor
+from .moe import check_layer_config, init_linear_
 from .ops import (combine, grouped_gemm, grouped_gemm_swiglu, route, router_logits, scatter_rows,
                   sort_slots)
 from .reference import gather_permutation, gather_rows
@@ -277,7 +278,8 @@ class ExpertParallelMoE(nn.Module):
         """Layer ``layer`` of a local Mixtral (or Qwen3-MoE) checkpoint, reading only
         this rank's experts (:func:`ts_moe.load_mixtral_experts` with ``experts=``);
         config.json read and checked as :meth:`ts_moe.MoE.from_pretrained` reads it."""
-        from .loaders import EXPERT_FIELDS, load_mixtral_experts
+        from .checkpoint import EXPERT_FIELDS
+        from .loaders import load_mixtral_experts
         from .pretrained import block_settings
 
         world, rank = _group_info(group)

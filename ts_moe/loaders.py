@@ -1,344 +1,358 @@
-"""Load the expert weights of a Hugging Face Mixtral checkpoint into ts_moe's layouts.
+"""Load the experts of a Hugging Face MoE checkpoint into the layer's layouts, bf16 or FP8,
+lazily and per layer, through one plan (:func:`_load`): the checkpoint's naming, the
+layers asked for, each layer's expert count from its router and the experts asked for,
+every key checked against the index and every shape and dtype against the headers before
+any data is read, each shard opened once, through the checked reads of
+:mod:`ts_moe.checkpoint`.  The formats differ only in the tensors read per expert
+(:class:`Bf16Format`: the weight; :class:`Fp8Format`: the e4m3 weight and its scale).
 
-A checkpoint directory holds ``model.safetensors``, or shards listed in
-``model.safetensors.index.json``.  Two namings of the MoE tensors exist:
+Namings, per layer ``L`` and expert ``e``:
 
-* transformers 4 (and what transformers 5 still writes on save):
-  ``model.layers.{L}.block_sparse_moe.gate.weight`` (E, H) and per expert
-  ``...block_sparse_moe.experts.{e}.w1.weight`` (I, H) (gate),
-  ``w3.weight`` (I, H) (up), ``w2.weight`` (H, I) (down);
-* transformers 5 in memory: ``model.layers.{L}.mlp.gate.weight`` (E, H),
-  ``...mlp.experts.gate_up_proj`` (E, 2I, H), ``...mlp.experts.down_proj`` (E, H, I).
+* ``block_sparse_moe`` (Mixtral; transformers 4, and what transformers 5 still writes
+  on save): the router ``model.layers.{L}.block_sparse_moe.gate.weight`` (E, H) and per
+  expert ``...experts.{e}.w1`` (gate, (I, H)), ``w3`` (up, (I, H)), ``w2`` (down,
+  (H, I));
+* ``mlp`` (Qwen3-MoE, DeepSeek-V3): ``model.layers.{L}.mlp.gate.weight`` and per expert
+  ``...mlp.experts.{e}.gate_proj``, ``up_proj``, ``down_proj``;
+* ``mlp`` stacked (transformers 5 in memory; bf16): ``...mlp.experts.gate_up_proj``
+  (E, 2I, H) and ``...mlp.experts.down_proj`` (E, H, I).
 
-The directory must be on disk: a Hub id such as ``mistralai/Mixtral-8x7B-v0.1``
-is not downloaded here (``huggingface_hub.snapshot_download`` or ``hf download``
-fetch one).  Tensors are read straight onto the requested device; by default
-that is CUDA when torch sees a GPU and the CPU otherwise (:func:`resolve_device`,
-which :meth:`ts_moe.MoE.from_pretrained` shares).
+FP8 releases hold per expert linear an e4m3 ``weight`` and its scale, as config.json's
+``quantization_config`` says (:func:`fp8_scheme`):
+
+- ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``: ``weight_scale_inv``
+  (ceil(N/128), ceil(K/128)) per 128x128 block (DeepSeek-V3, Qwen ``-FP8``);
+- ``compressed-tensors`` with float weights of strategy ``channel``: ``weight_scale``
+  (N, 1) (llm-compressor FP8-dynamic); strategy ``tensor``: a one-element one;
+- ``{"quant_method": "fp8"}`` without a block size: ``weight_scale`` per tensor (AutoFP8).
+
+Scales are dequantization multipliers in every format (``weight_scale_inv`` is named
+for the quantizer's view; the checkpoints multiply by it).  Static activation scales
+(``input_scale``) are not read: the layer quantizes activations per token.  The
+experts of DeepSeek-V3 are loaded as any others; its router (sigmoid scores, a
+score bias, expert groups) is not the layer's softmax top-k, so serve its experts
+through :func:`ts_moe.experts_forward` with its own routing.
 """
 
-import json
-import os
 import re
-import stat
 from contextlib import ExitStack
-from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 
+from .checkpoint import (INDEX_NUMBER, check_experts_range, config_intermediate, expert_count,
+                         local_checkpoint, read_config, resolve_device, selected_layers,
+                         shard_opener, weight_index)
+from .fp8.recipes import BLOCK, NamedEnum, Recipe
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-# a layer or expert index in a key: canonical decimal, short enough to convert at once
-# (a key with a longer or zero-padded one names no layer or expert and is ignored)
-INDEX_NUMBER = r"(0|[1-9]\d{0,17})"
 _LAYER_KEY = re.compile(rf"model\.layers\.{INDEX_NUMBER}\.(block_sparse_moe|mlp)\.(gate|experts)\.")
-_V4_EXPERT_KEY = re.compile(
-    rf"model\.layers\.{INDEX_NUMBER}\.block_sparse_moe\.experts\.{INDEX_NUMBER}\.")
-_V4, _V5 = "block_sparse_moe", "mlp"
-# config.json's expert count (by model type), hidden size and expert intermediate size
-# (moe_intermediate_size where the model also has dense MLPs, whose size intermediate_size is)
-EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
-INTER_FIELDS = ("moe_intermediate_size", "intermediate_size")
-_CONFIG_SIZES = (*EXPERT_FIELDS, "hidden_size", *INTER_FIELDS)
-JSON_LIMIT = 64 << 20  # bytes of a config.json or an index (DeepSeek-V3's index: 9 MB)
+_EXPERT_KEY = re.compile(
+    rf"model\.layers\.{INDEX_NUMBER}\.(block_sparse_moe|mlp)\.experts\.{INDEX_NUMBER}\.")
+ROLES = {"block_sparse_moe": ("w1", "w3", "w2"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
-class _Checkpoint:
-    """The files of a checkpoint directory that may be opened: regular files
-    inside it (after symlinks), or, for a snapshot of the Hugging Face cache
-    (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs``), in
-    that repository's ``blobs``.  Checked with ``lstat`` before anything opens
-    them, so a FIFO, a device or a path out of the directory is a ValueError
-    naming the file and the field that named it, never a blocked read; the JSON
-    files are read through one descriptor, checked again (``fstat``) and read
-    no further than :data:`JSON_LIMIT`, so a file swapped or grown after the
-    check cannot block or exhaust memory either."""
+class LayerPlan(NamedTuple):
+    """The keys of one MoE layer: its router, then the experts asked for, stacked
+    (``(gate_up_proj, down_proj)``) or per expert (``{(role, e): keys}``, role
+    ``gate``, ``up`` or ``down``, the keys the format reads per linear)."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        real = Path(os.path.realpath(path))
-        self.roots = [real]
-        if real.parent.name == "snapshots":
-            self.roots.append(real.parent.parent / "blobs")
+    router: str
+    experts: range
+    stacked: tuple[str, str] | None
+    per_expert: dict
 
-    def file(self, name: str, what: str) -> Path | None:
-        """The checked real path of ``name`` in the directory; None if it does not exist."""
-        path = self.path / name
-        real = Path(os.path.realpath(path))
-        if not any(real.is_relative_to(root) for root in self.roots):
-            raise ValueError(f"{what}: {str(path)!r} resolves to {str(real)!r}, outside the "
-                             f"checkpoint directory")
-        try:
-            mode = os.lstat(real).st_mode
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{what}: {str(path)!r} is not a regular file")
-        return real
+    def keys(self) -> list[str]:
+        return [self.router, *(self.stacked or ()),
+                *(k for keys in self.per_expert.values() for k in keys)]
 
-    def read(self, name: str, what: str, limit: int) -> bytes | None:
-        """The bytes of ``name`` (checked as :meth:`file`), at most ``limit`` of them,
-        else a ValueError naming it; None if it does not exist.  Opened without
-        following a link and without blocking, and checked again on the descriptor
-        that is read."""
-        real = self.file(name, what)
-        if real is None:
-            return None
-        path = str(self.path / name)
-        try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise ValueError(f"{what}: {path!r} cannot be opened ({exc.strerror})") from None
-        with open(fd, "rb") as f:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"{what}: {path!r} is not a regular file")
-            if info.st_size > limit:
-                raise ValueError(f"{what}: {path!r} holds {info.st_size} bytes, more than the "
-                                 f"{limit} it may")
-            data = f.read(limit + 1)
-        if len(data) > limit:
-            raise ValueError(f"{what}: {path!r} holds more than the {limit} bytes it may")
-        return data
-
-    def json(self, name: str) -> dict | None:
-        """A JSON file of the directory, or None if it has none by that name."""
-        data = self.read(name, name, JSON_LIMIT)
-        if data is None:
-            return None
-        try:
-            value = json.loads(data)
-        except RecursionError:
-            raise ValueError(f"{self.path / name}: nested too deeply to parse") from None
-        except ValueError as exc:  # bad JSON or UTF-8, an integer of too many digits
-            raise ValueError(f"{self.path / name}: not valid JSON ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{self.path / name}: expected a JSON object")
-        return value
+    def first(self, role: str) -> str:
+        """The first (weight) key of ``role`` of the first expert asked for."""
+        return self.per_expert[(role, self.experts.start)][0]
 
 
-def local_checkpoint(path, loader: str = "load_mixtral_experts") -> _Checkpoint:
-    """``path`` as a checkpoint directory on disk, else a FileNotFoundError saying how
-    to download one (a Hub id is not a directory)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"{str(path)!r} is not a local directory: {loader} reads a checkpoint "
-            f"directory on disk, not a Hugging Face Hub id. Download one first, e.g. "
-            f"huggingface_hub.snapshot_download('mistralai/Mixtral-8x7B-v0.1', "
-            f"allow_patterns=['*.safetensors', '*.json'], local_dir='Mixtral-8x7B'), or "
-            f"`hf download mistralai/Mixtral-8x7B-v0.1 --include '*.safetensors' '*.json' "
-            f"--local-dir Mixtral-8x7B`, and pass that directory")
-    return _Checkpoint(path)
+def _layer_plan(layer: int, block: str, stacked: bool, fmt, start: int, stop: int) -> LayerPlan:
+    """The plan of layer ``layer``'s experts ``start .. stop - 1``."""
+    prefix = f"model.layers.{layer}.{block}."
+    if stacked:
+        return LayerPlan(prefix + "gate.weight", range(start, stop),
+                         (prefix + "experts.gate_up_proj", prefix + "experts.down_proj"), {})
+    per_expert = {(role, e): fmt.expert_keys(f"{prefix}experts.{e}.{name}.")
+                  for e in range(start, stop)
+                  for role, name in zip(("gate", "up", "down"), ROLES[block])}
+    return LayerPlan(prefix + "gate.weight", range(start, stop), None, per_expert)
 
 
-def _shard_name(index_file: Path, key, shard) -> str:
-    """A shard name of the index: a relative path that stays in the directory."""
-    field = f"{index_file}: weight_map[{key!r}]"
-    if not isinstance(key, str) or not isinstance(shard, str) or not shard:
-        raise ValueError(f"{field} must map a key to a file name, got {shard!r}")
-    if os.path.isabs(shard) or ".." in PurePosixPath(shard).parts:
-        raise ValueError(f"{field} = {shard!r} is not a file inside the checkpoint directory")
-    return shard
+def _load(path, layers, device, experts, format_of, caller: str) -> dict:
+    """The plan, for every format (module docstring); ``format_of(config, config_file)``
+    the checkpoint's format."""
+    device = resolve_device(device)
+    check_experts_range(experts)
+    ckpt = local_checkpoint(path, caller)
+    path, config_file = ckpt.path, ckpt.path / "config.json"
+    config = read_config(ckpt)
+    fmt = format_of(config, config_file)
+    index, index_file = weight_index(ckpt)
+    present: dict[int, str] = {}
+    expert_keys: dict[int, dict[int, str]] = {}  # per layer: expert index -> a key naming it
+    for key in index:
+        if m := _LAYER_KEY.match(key):
+            present.setdefault(int(m.group(1)), m.group(2))
+        if m := _EXPERT_KEY.match(key):
+            expert_keys.setdefault(int(m.group(1)), {}).setdefault(int(m.group(3)), key)
+    layers = selected_layers(layers, present, path)
+
+    with ExitStack() as stack:
+        handle = shard_opener(ckpt, index, index_file, device, stack)
+        plans = {}
+        for layer in layers:  # E from the router's header, before any per-expert key
+            block = present[layer]
+            prefix = f"model.layers.{layer}.{block}."
+            stacked = fmt.stacks and block == "mlp" and layer not in expert_keys
+            router = prefix + "gate.weight"
+            count = expert_count(
+                router, tuple(handle(router).get_slice(router).get_shape()), path / index[router],
+                config, config_file, index_file, None if stacked else expert_keys.get(layer, {}),
+                lambda e: f"{prefix}experts.{e}.{ROLES[block][0]}.weight")
+            if experts is not None and experts.stop > count:
+                raise ValueError(f"experts {experts!r} is past the checkpoint's {count} experts")
+            chosen = experts or range(count)
+            plans[layer] = _layer_plan(layer, block, stacked, fmt, chosen.start, chosen.stop)
+        keys = [key for plan in plans.values() for key in plan.keys()]
+        for key in keys:
+            if key not in index:
+                raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
+        headers = {key: handle(key).get_slice(key) for key in keys}
+        shapes = {key: tuple(h.get_shape()) for key, h in headers.items()}
+        dtypes = {key: h.get_dtype() for key, h in headers.items()}
+        for plan in plans.values():
+            fmt.check(plan, shapes, dtypes, config, config_file)
+        return {layer: fmt.read(plan, handle, shapes, device) for layer, plan in plans.items()}
 
 
-def _weight_index(ckpt: _Checkpoint) -> tuple[dict[str, str], Path]:
-    """Checkpoint key -> the name of the safetensors file holding it, and the file
-    that says so (the index, or the single ``model.safetensors``)."""
-    index = ckpt.json("model.safetensors.index.json")
-    if index is not None:
-        index_file = ckpt.path / "model.safetensors.index.json"
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index_file}: weight_map must be an object of key -> file name")
-        return {key: _shard_name(index_file, key, shard)
-                for key, shard in weight_map.items()}, index_file
-    single = ckpt.file("model.safetensors", "model.safetensors")
-    if single is not None:
-        with safe_open(single, framework="pt") as f:
-            return {key: "model.safetensors" for key in f.keys()}, ckpt.path / "model.safetensors"
-    raise FileNotFoundError(
-        f"{ckpt.path} has neither model.safetensors nor model.safetensors.index.json")
+def _read(handle, key: str) -> torch.Tensor:
+    return handle(key).get_tensor(key)
 
 
-def shard_opener(ckpt: _Checkpoint, index: dict[str, str], index_file: Path, device,
-                 stack: ExitStack):
-    """``handle(key)``: the open safetensors file holding ``key``, each shard opened
-    once (on ``stack``, straight onto ``device``) and only as a regular file inside
-    the checkpoint; KeyError naming a key the index lacks, FileNotFoundError naming
-    the index entry of a shard that is not there."""
-    handles = {}
+# ------------------------------------------------------------------ bf16
+class Bf16Format:
+    """Experts in the router's float dtype (bf16, fp16, fp32), read as they are."""
 
-    def handle(key):
-        if key not in index:
-            raise KeyError(f"key {key!r} is missing from the checkpoint {ckpt.path}")
-        shard = index[key]
-        if shard not in handles:
-            file = ckpt.file(shard, f"{index_file}: weight_map[{key!r}]")
-            if file is None:
-                raise FileNotFoundError(f"{index_file}: weight_map[{key!r}] = {shard!r}, "
-                                        f"which is not in {ckpt.path}")
-            handles[shard] = stack.enter_context(
-                safe_open(file, framework="pt", device=str(device)))
-        return handles[shard]
+    stacks = True  # takes the stacked naming too
 
-    return handle
+    @staticmethod
+    def expert_keys(base: str) -> tuple[str]:
+        return (base + "weight",)
 
+    @staticmethod
+    def check(plan: LayerPlan, shapes: dict, dtypes: dict, config: dict, config_file) -> None:
+        """Every shape from E (the router's), H (config.json's, else the router's) and I
+        (config.json's, else the first gate's); one float dtype, the router's."""
+        num_experts, router_hidden = shapes[plan.router]
+        hidden = config.get("hidden_size", router_hidden)
+        inter = config_intermediate(config)
+        if inter is None:  # from gate_up_proj (E, 2I, H) or a gate (I, H); a wrong rank fails below
+            shape = shapes[plan.stacked[0] if plan.stacked else plan.first("gate")]
+            inter = (shape[-2] // 2 if plan.stacked else shape[0]) if len(shape) >= 2 else 0
+        expected = {plan.router: (num_experts, hidden)}
+        if plan.stacked:
+            expected[plan.stacked[0]] = (num_experts, 2 * inter, hidden)
+            expected[plan.stacked[1]] = (num_experts, hidden, inter)
+        for (role, _), (key,) in plan.per_expert.items():
+            expected[key] = (hidden, inter) if role == "down" else (inter, hidden)
+        router_dtype = dtypes[plan.router]
+        for key, shape in expected.items():
+            dtype = dtypes[key]
+            if dtype not in _DTYPES:
+                raise ValueError(f"{key}: dtype {dtype} is not one of {sorted(_DTYPES)}")
+            if dtype != router_dtype:
+                raise ValueError(f"{key}: dtype {dtype} differs from the router's {router_dtype}")
+            if shapes[key] != shape:
+                raise ValueError(f"{key}: shape {shapes[key]}, expected {shape}")
 
-def is_positive_int(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
-
-
-def read_config(ckpt: _Checkpoint) -> dict:
-    """config.json (``{}`` without one), its expert counts and sizes positive ints."""
-    config = ckpt.json("config.json") or {}
-    for field in _CONFIG_SIZES:
-        if field in config and not is_positive_int(config[field]):
-            raise ValueError(f"{ckpt.path / 'config.json'}: {field} must be a positive int, "
-                             f"got {config[field]!r}")
-    return config
-
-
-def config_intermediate(config: dict) -> int | None:
-    """The experts' intermediate size config.json declares (:data:`INTER_FIELDS`), or None."""
-    return next((config[f] for f in INTER_FIELDS if f in config), None)
-
-
-def expert_count(router_key: str, router_shape: tuple, router_file, config: dict,
-                 config_file: Path, index_file: Path, expert_keys: dict[int, str] | None = None,
-                 key_of=None) -> int:
-    """E of a layer, from its router's safetensors header, checked before anything
-    proportional to it is built.
-
-    The router must be (E, H) with E and H at least 1 (so that its bytes in the
-    file bound E); every expert count config.json declares (:data:`EXPERT_FIELDS`)
-    must equal E; ``expert_keys`` (expert index -> a key of the index naming it,
-    for a naming with per-expert keys; None for stacked experts) must name
-    exactly the experts ``0 .. E-1``.  ValueError naming the file and the field
-    otherwise, or a KeyError naming ``key_of(e)`` for the first missing expert
-    ``e``."""
-    if len(router_shape) != 2 or min(router_shape) < 1:
-        raise ValueError(f"{router_file}: {router_key}: expected a 2-D (E, H) router with "
-                         f"E >= 1 experts and H >= 1, got shape {router_shape}")
-    num_experts = router_shape[0]
-    for field in EXPERT_FIELDS:
-        if config.get(field, num_experts) != num_experts:
-            raise ValueError(f"{config_file}: {field} = {config[field]}, but the router "
-                             f"{router_key} has {num_experts} experts (its shape "
-                             f"{router_shape})")
-    if expert_keys is not None:
-        last = max(expert_keys, default=-1)
-        if last >= num_experts:
-            raise ValueError(f"{index_file}: key {expert_keys[last]!r} names expert {last}, "
-                             f"but the router {router_key} has {num_experts} experts")
-        if len(expert_keys) < num_experts:  # one of 0 .. len(expert_keys) is missing
-            missing = next(e for e in range(num_experts) if e not in expert_keys)
-            raise KeyError(f"key {key_of(missing)!r} is missing from {index_file}: the router "
-                           f"{router_key} has {num_experts} experts")
-    return num_experts
+    @staticmethod
+    def read(plan: LayerPlan, handle, shapes: dict, device) -> dict:
+        router = _read(handle, plan.router)
+        experts = plan.experts
+        if plan.stacked:  # read the experts' slab only
+            return {"router": router, **{
+                name: handle(key).get_slice(key)[experts.start:experts.stop].to(device)
+                for name, key in zip(("gate_up_proj", "down_proj"), plan.stacked)}}
+        hidden, inter = router.shape[1], shapes[plan.first("gate")][0]
+        gate_up = torch.empty(len(experts), 2 * inter, hidden, dtype=router.dtype, device=device)
+        down = torch.empty(len(experts), hidden, inter, dtype=router.dtype, device=device)
+        for i, e in enumerate(experts):
+            for role, dst in (("gate", gate_up[i, :inter]), ("up", gate_up[i, inter:]),
+                              ("down", down[i])):
+                dst.copy_(_read(handle, plan.per_expert[(role, e)][0]))
+        return {"router": router, "gate_up_proj": gate_up, "down_proj": down}
 
 
-def _layer_plan(layer: int, naming: str, num_experts: int):
-    """The checkpoint keys of one MoE layer: {"router": key, ...} by naming."""
-    prefix = f"model.layers.{layer}.{naming}."
-    if naming == _V5:
-        return {"router": prefix + "gate.weight",
-                "gate_up_proj": prefix + "experts.gate_up_proj",
-                "down_proj": prefix + "experts.down_proj"}
-    plan = {"router": prefix + "gate.weight"}
-    for e in range(num_experts):
-        for w in ("w1", "w2", "w3"):
-            plan[f"{w}.{e}"] = f"{prefix}experts.{e}.{w}.weight"
-    return plan
+# ------------------------------------------------------------------- FP8
+class Fp8Scheme(NamedEnum):
+    """How a release stores its experts' FP8 scales (module docstring)."""
+
+    BLOCKWISE = "blockwise"
+    CHANNEL = "channel"
+    TENSOR = "tensor"
+
+    @property
+    def recipe(self) -> Recipe:
+        """The recipe of each linear's scale as stored."""
+        return _STORED[self]
+
+    @property
+    def scale_key(self) -> str:
+        return "weight_scale_inv" if self is Fp8Scheme.BLOCKWISE else "weight_scale"
 
 
-def _expected_shapes(plan: dict[str, str], shapes: dict[str, tuple], config: dict):
-    """Shape of each role in ``plan``; E from the router (checked by :func:`expert_count`),
-    H from config.json or the router, I from config.json or the first gate projection."""
-    num_experts, router_hidden = shapes[plan["router"]]
-    hidden = config.get("hidden_size", router_hidden)
-    inter = config_intermediate(config)
-    if inter is None:  # from gate_up_proj (E, 2I, H) or w1 (I, H); a wrong rank fails below
-        shape = shapes[plan.get("gate_up_proj", plan.get("w1.0"))]
-        inter = (shape[-2] // 2 if "gate_up_proj" in plan else shape[0]) if len(shape) >= 2 else 0
-    expected = {"router": (num_experts, hidden),
-                "gate_up_proj": (num_experts, 2 * inter, hidden),
-                "down_proj": (num_experts, hidden, inter),
-                "w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
-    return {role: expected[role.split(".")[0]] for role in plan}
+_STORED = {Fp8Scheme.BLOCKWISE: Recipe.BLOCKWISE_128X128, Fp8Scheme.CHANNEL: Recipe.ROWWISE,
+           Fp8Scheme.TENSOR: Recipe.TENSORWISE}
+_FLOAT = {"BF16", "F16", "F32"}
 
 
-def check_experts_range(experts) -> None:
-    """``experts``: None or a non-empty ``range`` of expert indices, step 1, else a ValueError."""
-    if experts is not None and (not isinstance(experts, range) or experts.step != 1
-                                or len(experts) == 0 or experts.start < 0):
-        raise ValueError(f"experts must be None or a non-empty range of expert indices "
-                         f"(step 1), got {experts!r}")
+def _field(source, name: str, value, want: str) -> ValueError:
+    return ValueError(f"{source}: quantization_config{name} must be {want}, got {value!r}")
 
 
-def selected_layers(layers, present, path) -> list[int]:
-    """``layers`` (None: every MoE layer in ``present``; an int; ints) as a list, each an
-    MoE layer of the checkpoint at ``path``, else a TypeError/KeyError naming it."""
-    if layers is None:
-        layers = sorted(present)
-    elif isinstance(layers, int) and not isinstance(layers, bool):
-        layers = [layers]
-    else:
-        layers = list(layers)
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layers must hold ints, got {layer!r}")
-        if layer not in present:
-            raise KeyError(f"layer {layer} is not an MoE layer of the checkpoint {path} "
-                           f"(its MoE layers: {sorted(present)})")
-    return layers
+def fp8_scheme(config: dict, source="config.json") -> Fp8Scheme | None:
+    """The FP8 weight scheme config.json declares, or None (no quantization_config).
+    ValueError naming ``source`` (the file) and the field for a quantization ts_moe
+    does not serve (another method, block size or format) or a field of the wrong type."""
+    q = config.get("quantization_config")
+    if q is None or q == {}:
+        return None
+    if not isinstance(q, dict):
+        raise _field(source, "", q, "an object")
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"{source}: quantization_config.fmt {q['fmt']!r}: only e4m3 is "
+                             f"served")
+        block = q.get("weight_block_size")
+        if block is None:
+            return Fp8Scheme.TENSOR
+        if not (isinstance(block, list) and len(block) == 2
+                and all(type(b) is int for b in block)):
+            raise _field(source, ".weight_block_size", block, "a list of two ints")
+        if block != [BLOCK, BLOCK]:
+            raise ValueError(f"{source}: quantization_config.weight_block_size {block}: only "
+                             f"[{BLOCK}, {BLOCK}] is served")
+        return Fp8Scheme.BLOCKWISE
+    if method == "compressed-tensors":
+        groups = q.get("config_groups", {})
+        if not isinstance(groups, dict):
+            raise _field(source, ".config_groups", groups, "an object of groups")
+        for name, group in groups.items():
+            if not isinstance(group, dict):
+                raise _field(source, f".config_groups[{name!r}]", group, "an object")
+            w = group.get("weights") or {}
+            if not isinstance(w, dict):
+                raise _field(source, f".config_groups[{name!r}].weights", w, "an object")
+            if w.get("type") == "float" and type(w.get("num_bits")) is int and \
+                    w["num_bits"] == 8 and w.get("strategy") in ("channel", "tensor"):
+                return Fp8Scheme(w["strategy"])
+        raise ValueError(f"{source}: quantization_config: compressed-tensors without 8-bit "
+                         f"float weights of strategy channel or tensor is not served")
+    raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not an FP8 "
+                     f"format ts_moe serves (fp8, compressed-tensors)")
 
 
-def resolve_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` that exists on this machine; None: CUDA when
-    torch sees a GPU, else the CPU.
+class Fp8Format:
+    """e4m3 experts with their scales of ``scheme``, stacked as the layer takes them:
+    blockwise (E, 2I/128, H/128) and (E, H/128, I/128) (I a multiple of 128, so that
+    gate and up blocks stack); per channel (E, 2I) and (E, H); per tensor, each linear's
+    one scale spread over its channels (gate and up keep their own), the same shapes:
+    the ``ROWWISE`` recipe."""
 
-    Checked up front because the failures come late and name no argument:
-    safetensors opens a file for ``device="cuda"`` on a machine without CUDA
-    and only its first ``get_tensor`` fails (``RuntimeError: pin_memory=True
-    requires a CUDA or other accelerator backend``: it stages reads in pinned
-    host memory); ``"meta"`` and absent backends (``"xpu"``, ``"mps"``) fail
-    inside safetensors or torch.  Each of these is a ValueError naming
-    ``device`` here.
-    """
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
-    if device.type == "cpu":
-        return device
-    if device.type == "meta":
-        raise ValueError(f"device {str(device)!r} holds no values: the weights need a real "
-                         f"device (pass device='cpu', or None for the default)")
-    if device.type == "cuda":
-        available, count, what = torch.cuda.is_available, torch.cuda.device_count, "CUDA GPU"
-    else:  # another accelerator: torch.xpu, torch.mps, ... (torch.accelerator knows which)
-        def available():
-            current = torch.accelerator.current_accelerator()
-            return current is not None and current.type == device.type
+    stacks = False
 
-        count, what = torch.accelerator.device_count, f"{device.type} device"
-    if not available():
-        raise ValueError(f"device {str(device)!r}: torch sees no {what} here "
-                         f"(pass device='cpu', or None for the default)")
-    if device.index is not None and device.index >= count():
-        raise ValueError(f"device {str(device)!r}: there are only {count()} {what}s")
-    return device
+    def __init__(self, scheme: Fp8Scheme):
+        self.scheme = scheme
+
+    def expert_keys(self, base: str) -> tuple[str, str]:
+        return base + "weight", base + self.scheme.scale_key
+
+    def _scale_shapes(self, n: int, k: int) -> tuple[tuple, ...]:
+        if self.scheme is Fp8Scheme.BLOCKWISE:
+            return ((-(-n // BLOCK), -(-k // BLOCK)),)
+        if self.scheme is Fp8Scheme.CHANNEL:
+            return ((n, 1), (n,))
+        return ((), (1,))
+
+    def check(self, plan: LayerPlan, shapes: dict, dtypes: dict, config: dict,
+              config_file) -> None:
+        router = plan.router
+        if len(shapes[router]) != 2 or dtypes[router] not in _FLOAT:
+            raise ValueError(f"{router}: expected a 2-D bf16/fp16/fp32 (E, H) router, got "
+                             f"shape {shapes[router]} and dtype {dtypes[router]}")
+        hidden = shapes[router][1]
+        if config.get("hidden_size", hidden) != hidden:
+            raise ValueError(f"{config_file}: hidden_size = {config['hidden_size']}, but the "
+                             f"router {router} has shape {shapes[router]}")
+        inter = config_intermediate(config)
+        if inter is None:
+            inter = shapes[plan.first("gate")][0]
+        if self.scheme is Fp8Scheme.BLOCKWISE and inter % BLOCK:
+            raise ValueError(f"intermediate size {inter}: blockwise gate and up scales stack "
+                             f"into one gate_up scale only for a multiple of {BLOCK}")
+        for (role, _), (weight, scale) in plan.per_expert.items():
+            n, k = (hidden, inter) if role == "down" else (inter, hidden)
+            if dtypes[weight] != "F8_E4M3" or shapes[weight] != (n, k):
+                raise ValueError(f"{weight}: expected F8_E4M3 of shape {(n, k)}, got "
+                                 f"{dtypes[weight]} of shape {shapes[weight]}")
+            expected = self._scale_shapes(n, k)
+            if dtypes[scale] not in _FLOAT or shapes[scale] not in expected:
+                raise ValueError(f"{scale}: expected a float scale of shape "
+                                 f"{' or '.join(map(str, expected))} ({self.scheme}), got "
+                                 f"{dtypes[scale]} of shape {shapes[scale]}")
+
+    def read(self, plan: LayerPlan, handle, shapes: dict, device) -> dict:
+        router = _read(handle, plan.router)
+        hidden, inter = router.shape[1], shapes[plan.first("gate")][0]
+        n = len(plan.experts)
+        e4m3 = torch.float8_e4m3fn
+        gate_up = torch.empty(n, 2 * inter, hidden, dtype=e4m3, device=device)
+        down = torch.empty(n, hidden, inter, dtype=e4m3, device=device)
+        blockwise = self.scheme is Fp8Scheme.BLOCKWISE
+        if blockwise:
+            rows = -(-inter // BLOCK)
+            gu_scale = torch.empty(n, 2 * rows, -(-hidden // BLOCK), device=device)
+            down_scale = torch.empty(n, -(-hidden // BLOCK), rows, device=device)
+        else:
+            gu_scale = torch.empty(n, 2 * inter, device=device)
+            down_scale = torch.empty(n, hidden, device=device)
+        half = gu_scale.shape[1] // 2
+        for i, e in enumerate(plan.experts):
+            for role, w_dst, s_dst in (("gate", gate_up[i, :inter], gu_scale[i, :half]),
+                                       ("up", gate_up[i, inter:], gu_scale[i, half:]),
+                                       ("down", down[i], down_scale[i])):
+                weight, scale = plan.per_expert[(role, e)]
+                w_dst.copy_(_read(handle, weight))
+                s = _read(handle, scale).float()
+                s_dst.copy_(s if blockwise else s.reshape(-1).expand(s_dst.shape))
+        return {"router": router, "gate_up_proj": gate_up, "gate_up_proj_scale": gu_scale,
+                "down_proj": down, "down_proj_scale": down_scale,
+                "scale_recipe": Recipe.BLOCKWISE_128X128 if blockwise else Recipe.ROWWISE}
 
 
+def _bf16_format(config: dict, config_file) -> Bf16Format:
+    return Bf16Format()
+
+
+def _fp8_format(config: dict, config_file) -> Fp8Format:
+    scheme = fp8_scheme(config, config_file)
+    if scheme is None:
+        raise ValueError(f"{config_file} has no quantization_config: not an FP8 checkpoint "
+                         f"(bf16 Mixtral: ts_moe.load_mixtral_experts)")
+    return Fp8Format(scheme)
+
+
+# --------------------------------------------------------------- the public
 def load_mixtral_experts(path, layers=None, device=None,
                          experts=None) -> dict[int, dict[str, torch.Tensor]]:
-    """Read the MoE weights of a Mixtral checkpoint directory into the fused layouts.
+    """Read the MoE weights of a bf16/fp16/fp32 checkpoint directory (Mixtral's namings,
+    or Qwen3-MoE's) into the fused layouts.
 
     path: a local checkpoint directory (``model.safetensors`` or a sharded
     index), not a Hub id: download one first, e.g. with
@@ -354,23 +368,24 @@ def load_mixtral_experts(path, layers=None, device=None,
     ``gate_up_proj``/``down_proj`` hold only them (the router stays whole).
 
     Returns ``{layer: {"router": (E, H), "gate_up_proj": (E, 2I, H),
-    "down_proj": (E, H, I)}}`` with the checkpoint's values and dtype: in the
-    transformers-4 naming ``gate_up_proj[e]`` is ``w1`` (gate) over ``w3``
-    (up) and ``down_proj[e]`` is ``w2``; transformers-5 tensors are taken as
+    "down_proj": (E, H, I)}}`` with the checkpoint's values and dtype: per expert,
+    ``gate_up_proj[e]`` is the gate (``w1``) over the up projection (``w3``) and
+    ``down_proj[e]`` the down one (``w2``); transformers-5 stacks are taken as
     they are.  Each needed shard is opened once, and only the requested
     layers' tensors are read; every shape and dtype is checked from the
     headers before any data is read.
 
     The expert count of a layer is its router's first dimension, read from
     the safetensors header before any per-expert key is made
-    (:func:`expert_count`): config.json's expert count (``num_local_experts``,
-    ``num_experts`` or ``n_routed_experts``: a positive int, like
-    ``hidden_size`` and ``intermediate_size`` / ``moe_intermediate_size``)
-    must equal it, and the expert indices of the index's keys must be exactly
-    ``0 .. E-1``.  The index's shard names, config.json and the shards are
-    opened only if they are regular files inside the directory (a Hugging Face
-    cache snapshot's links into its repository's ``blobs`` included); the JSON
-    files are read no further than :data:`JSON_LIMIT` bytes.
+    (:func:`ts_moe.checkpoint.expert_count`): config.json's expert count
+    (``num_local_experts``, ``num_experts`` or ``n_routed_experts``: a positive
+    int, like ``hidden_size`` and ``intermediate_size`` /
+    ``moe_intermediate_size``) must equal it, and the expert indices of the
+    index's keys must be exactly ``0 .. E-1``.  The index's shard names,
+    config.json and the shards are opened only if they are regular files inside
+    the directory (a Hugging Face cache snapshot's links into its repository's
+    ``blobs`` included); the JSON files are read no further than
+    :data:`ts_moe.checkpoint.JSON_LIMIT` bytes.
 
     Raises ``ValueError`` for a device that does not exist here (before any
     file is read), ``FileNotFoundError`` without a checkpoint or a shard it
@@ -382,86 +397,31 @@ def load_mixtral_experts(path, layers=None, device=None,
     too deeply), or a shard name that is not a regular file inside the
     directory (``../x``, an absolute path, a link out of it, a FIFO).
     """
-    device = resolve_device(device)
-    check_experts_range(experts)
-    ckpt = local_checkpoint(path)
-    path = ckpt.path
-    index, index_file = _weight_index(ckpt)
-    config = read_config(ckpt)
-
-    present: dict[int, str] = {}
-    expert_keys: dict[int, dict[int, str]] = {}  # per v4 layer: expert index -> a key naming it
-    for key in index:
-        if m := _LAYER_KEY.match(key):
-            present.setdefault(int(m.group(1)), m.group(2))
-        if m := _V4_EXPERT_KEY.match(key):
-            expert_keys.setdefault(int(m.group(1)), {}).setdefault(int(m.group(2)), key)
-    layers = selected_layers(layers, present, path)
-
-    with ExitStack() as stack:
-        handle = shard_opener(ckpt, index, index_file, device, stack)
-        # each layer's expert count from its router's header, checked before any
-        # per-expert key is made
-        plans = {}
-        for layer in layers:
-            naming = present[layer]
-            prefix = f"model.layers.{layer}.{naming}."
-            router = prefix + "gate.weight"
-            num_experts = expert_count(
-                router, tuple(handle(router).get_slice(router).get_shape()),
-                path / index[router], config, path / "config.json", index_file,
-                expert_keys.get(layer, {}) if naming == _V4 else None,
-                lambda e: f"{prefix}experts.{e}.w1.weight")
-            plans[layer] = _layer_plan(layer, naming, num_experts)
-        for plan in plans.values():
-            for key in plan.values():
-                if key not in index:
-                    raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
-
-        headers = {key: handle(key).get_slice(key)
-                   for plan in plans.values() for key in plan.values()}
-        shapes = {key: tuple(h.get_shape()) for key, h in headers.items()}
-        for plan in plans.values():
-            router_dtype = headers[plan["router"]].get_dtype()
-            for role, shape in _expected_shapes(plan, shapes, config).items():
-                key = plan[role]
-                dtype = headers[key].get_dtype()
-                if dtype not in _DTYPES:
-                    raise ValueError(f"{key}: dtype {dtype} is not one of {sorted(_DTYPES)}")
-                if dtype != router_dtype:
-                    raise ValueError(
-                        f"{key}: dtype {dtype} differs from the router's {router_dtype}")
-                if shapes[key] != shape:
-                    raise ValueError(f"{key}: shape {shapes[key]}, expected {shape}")
-
-        if experts is not None:
-            for plan in plans.values():
-                total = shapes[plan["router"]][0]
-                if experts.stop > total:
-                    raise ValueError(f"experts {experts!r} is past the checkpoint's {total} "
-                                     f"experts")
-        return {layer: _read_layer(plan, handle, shapes, device, experts)
-                for layer, plan in plans.items()}
+    return _load(path, layers, device, experts, _bf16_format, "load_mixtral_experts")
 
 
-def _read(handle, key: str) -> torch.Tensor:
-    return handle(key).get_tensor(key)
+def load_fp8_experts(path, layers=None, device=None,
+                     experts=None) -> dict[int, dict[str, torch.Tensor]]:
+    """Read the FP8 experts of a checkpoint directory into the layer's layouts.
+
+    ``layers``, ``device``, ``experts``: as :func:`load_mixtral_experts`.  Returns
+    ``{layer: {"router": (E, H), "gate_up_proj": (E, 2I, H) e4m3 (gate rows, then up),
+    "gate_up_proj_scale", "down_proj": (E, H, I) e4m3, "down_proj_scale",
+    "scale_recipe"}}``, ready for :meth:`ts_moe.MoE.from_weights` and
+    :func:`ts_moe.experts_forward`; the scales and their recipe as
+    :class:`Fp8Format` stacks them.  Checks and errors: as
+    :func:`load_mixtral_experts` (every key, shape and dtype from the headers before
+    any data is read; E the router's), and ValueError naming the file and the field
+    for a config.json without an FP8 ``quantization_config`` ts_moe serves.
+    """
+    return _load(path, layers, device, experts, _fp8_format, "load_fp8_experts")
 
 
-def _read_layer(plan: dict[str, str], handle, shapes, device,
-                experts=None) -> dict[str, torch.Tensor]:
-    router = _read(handle, plan["router"])
-    num_experts, hidden = router.shape
-    experts = range(num_experts) if experts is None else experts
-    if "gate_up_proj" in plan:  # fused tensors: read the experts' slab only
-        return {"router": router, **{
-            role: handle(plan[role]).get_slice(plan[role])[experts.start:experts.stop].to(device)
-            for role in ("gate_up_proj", "down_proj")}}
-    inter = shapes[plan["w1.0"]][0]
-    gate_up = torch.empty(len(experts), 2 * inter, hidden, dtype=router.dtype, device=device)
-    down = torch.empty(len(experts), hidden, inter, dtype=router.dtype, device=device)
-    for i, e in enumerate(experts):
-        for w, dst in (("w1", gate_up[i, :inter]), ("w3", gate_up[i, inter:]), ("w2", down[i])):
-            key = plan[f"{w}.{e}"]
-            dst.copy_(handle(key).get_tensor(key))
-    return {"router": router, "gate_up_proj": gate_up, "down_proj": down}
+def pretrained_layer(path, layer: int, device=None) -> dict:
+    """Layer ``layer`` of a checkpoint for :meth:`ts_moe.MoE.from_pretrained`: FP8 where
+    config.json declares a quantization, bf16 otherwise.  Whether the layer reproduces
+    the model's block is :mod:`ts_moe.pretrained`'s to say."""
+    ckpt = local_checkpoint(path, "MoE.from_pretrained")
+    fp8 = fp8_scheme(read_config(ckpt), ckpt.path / "config.json") is not None
+    return (load_fp8_experts if fp8 else load_mixtral_experts)(path, layers=[layer],
+                                                               device=device)[layer]

@@ -16,7 +16,10 @@ A call runs the stages eagerly, or, with few tokens, replays a CUDA graph of
 them (:mod:`ts_moe.decode_graphs`, handed the stages' function).
 
 Weights use the Hugging Face transformers-5 layouts: ``router`` (E, H),
-``gate_up_proj`` (E, 2I, H) with the gate rows first, ``down_proj`` (E, H, I).
+``gate_up_proj`` (E, 2I, H) with the gate rows first, ``down_proj`` (E, H, I);
+bf16/fp16/fp32, or e4m3 with their fp32 scales and recipe (FP8 experts).  Each
+entry makes the experts one value (:func:`ts_moe.experts.expert_weights`) and
+runs the one forward of :mod:`ts_moe.block` over it.
 
 Nothing syncs with the host and every shape follows from the input's shape, so
 the layer compiles with ``torch.compile(fullgraph=True)`` and decode-sized
@@ -40,11 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import block, reference
-from .block import check_layer_sizes
 from .checks import check_flag
-from .block import check_tensor as _check_tensor
-from .fp8 import layer as fp8_layer
 from .decode_graphs import graphs
+from .experts import ExpertWeights, check_layer_sizes, check_tensor, expert_weights
+
+FP8_KEYS = ("gate_up_proj_scale", "down_proj_scale", "scale_recipe")  # from_weights' FP8 experts
 
 
 def check_layer_config(hidden_size, intermediate_size, num_experts, top_k) -> None:
@@ -66,18 +69,11 @@ def init_linear_(*weights: torch.Tensor) -> None:
         nn.init.uniform_(w, -bound, bound)
 
 
-def _num_experts(gate_up_proj) -> int:
-    """E of a (E, 2I, H) weight, or 0 for anything else (the call then validates)."""
-    if isinstance(gate_up_proj, torch.Tensor) and gate_up_proj.dim():
-        return gate_up_proj.shape[0]
-    return 0
-
-
 def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
                     fused: bool = True, decode_graphs: bool = True,
                     gate_up_scale: torch.Tensor | None = None,
-                    down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    down_scale: torch.Tensor | None = None, scale_recipe=None) -> torch.Tensor:
     """The expert half of the layer for already-routed tokens: permute, GEMMs, combine.
 
     x: (T, H); experts, weights: (T, top_k) expert ids and their weights (as
@@ -95,23 +91,32 @@ def experts_forward(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     ``decode_graphs=False`` runs every stage eagerly.
 
     FP8 experts: e4m3 ``gate_up_proj`` / ``down_proj`` with their fp32
-    ``gate_up_scale`` / ``down_scale`` (:mod:`ts_moe.fp8.layer`).
+    ``gate_up_scale`` / ``down_scale`` and ``scale_recipe``, the weights'
+    recipe (``torch.nn.functional.ScalingType.BlockWise128x128``, ``RowWise`` or
+    ``TensorWise``, or its name; a (gate_up, down) pair where they differ):
+    :mod:`ts_moe.experts`.
     """
-    if fp8_layer.wants_fp8(gate_up_proj, gate_up_scale, down_scale):
-        return fp8_layer.experts_forward(x, experts, weights, gate_up_proj, gate_up_scale,
-                                         down_proj, down_scale, fused=fused,
-                                         decode_graphs=decode_graphs)
+    return run_experts(x, experts, weights,
+                       expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale,
+                                      scale_recipe), fused=fused, decode_graphs=decode_graphs)
+
+
+def run_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                expert_weights: ExpertWeights, *, fused: bool = True,
+                decode_graphs: bool = True) -> torch.Tensor:
+    """:func:`experts_forward` on the experts' value (what the transformers swaps call)."""
     if not decode_graphs:
-        return block.experts_forward(x, experts, weights, gate_up_proj, down_proj, fused)
-    return graphs.call(block.experts_forward, _num_experts(gate_up_proj), (x, experts, weights),
-                       (gate_up_proj, down_proj), fused)
+        return block.experts_forward(x, experts, weights, expert_weights, fused)
+    return graphs.call(block.experts_forward, expert_weights.num_experts, (x, experts, weights),
+                       (expert_weights,), fused)
 
 
 def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, top_k: int, *, fused: bool = True,
                 return_router_logits: bool = False, decode_graphs: bool = True,
                 gate_up_scale: torch.Tensor | None = None,
-                down_scale: torch.Tensor | None = None, renormalize: bool = True):
+                down_scale: torch.Tensor | None = None, scale_recipe=None,
+                renormalize: bool = True):
     """Mixtral's sparse MoE block as a function.
 
     hidden: (..., H); router_weight (E, H), ``logits = hidden @ router_weight.T``
@@ -130,19 +135,26 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, gate_up_proj:
     every stage of every call.
 
     FP8 experts: e4m3 ``gate_up_proj`` / ``down_proj`` with their fp32
-    ``gate_up_scale`` / ``down_scale`` (:mod:`ts_moe.fp8.layer`).
+    ``gate_up_scale`` / ``down_scale`` and ``scale_recipe`` (see
+    :func:`experts_forward`).
     """
-    if fp8_layer.wants_fp8(gate_up_proj, gate_up_scale, down_scale):
-        return fp8_layer.moe_forward(hidden, router_weight, gate_up_proj, gate_up_scale,
-                                     down_proj, down_scale, top_k, fused=fused,
-                                     return_router_logits=return_router_logits,
-                                     decode_graphs=decode_graphs, renormalize=renormalize)
+    return run_block(hidden, router_weight,
+                     expert_weights(gate_up_proj, down_proj, gate_up_scale, down_scale,
+                                    scale_recipe), top_k, fused=fused,
+                     return_router_logits=return_router_logits, decode_graphs=decode_graphs,
+                     renormalize=renormalize)
+
+
+def run_block(hidden: torch.Tensor, router_weight: torch.Tensor, experts: ExpertWeights,
+              top_k: int, *, fused: bool = True, return_router_logits: bool = False,
+              decode_graphs: bool = True, renormalize: bool = True):
+    """:func:`moe_forward` on the experts' value."""
     if not decode_graphs:
-        return block.moe_forward(hidden, router_weight, gate_up_proj, down_proj, top_k, fused,
+        return block.moe_forward(hidden, router_weight, experts, top_k, fused,
                                  return_router_logits, renormalize)
-    return graphs.call(block.moe_forward, _num_experts(gate_up_proj), (hidden,),
-                       (router_weight, gate_up_proj, down_proj), top_k, fused,
-                       return_router_logits, renormalize)
+    return graphs.call(block.moe_forward, experts.num_experts, (hidden,),
+                       (router_weight, experts), top_k, fused, return_router_logits,
+                       renormalize)
 
 
 def moe_forward_reference(hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -174,9 +186,10 @@ class MoE(nn.Module):
     """A Mixtral-style top-k MoE layer on the ts_moe ops.
 
     Parameters: ``router`` (E, H) (logits = x @ router.T), ``gate_up_proj``
-    (E, 2I, H) (gate rows first), ``down_proj`` (E, H, I).  ``forward(x)`` maps
-    (..., H) to (..., H); see :func:`moe_forward` (``fused``, ``decode_graphs``,
-    ``renormalize``).
+    (E, 2I, H) (gate rows first), ``down_proj`` (E, H, I); FP8 experts
+    (:meth:`from_weights`) also ``gate_up_proj_scale`` and ``down_proj_scale``, their
+    recipes in ``scale_recipe``.  ``forward(x)`` maps (..., H) to (..., H); see
+    :func:`moe_forward` (``fused``, ``decode_graphs``, ``renormalize``).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -188,6 +201,7 @@ class MoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.fused = num_experts, top_k, fused
         self.decode_graphs, self.renormalize = decode_graphs, renormalize
+        self.scale_recipe = None  # FP8 experts' recipes (from_weights)
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
         self.gate_up_proj = nn.Parameter(
@@ -207,6 +221,7 @@ class MoE(nn.Module):
                            decode_graphs=getattr(self, "decode_graphs", True),  # older pickles
                            gate_up_scale=getattr(self, "gate_up_proj_scale", None),  # FP8
                            down_scale=getattr(self, "down_proj_scale", None),
+                           scale_recipe=getattr(self, "scale_recipe", None),
                            renormalize=getattr(self, "renormalize", True))
 
     def extra_repr(self) -> str:
@@ -219,20 +234,22 @@ class MoE(nn.Module):
                      fused: bool = True, renormalize: bool = True) -> "MoE":
         """A MoE on existing tensors (no copy), e.g. a layer of :func:`ts_moe.load_mixtral_experts`.
 
-        weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``.
-        The parameters do not require grad (call ``requires_grad_()`` to train).
-        FP8 experts (e.g. from :func:`ts_moe.fp8.loaders.load_fp8_experts`): also
-        ``gate_up_proj_scale`` and ``down_proj_scale`` (:func:`ts_moe.fp8.layer.moe_from_weights`).
+        weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``;
+        FP8 experts (e.g. from :func:`ts_moe.fp8.load_fp8_experts`) also
+        ``"gate_up_proj_scale"``, ``"down_proj_scale"`` and ``"scale_recipe"``
+        (:mod:`ts_moe.experts`): the module keeps the scales as parameters of those
+        names and the recipe as its ``scale_recipe``.  The parameters do not require
+        grad (call ``requires_grad_()`` to train bf16 experts).
         """
-        if "gate_up_proj_scale" in weights or "down_proj_scale" in weights:
-            return fp8_layer.moe_from_weights(cls, weights, top_k, fused=fused,
-                                              renormalize=renormalize)
-        missing = {"router", "gate_up_proj", "down_proj"} - set(weights)
+        fp8 = any(key in weights for key in FP8_KEYS)
+        missing = {"router", "gate_up_proj", "down_proj", *(FP8_KEYS if fp8 else ())} - set(weights)
         if missing:
             raise KeyError(f"weights lacks {sorted(missing)}")
-        gate_up = weights["gate_up_proj"]
-        _check_tensor("gate_up_proj", gate_up, 3)
-        num_experts, two_inter, hidden = gate_up.shape
+        experts = expert_weights(weights["gate_up_proj"], weights["down_proj"],
+                                 weights.get("gate_up_proj_scale"),
+                                 weights.get("down_proj_scale"), weights.get("scale_recipe"))
+        check_tensor("gate_up_proj", experts.gate_up_proj, 3)
+        num_experts, two_inter, hidden = experts.gate_up_proj.shape
         moe = cls(hidden, two_inter // 2, num_experts, top_k, fused=fused,
                   renormalize=renormalize, device="meta")
         for name in ("router", "gate_up_proj", "down_proj"):
@@ -244,26 +261,27 @@ class MoE(nn.Module):
             if tensor.shape != expected:
                 raise ValueError(f"weights[{name!r}] must have shape {tuple(expected)}, "
                                  f"got {tuple(tensor.shape)}")
+        router = weights["router"]
+        experts.check(router.new_empty(0, hidden), "weights['router']")
+        for name, tensor in {"router": router, **experts.parameters()}.items():
             setattr(moe, name, nn.Parameter(tensor, requires_grad=False))
+        moe.scale_recipe = experts.scale_recipe
         return moe
 
     @classmethod
     def from_pretrained(cls, path, layer: int, *, device=None, fused: bool = True) -> "MoE":
         """Layer ``layer`` of the local checkpoint directory ``path``: a Mixtral or a
         Qwen3-MoE one, bf16 (:func:`ts_moe.load_mixtral_experts`) or FP8
-        (:mod:`ts_moe.fp8.loaders`).  Top-k and the routing from config.json
+        (:func:`ts_moe.fp8.load_fp8_experts`).  Top-k and the routing from config.json
         (:func:`ts_moe.pretrained.block_settings`: Qwen-MoE's ``norm_topk_prob``
         honoured, a model type whose block the layer does not reproduce refused).
         ``device``: as :func:`ts_moe.load_mixtral_experts` (None: CUDA when there
         is one, else the CPU)."""
-        from .fp8.loaders import pretrained_layer
-        from .loaders import load_mixtral_experts, resolve_device
+        from . import loaders
         from .pretrained import block_settings
 
-        resolve_device(device)
+        loaders.resolve_device(device)
         settings = block_settings(path, "MoE.from_pretrained")
-        weights = pretrained_layer(path, layer, device)  # an FP8 checkpoint's, else None
-        if weights is None:
-            weights = load_mixtral_experts(path, layers=[layer], device=device)[layer]
+        weights = loaders.pretrained_layer(path, layer, device)
         return cls.from_weights(weights, settings.top_k, fused=fused,
                                 renormalize=settings.renormalize)

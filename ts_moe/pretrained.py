@@ -18,7 +18,7 @@ where ts_moe knows it; so is an activation other than SiLU (``hidden_act``).
 
 from typing import NamedTuple
 
-from .loaders import EXPERT_FIELDS, is_positive_int, local_checkpoint, read_config
+from .checkpoint import EXPERT_FIELDS, is_positive_int, local_checkpoint, read_config
 
 SERVED = ("mixtral", "qwen3_moe", "qwen2_moe")
 _SHARED_GATED = "a shared expert behind a sigmoid gate"
@@ -57,13 +57,13 @@ def _refusal(config_file, model_type, caller: str) -> ValueError:
         f"{config_file}: model_type {model_type!r}: {lacks}; {caller} reproduces the sparse "
         f"MoE blocks of {', '.join(SERVED[:-1])} and {SERVED[-1]} without a shared expert "
         f"only. Load the experts alone (ts_moe.load_mixtral_experts, "
-        f"ts_moe.fp8.loaders.load_fp8_experts) and run ts_moe.experts_forward with the "
+        f"ts_moe.fp8.load_fp8_experts) and run ts_moe.experts_forward with the "
         f"model's own routing")
 
 
 def block_settings(path, caller: str) -> BlockSettings:
     """The layer's settings from the config.json of the checkpoint directory ``path``
-    (read through :class:`ts_moe.loaders._Checkpoint`); ``caller`` names the
+    (read through :class:`ts_moe.checkpoint._Checkpoint`); ``caller`` names the
     function in errors.  FileNotFoundError without a directory or a config.json;
     ValueError naming config.json and the field for a model type whose block the
     layer does not reproduce (module docstring), or a bad ``num_experts_per_tok``,

@@ -1,8 +1,11 @@
-"""Tiny random Mixtral checkpoints in the real Hugging Face format, for tests and the demo.
+"""Tiny random MoE checkpoints in the real Hugging Face formats, for tests and the demo.
 
-* :func:`make_tiny_moe_checkpoint` writes only what a Mixtral checkpoint holds
-  for its MoE blocks (router and experts of each layer, and a config.json), with
-  ``safetensors`` alone: the demo's checkpoint, no optional extra needed.
+* :func:`make_tiny_checkpoint` writes only what a checkpoint holds for its MoE
+  blocks (router and experts of each layer, and a config.json), with ``safetensors``
+  alone, in a format (bf16, or an FP8 release's scheme) and a model's naming (Mixtral,
+  Qwen3-MoE, DeepSeek-V3): the demo's and the tests' checkpoints, no optional extra
+  needed; :func:`make_tiny_moe_checkpoint` (bf16 Mixtral) and
+  :func:`make_tiny_fp8_checkpoint` are it with their formats.
 * :func:`make_tiny_mixtral` writes a whole ``MixtralForCausalLM(MixtralConfig(...))``
   with its own random init, in bfloat16; it needs ``transformers`` (the ``hf``
   extra).  ``names="v4"`` writes it with ``save_pretrained`` (transformers 5
@@ -18,6 +21,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from .fp8.quantize import quantize_fp8
+from .loaders import Fp8Scheme
 
 
 def _shard_files(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict]:
@@ -70,61 +76,215 @@ def _max_shard_bytes(state_dict: dict[str, torch.Tensor], shards: int) -> int:
     return math.ceil(total / shards) if shards > 1 else total
 
 
-def make_tiny_moe_checkpoint(out_dir, *, layers: int = 2, hidden: int = 64,
-                             intermediate: int = 128, experts: int = 4, top_k: int = 2,
-                             names: str = "v4", shards: int = 2, seed: int = 0,
-                             init_std: float = 0.02) -> Path:
-    """Write the MoE tensors of a random bf16 Mixtral checkpoint to ``out_dir``; returns its path.
+NAMINGS = ("mixtral", "mixtral_v5", "qwen3_moe", "deepseek_v3")
+FORMATS = ("bf16", *(scheme.value for scheme in Fp8Scheme))
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "deepseek_v3": ("gate_proj", "up_proj", "down_proj")}
 
-    Per layer ``L``, in the transformers-4 names (``names="v4"``, what
-    checkpoints on the Hub hold): ``model.layers.{L}.block_sparse_moe.gate.weight``
-    (E, H) and per expert ``...experts.{e}.w1.weight`` (I, H) (gate),
-    ``w3.weight`` (I, H) (up), ``w2.weight`` (H, I) (down); in the
-    transformers-5 names (``"v5"``): ``model.layers.{L}.mlp.gate.weight``,
-    ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj``
-    (E, H, I).  Weights are N(0, ``init_std``), as Mixtral initializes them;
-    the same ``seed`` gives the same weights in both namings (``w1``/``w3`` are
-    the gate/up rows of ``gate_up_proj[e]``, ``w2`` is ``down_proj[e]``), so
-    either naming can be checked against the other.
-    ``shards``: split by size into at least that many files (1: one
-    ``model.safetensors``), with the index a sharded checkpoint has.  A
-    config.json with Mixtral's fields.  Needs no ``transformers``; the global
-    RNG state is left as it was.
-    """
-    _check_tiny_args(layers=layers, hidden=hidden, intermediate=intermediate, experts=experts,
-                     top_k=top_k, names=names, shards=shards)
+
+def quantization_config(scheme: str) -> dict:
+    """The ``quantization_config`` of config.json that releases of FP8 ``scheme`` carry."""
+    if scheme == Fp8Scheme.BLOCKWISE:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128]}
+    if scheme == Fp8Scheme.TENSOR:
+        return {"quant_method": "fp8", "activation_scheme": "static"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                            "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                      "symmetric": True, "dynamic": True}}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"]}
+
+
+def moe_layers(naming: str, layers: int) -> list[int]:
+    """The layers that hold experts (DeepSeek-V3's first is dense)."""
+    return list(range(1 if naming == "deepseek_v3" and layers > 1 else 0, layers))
+
+
+def tiny_moe_weights(*, layers: int = 2, hidden: int = 256, intermediate: int = 256,
+                     experts: int = 4, seed: int = 0, init_std: float = 0.02,
+                     naming: str = "qwen3_moe") -> dict[int, dict[str, torch.Tensor]]:
+    """The bf16 expert weights a tiny checkpoint of these arguments holds (or quantizes):
+    ``{layer: {"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}}``
+    for its MoE layers, N(0, ``init_std``).  The global RNG state is left as it was."""
     g = torch.Generator().manual_seed(seed)
 
     def weight(*shape):
         return (torch.randn(*shape, generator=g) * init_std).to(torch.bfloat16)
 
+    return {layer: {"router": weight(experts, hidden),
+                    "gate_up_proj": weight(experts, 2 * intermediate, hidden),
+                    "down_proj": weight(experts, hidden, intermediate)}
+            for layer in moe_layers(naming, layers)}
+
+
+def _linear(state: dict, key: str, w: torch.Tensor, format: str) -> None:
+    """``key.weight`` as ``format`` stores it: bf16 as it is (a copy: safetensors refuses
+    tensors that share storage), or e4m3 with its scale as the scheme's releases name
+    and shape it."""
+    if format == "bf16":
+        state[f"{key}.weight"] = w.to(torch.bfloat16).clone()
+        return
+    scheme = Fp8Scheme(format)
+    q, scale = quantize_fp8(w.float(), scheme.recipe)
+    state[f"{key}.weight"] = q
+    if scheme is Fp8Scheme.BLOCKWISE:
+        state[f"{key}.{scheme.scale_key}"] = scale.contiguous()
+    elif scheme is Fp8Scheme.CHANNEL:
+        state[f"{key}.{scheme.scale_key}"] = scale.reshape(-1, 1).contiguous()
+    else:
+        state[f"{key}.{scheme.scale_key}"] = scale.reshape(())
+        state[f"{key}.input_scale"] = torch.tensor(1.0 / 64)
+
+
+def make_tiny_checkpoint(out_dir, *, format: str = "bf16", naming: str = "mixtral",
+                         layers: int = 2, hidden: int = 64, intermediate: int = 128,
+                         experts: int = 4, top_k: int = 2, shards: int = 2, seed: int = 0,
+                         init_std: float = 0.02) -> Path:
+    """Write the MoE tensors of a random checkpoint to ``out_dir``; returns its path.
+
+    ``format``: ``"bf16"``, or an FP8 scheme of the releases (each e4m3 ``*.weight``
+    with its scale):
+
+    - ``blockwise``: ``*.weight_scale_inv`` fp32 (ceil(N/128), ceil(K/128));
+      ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+      "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`` (DeepSeek-V3,
+      Qwen ``-FP8``);
+    - ``channel``: ``*.weight_scale`` fp32 (N, 1); an llm-compressor ``compressed-tensors``
+      config (channel weights, dynamic per-token activations: FP8-dynamic releases);
+    - ``tensor``: ``*.weight_scale`` fp32 () and a static ``*.input_scale`` ();
+      ``{"quant_method": "fp8", "activation_scheme": "static"}`` (AutoFP8 Mixtral).
+
+    ``naming`` (per layer ``L``, expert ``e``):
+
+    - ``mixtral``: ``model.layers.L.block_sparse_moe.gate.weight`` (E, H) and
+      ``...block_sparse_moe.experts.e.w1.weight`` (gate, (I, H)), ``w3`` (up), ``w2``
+      (down, (H, I)): what Mixtral checkpoints on the Hub hold;
+    - ``mixtral_v5``: transformers 5's in-memory names, ``model.layers.L.mlp.gate.weight``,
+      ``mlp.experts.gate_up_proj`` (E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I)
+      (bf16 only);
+    - ``qwen3_moe``: ``model.layers.L.mlp.gate.weight`` and
+      ``...mlp.experts.e.gate_proj.weight``, ``up_proj``, ``down_proj`` (Qwen3-30B-A3B);
+    - ``deepseek_v3``: the Qwen3 expert names, plus ``mlp.gate.e_score_correction_bias``
+      and ``mlp.shared_experts.*``; layer 0 a dense MLP (``first_k_dense_replace = 1``).
+
+    The experts are :func:`tiny_moe_weights` (so the same ``seed`` gives the same
+    weights in every naming, and a test can compare an FP8 layer with the bf16 weights
+    it stands for), quantized by :func:`ts_moe.quantize_fp8` for an FP8 format; the
+    router (and DeepSeek-V3's score bias) stays bf16 / fp32.  H and I must be multiples
+    of 8 (bf16), 16 (FP8), 128 (``blockwise``, as in every release).  ``shards``: split
+    by size into at least that many files (1: one ``model.safetensors``), with the
+    index a sharded checkpoint has.  A config.json with the model type's fields.  Needs
+    no ``transformers``; the global RNG state is left as it was.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {NAMINGS}, got {naming!r}")
+    if naming == "mixtral_v5" and format != "bf16":
+        raise ValueError("naming 'mixtral_v5' (stacked experts) is bf16 only")
+    for name, value in (("layers", layers), ("experts", experts), ("top_k", top_k),
+                        ("shards", shards)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    unit = {"bf16": 8, Fp8Scheme.BLOCKWISE: 128}.get(format, 16)
+    for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < unit or value % unit:
+            raise ValueError(f"{name} must be a positive multiple of {unit}"
+                             + ("" if format == "bf16" else f" for the {format} scheme")
+                             + f", got {value!r}")
+    if top_k > experts:
+        raise ValueError(f"top_k = {top_k} exceeds experts = {experts}")
+    weights = tiny_moe_weights(layers=layers, hidden=hidden, intermediate=intermediate,
+                               experts=experts, seed=seed, init_std=init_std, naming=naming)
     state: dict[str, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(seed + 1)
     for layer in range(layers):
-        router = weight(experts, hidden)
-        gate_up = weight(experts, 2 * intermediate, hidden)
-        down = weight(experts, hidden, intermediate)
-        if names == "v4":
-            prefix = f"model.layers.{layer}.block_sparse_moe."
-            state[prefix + "gate.weight"] = router
-            for e in range(experts):  # clones: safetensors refuses tensors sharing storage
-                for w, t in (("w1", gate_up[e, :intermediate]), ("w2", down[e]),
-                             ("w3", gate_up[e, intermediate:])):
-                    state[f"{prefix}experts.{e}.{w}.weight"] = t.clone()
-        else:
-            prefix = f"model.layers.{layer}.mlp."
-            state[prefix + "gate.weight"] = router
-            state[prefix + "experts.gate_up_proj"] = gate_up
-            state[prefix + "experts.down_proj"] = down
+        prefix = f"model.layers.{layer}.{'block_sparse_moe' if naming == 'mixtral' else 'mlp'}."
+        if layer not in weights:  # DeepSeek-V3's dense first layer
+            for name, shape in (("gate_proj", (2 * intermediate, hidden)),
+                                ("up_proj", (2 * intermediate, hidden)),
+                                ("down_proj", (hidden, 2 * intermediate))):
+                _linear(state, prefix + name, torch.randn(*shape, generator=g) * init_std, format)
+            continue
+        w = weights[layer]
+        state[prefix + "gate.weight"] = w["router"]
+        if naming == "mixtral_v5":
+            state[prefix + "experts.gate_up_proj"] = w["gate_up_proj"]
+            state[prefix + "experts.down_proj"] = w["down_proj"]
+            continue
+        gate, up, down = _EXPERT_NAMES[naming]
+        for e in range(experts):
+            for name, t in ((gate, w["gate_up_proj"][e, :intermediate]),
+                            (up, w["gate_up_proj"][e, intermediate:]), (down, w["down_proj"][e])):
+                _linear(state, f"{prefix}experts.{e}.{name}", t, format)
+        if naming == "deepseek_v3":
+            state[prefix + "gate.e_score_correction_bias"] = torch.zeros(experts)
+            for name, shape in (("gate_proj", (intermediate, hidden)),
+                                ("up_proj", (intermediate, hidden)),
+                                ("down_proj", (hidden, intermediate))):
+                _linear(state, f"{prefix}shared_experts.{name}",
+                        torch.randn(*shape, generator=g) * init_std, format)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_sharded(state, out_dir, _max_shard_bytes(state, shards))
-    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-              "hidden_size": hidden, "intermediate_size": intermediate,
-              "num_hidden_layers": layers, "num_local_experts": experts,
-              "num_experts_per_tok": top_k, "initializer_range": init_std,
-              "torch_dtype": "bfloat16"}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "config.json").write_text(
+        json.dumps(_config(format, naming, layers, hidden, intermediate, experts, top_k,
+                           init_std), indent=2) + "\n")
     return out_dir
+
+
+def _config(format, naming, layers, hidden, intermediate, experts, top_k, init_std) -> dict:
+    config = {"hidden_size": hidden, "num_hidden_layers": layers, "num_experts_per_tok": top_k,
+              "initializer_range": init_std, "torch_dtype": "bfloat16"}
+    if format != "bf16":
+        config["quantization_config"] = quantization_config(format)
+    if naming in ("mixtral", "mixtral_v5"):
+        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                      intermediate_size=intermediate, num_local_experts=experts)
+    elif naming == "qwen3_moe":
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                      moe_intermediate_size=intermediate, num_experts=experts,
+                      norm_topk_prob=True)
+    else:
+        config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                      moe_intermediate_size=intermediate, intermediate_size=2 * intermediate,
+                      n_routed_experts=experts, n_shared_experts=1,
+                      first_k_dense_replace=1 if layers > 1 else 0)
+    return config
+
+
+def make_tiny_moe_checkpoint(out_dir, *, layers: int = 2, hidden: int = 64,
+                             intermediate: int = 128, experts: int = 4, top_k: int = 2,
+                             names: str = "v4", shards: int = 2, seed: int = 0,
+                             init_std: float = 0.02) -> Path:
+    """Write the MoE tensors of a random bf16 Mixtral checkpoint to ``out_dir``; returns
+    its path: :func:`make_tiny_checkpoint` in the ``mixtral`` naming (``names="v4"``,
+    the transformers-4 names that checkpoints on the Hub hold) or the ``mixtral_v5``
+    one (``names="v5"``).  The same ``seed`` gives the same weights in both namings,
+    so either can be checked against the other."""
+    if names not in ("v4", "v5"):
+        raise ValueError(f"names must be 'v4' or 'v5', got {names!r}")
+    return make_tiny_checkpoint(out_dir, naming="mixtral" if names == "v4" else "mixtral_v5",
+                                layers=layers, hidden=hidden, intermediate=intermediate,
+                                experts=experts, top_k=top_k, shards=shards, seed=seed,
+                                init_std=init_std)
+
+
+def make_tiny_fp8_checkpoint(out_dir, *, naming: str = "qwen3_moe", scheme: str = "blockwise",
+                             layers: int = 2, hidden: int = 256, intermediate: int = 256,
+                             experts: int = 4, top_k: int = 2, shards: int = 2, seed: int = 0,
+                             init_std: float = 0.02) -> Path:
+    """Write a tiny FP8 MoE checkpoint of ``scheme`` to ``out_dir``; returns its path:
+    :func:`make_tiny_checkpoint` with ``format=scheme``."""
+    if scheme not in FORMATS[1:]:
+        raise ValueError(f"scheme must be one of {FORMATS[1:]}, got {scheme!r}")
+    return make_tiny_checkpoint(out_dir, format=scheme, naming=naming, layers=layers,
+                                hidden=hidden, intermediate=intermediate, experts=experts,
+                                top_k=top_k, shards=shards, seed=seed, init_std=init_std)
 
 
 def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediate: int = 128,

@@ -26,8 +26,7 @@ at DeepSeek-V3, Qwen3 and Mixtral sizes on fake tensors.
 import torch
 
 from ..reference import segment_ends, swiglu
-from .recipes import BLOCK, BLOCKWISE_1X128, BLOCKWISE_128X128, ROWWISE, TENSORWISE
-
+from .recipes import BLOCK, Recipe
 CHUNK_BYTES = 1 << 30   # bf16 weights of one chunk (of the used experts), at most
 STEP_BYTES = 32 << 20   # the fp32 temporary of one dequantization step, at most
 _ROW_ALIGN = 8          # bf16 elements per 16 bytes: the GEMM's row stride
@@ -65,11 +64,11 @@ def _dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 def _weight_scales(scale, recipe: str, ids, r0: int, r1: int):
     """The fp32 scales of rows ``r0:r1`` of experts ``ids``: (U, 1, 1), (U, rows, 1), or
     per 128-column block (U, rows, K / 128)."""
-    if recipe == TENSORWISE:
+    if recipe == Recipe.TENSORWISE:
         return scale[ids].float().view(-1, 1, 1)
-    if recipe == ROWWISE:
+    if recipe == Recipe.ROWWISE:
         return scale[ids, r0:r1].float().unsqueeze(-1)
-    if recipe != BLOCKWISE_128X128:
+    if recipe != Recipe.BLOCKWISE_128X128:
         raise ValueError(f"not a weight recipe: {recipe!r}")
     blocks = torch.arange(r0, r1, device=scale.device) // BLOCK
     return scale[ids][:, blocks].float()
@@ -93,7 +92,7 @@ def dequantize_weight_rows(dst: torch.Tensor, b_stored: torch.Tensor, scale, rec
         e = min(s + step, r1)
         _dequantize_into(dst[:, s - r0:e - r0], b_stored[ids, s:e],
                          _weight_scales(scale, recipe, ids, s, e),
-                         recipe == BLOCKWISE_128X128)
+                         recipe == Recipe.BLOCKWISE_128X128)
 
 
 def dequantize_tokens(a: torch.Tensor, scale_a: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -104,14 +103,14 @@ def dequantize_tokens(a: torch.Tensor, scale_a: torch.Tensor, recipe: str) -> to
     step = _rows_per_step(1, max(m, 1), k)
     for s in range(0, m, step):
         e = min(s + step, m)
-        if recipe == TENSORWISE:
+        if recipe == Recipe.TENSORWISE:
             sa = scale_a.reshape(1, 1).float()
-        elif recipe in (ROWWISE, BLOCKWISE_1X128):
+        elif recipe in (Recipe.ROWWISE, Recipe.BLOCKWISE_1X128):
             sa = scale_a[s:e].float()
-            sa = sa.unsqueeze(-1) if recipe == ROWWISE else sa
+            sa = sa.unsqueeze(-1) if recipe == Recipe.ROWWISE else sa
         else:
             raise ValueError(f"not an activation recipe: {recipe!r}")
-        _dequantize_into(out[s:e], a[s:e], sa, recipe == BLOCKWISE_1X128)
+        _dequantize_into(out[s:e], a[s:e], sa, recipe == Recipe.BLOCKWISE_1X128)
     return out
 
 

@@ -1,11 +1,15 @@
-"""How an FP8 call runs: the path policy of the FP8 ops, and their kernel modules.
+"""How an FP8 call runs: the paths of the FP8 op families, each a set of backends of the
+families of :mod:`ts_moe.ops.backend` (:class:`Fp8Backends`), and the paths a device
+tries, in order (:func:`paths_for`).  A call runs on the first path whose backend's
+``choose_config`` takes it; a backend that declines answers a ``Declined`` naming the
+limit the call meets (K, N, the expert count, the recipe, the output dtype).
 
 =================  ==========================================================  ==========
 device             scaled_grouped_gemm (and its SwiGLU form)                   host sync
 =================  ==========================================================  ==========
 sm_90 (H100/H200)  after use_fp8_kernels(): ts_moe's CuTeDSL FP8 kernels      no
-                   (every recipe; K % 16 == 0)
-sm_90, by default   rowwise, bf16 out, K and N % 16 == 0, E < 1024:             no
+                   (every recipe; K % 16 == 0, E <= 512); otherwise as below
+sm_90, by default  rowwise, bf16 out, K and N % 16 == 0, E < 1024:             no
                    ``torch._scaled_grouped_mm``; otherwise as below
 other CUDA GPUs    the weights of the experts the rows use dequantized to      as
 (sm_100, sm_89..)  bf16 in chunks (:mod:`ts_moe.fp8.dequantize_path`), then    grouped_gemm
@@ -16,26 +20,24 @@ TS_MOE_REFERENCE=1 fp32 accumulation
 =================  ==========================================================  ==========
 
 ``quantize_fp8`` of a 2-D activation (bf16/fp16/fp32; ``blockwise_1x128``
-with K % 128 == 0, ``rowwise``, ``tensorwise``) on sm_90 after
-:func:`use_fp8_kernels` runs the quantize kernel (one pass, scales in the GEMM's fast layout); everything else runs the
-reference, which never syncs.
-
-``torch._scaled_grouped_mm`` has no blockwise recipe and runs rowwise on sm_90
-only (its sm_100 grouped path is MX formats only; torch 2.13's
-``_meta_registrations.py`` and ``aten/src/ATen/native/cuda/GroupedBlas.cpp``).
+with K % 128 == 0, ``rowwise``, ``tensorwise``; K % 16 == 0) on sm_90 after
+:func:`use_fp8_kernels` runs the quantize kernel (one pass, scales in the GEMM's fast
+layout); everything else runs the reference, which never syncs.
+Backends: the kernels' (``csrc_free_kernels.grouped_gemm_fp8_sm90_launch``,
+``quantize_fp8_sm90_launch``, through :mod:`ts_moe.ops.kernels`) and
+:mod:`ts_moe.fp8.backends`.
 """
 
 import enum
 import functools
+from typing import NamedTuple
 
 import torch
 
 from ..ops import kernels
+from ..ops.backend import NoKernel, QuantizeFp8, ScaledGroupedGemm, ScaledGroupedGemmSwiglu
 from ..settings import settings
-from .recipes import ACTIVATION_RECIPES, BLOCK, BLOCKWISE_1X128
-
-ALIGN = 16  # bytes: the kernels' (and torch's) row strides and pointers
-TORCH_SCALED_MAX_EXPERTS = 1023  # torch._scaled_grouped_mm: group_count < 1024
+from . import backends as own
 
 
 class Fp8Path(enum.Enum):
@@ -45,22 +47,35 @@ class Fp8Path(enum.Enum):
     REFERENCE = "plain-torch reference (reads offs on the host)"
 
 
-def choose_fp8_path(capability: tuple[int, int] | None, pair: str, k: int, n: int,
-                    out_dtype: torch.dtype, num_experts: int, *,
-                    kernels_available: bool = True, kernel_max_experts: int = 512,
-                    has_torch_scaled: bool = True) -> Fp8Path:
-    """The path of a scaled grouped GEMM with recipe ``pair`` (``blockwise``,
-    ``rowwise``, ``tensorwise``) on a device of ``capability`` (None: the CPU)."""
-    if capability is None:
-        return Fp8Path.REFERENCE
-    if (capability == (9, 0) and kernels_available and k % ALIGN == 0
-            and num_experts <= kernel_max_experts):
-        return Fp8Path.KERNEL_SM90
-    if (capability == (9, 0) and has_torch_scaled and pair == "rowwise"
-            and out_dtype == torch.bfloat16 and k % ALIGN == 0 and n % ALIGN == 0
-            and num_experts <= TORCH_SCALED_MAX_EXPERTS):
-        return Fp8Path.TORCH_SCALED
-    return Fp8Path.DEQUANTIZE
+class Fp8Backends(NamedTuple):
+    """The FP8 families' backends of one path."""
+
+    path: Fp8Path
+    gemm: ScaledGroupedGemm
+    swiglu: ScaledGroupedGemmSwiglu
+    quantize: QuantizeFp8
+
+
+TORCH_SCALED = Fp8Backends(Fp8Path.TORCH_SCALED, own.TORCH_SCALED_GEMM, own.TORCH_SCALED_SWIGLU,
+                           own.REFERENCE_QUANTIZE)
+DEQUANTIZE = Fp8Backends(Fp8Path.DEQUANTIZE, own.DEQUANTIZE_GEMM, own.DEQUANTIZE_SWIGLU,
+                         own.REFERENCE_QUANTIZE)
+REFERENCE = Fp8Backends(Fp8Path.REFERENCE, own.REFERENCE_GEMM, own.REFERENCE_SWIGLU,
+                        own.REFERENCE_QUANTIZE)
+# each kernel family where it imported (ts_moe.ops.kernels); one that did not is a
+# NoKernel, and its calls take the next path
+_gemm, _quantize = kernels.sm90_fp8, kernels.quantize_fp8_sm90
+KERNEL_SM90 = Fp8Backends(
+    Fp8Path.KERNEL_SM90,
+    _gemm.GROUPED_GEMM if _gemm is not None else NoKernel(),
+    _gemm.GROUPED_GEMM_SWIGLU if _gemm is not None else NoKernel(),
+    _quantize.QUANTIZE if _quantize is not None else NoKernel())
+PATH_BACKENDS = {b.path: b for b in (KERNEL_SM90, TORCH_SCALED, DEQUANTIZE, REFERENCE)}
+
+_SM90_KERNELS = (KERNEL_SM90, TORCH_SCALED, DEQUANTIZE)
+_SM90 = (TORCH_SCALED, DEQUANTIZE)
+_OTHER_GPU = (DEQUANTIZE,)
+_CPU = (REFERENCE,)
 
 
 def use_fp8_kernels(enabled: bool = True) -> None:
@@ -81,60 +96,36 @@ def fp8_kernels_enabled() -> bool:
     return settings.fp8_kernels
 
 
-def gemm_kernels():
-    """``csrc_free_kernels.grouped_gemm_fp8_sm90_launch`` after :func:`use_fp8_kernels`,
-    else None (and None without nvidia-cutlass-dsl): :mod:`ts_moe.ops.kernels`, the one
-    import."""
-    return kernels.sm90_fp8 if settings.fp8_kernels else None
-
-
-def quantize_kernels():
-    """``csrc_free_kernels.quantize_fp8_sm90_launch``, or None (as :func:`gemm_kernels`)."""
-    return kernels.quantize_fp8_sm90 if settings.fp8_kernels else None
-
-
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
 def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
-    """The capability whose path ``t``'s calls take: None off CUDA (and with
+    """The capability whose paths ``t``'s calls take: None off CUDA (and with
     ``ts_moe.settings.reference``, ``TS_MOE_REFERENCE=1``, read now)."""
     if t.device.type != "cuda" or settings.reference:
         return None
     return _capability(t.get_device())
 
 
-def scaled_path(a: torch.Tensor, pair: str, k: int, n: int, out_dtype: torch.dtype,
-                num_experts: int) -> Fp8Path:
-    """The path of a validated call on ``a``'s device (the kernel module is asked
-    only on an sm_90 device, where it can run)."""
-    capability = device_capability(a)
-    kernels = gemm_kernels() if capability == (9, 0) else None
-    return choose_fp8_path(capability, pair, k, n, out_dtype, num_experts,
-                           kernels_available=kernels is not None,
-                           kernel_max_experts=kernels.MAX_EXPERTS if kernels else 0,
-                           has_torch_scaled=hasattr(torch, "_scaled_grouped_mm"))
+def paths_for(t: torch.Tensor) -> tuple[Fp8Backends, ...]:
+    """The paths a call on ``t``'s device tries, in order (the module's table; the
+    settings read now); the last takes every call."""
+    capability = device_capability(t)
+    if capability is None:
+        return _CPU
+    if capability == (9, 0):
+        return _SM90_KERNELS if settings.fp8_kernels else _SM90
+    return _OTHER_GPU
 
 
-def quantize_kernel_for(x: torch.Tensor, recipe: str):
-    """The quantize kernel module where ``x``'s call runs it (sm_90; a 2-D activation
-    of bf16, fp16 or fp32 with rows to quantize, K % 16 == 0; ``blockwise_1x128``
-    with K % 128 == 0), else None.  The kernel reads 16-byte rows: see
-    :func:`kernel_input`."""
-    if (device_capability(x) != (9, 0) or x.dim() != 2 or recipe not in ACTIVATION_RECIPES
-            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-            or 0 in x.shape or x.shape[1] % ALIGN
-            or (recipe == BLOCKWISE_1X128 and x.shape[1] % BLOCK)):
-        return None
-    return quantize_kernels()
-
-
-def kernel_input(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (M, K), K % 16 == 0, as the quantize kernel reads it: row-major with a
-    16-byte row stride and pointer; a contiguous copy otherwise."""
-    rows_ok = x.shape[0] <= 1 or (x.stride(0) * x.element_size()) % ALIGN == 0
-    if x.stride(-1) == 1 and rows_ok and x.data_ptr() % ALIGN == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
+def gemm_path(paths: tuple[Fp8Backends, ...], a, b, scale_a, scale_b, offs, out, a_index,
+              pair) -> tuple[Fp8Backends, object]:
+    """``(path, config)``: the first of ``paths`` whose GEMM takes the call, and the config
+    it chose."""
+    for backends in paths:
+        config = backends.gemm.choose_config(a, b, scale_a, scale_b, offs, out, a_index, pair)
+        if config:
+            return backends, config
+    raise AssertionError(f"the last FP8 path ({backends.path}) declined: {config}")

@@ -1,26 +1,36 @@
-"""FP8 scaling recipes: their names, the scale shapes they imply, and the argument checks
-of the FP8 ops (metadata only: no host sync, run before any kernel).
+"""FP8 scaling recipes as one value, :class:`Recipe`, and the argument checks of the FP8
+ops, which parse a call's recipes into it (metadata only: no host sync, run before any
+kernel).
 
 A recipe says how one fp32 scale covers the elements of a matrix ``(..., R, C)``
 (leading dims batch: an (E, N, K) weight stack is E matrices):
 
-- ``tensorwise``: one scale per matrix, shape ``(...)`` (a 2-D activation: a 0-d scale;
+- ``TENSORWISE``: one scale per matrix, shape ``(...)`` (a 2-D activation: a 0-d scale;
   an (E, N, K) weight stack: (E,), one per expert);
-- ``rowwise``: one per row, ``(..., R)`` (activations: per token; weights: per
+- ``ROWWISE``: one per row, ``(..., R)`` (activations: per token; weights: per
   output channel);
-- ``blockwise_1x128``: one per row per 128 columns, ``(..., R, ceil(C/128))``
+- ``BLOCKWISE_1X128``: one per row per 128 columns, ``(..., R, ceil(C/128))``
   (activations per token per 128 channels, as DeepSeek-V3 quantizes them);
-- ``blockwise_128x128``: one per 128x128 block, ``(..., ceil(R/128), ceil(C/128))``
+- ``BLOCKWISE_128X128``: one per 128x128 block, ``(..., ceil(R/128), ceil(C/128))``
   (the checkpoints' ``weight_scale_inv``).
 
 Scales are dequantization multipliers, as checkpoints store them: real ~ fp8 x scale.
-The names are ``torch.nn.functional.ScalingType``'s (``TensorWise``, ``RowWise``,
-``BlockWise1x128``, ``BlockWise128x128``), whose members are accepted too.
+The public spelling is ``torch.nn.functional.ScalingType`` (``TensorWise``, ``RowWise``,
+``BlockWise1x128``, ``BlockWise128x128``); :meth:`Recipe.parse` takes a member, its name,
+a :class:`Recipe` or ts_moe's name (``"blockwise_1x128"``, ...).  It runs once where a
+call enters ts_moe: in the FP8 ops' kernels and fake kernels (their schemas carry a
+recipe as a string), in the layer's expert-weights value and in the loaders (which read
+it from config.json); everything below takes the parsed value.
 
-The op pairs a recipe for ``a`` (tokens) with one for ``b`` (weights); the
-supported pairs are those of :data:`PAIRS`.  The element type is e4m3
-(``torch.float8_e4m3fn``, largest finite 448) throughout.
+The scaled GEMM pairs a recipe for ``a`` (tokens) with one for ``b`` (weights); the
+supported pairs are the members of :class:`Pair`.  Both are ``str`` enums: a member *is*
+its name, so the kernels (``csrc_free_kernels``, which does not import ts_moe) take the
+parsed value as the plain name they know (``"blockwise"``, ``"rowwise"``,
+``"tensorwise"`` for the GEMM's pairs; the activation recipes' names for the quantizer).
+The element type is e4m3 (``torch.float8_e4m3fn``, largest finite 448) throughout.
 """
+
+import enum
 
 import torch
 
@@ -29,85 +39,152 @@ from ..checks import _check_a_index as check_a_index
 BLOCK = 128  # the blockwise recipes' block edge
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-TENSORWISE, ROWWISE = "tensorwise", "rowwise"
-BLOCKWISE_1X128, BLOCKWISE_128X128 = "blockwise_1x128", "blockwise_128x128"
-RECIPES = (TENSORWISE, ROWWISE, BLOCKWISE_1X128, BLOCKWISE_128X128)
-# the activation recipes (a 2-D x, one scale layout per token row or per tensor)
-ACTIVATION_RECIPES = (BLOCKWISE_1X128, ROWWISE, TENSORWISE)
-# (recipe of a, recipe of b) -> the kernel's name for the pair
-PAIRS = {(BLOCKWISE_1X128, BLOCKWISE_128X128): "blockwise",
-         (ROWWISE, ROWWISE): "rowwise",
-         (TENSORWISE, TENSORWISE): "tensorwise"}
-# the activation recipe the layer pairs with a weight recipe (a tensorwise weight
-# scale is served as rowwise: per-token activations, the weight scale per channel)
-ACTIVATION_FOR = {BLOCKWISE_128X128: BLOCKWISE_1X128, ROWWISE: ROWWISE, TENSORWISE: ROWWISE}
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUANTIZE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 MAX_ROWS = 2**31 - 1  # offs is int32
 SCALE_ALIGN = 4  # fp32 elements per 16 bytes: the padded M of an M-major 1x128 scale
-
-_SCALING_TYPE_NAMES = {"TensorWise": TENSORWISE, "RowWise": ROWWISE,
-                       "BlockWise1x128": BLOCKWISE_1X128, "BlockWise128x128": BLOCKWISE_128X128}
 _ScalingType = getattr(torch.nn.functional, "ScalingType", None)
 
 
-def recipe_name(recipe, name: str = "recipe") -> str:
-    """``recipe`` (one of :data:`RECIPES`, a ``torch.nn.functional.ScalingType`` member,
-    or such a member's name) as its name; TypeError or ValueError naming the argument."""
-    recipe = recipe_arg(recipe, name)
-    if recipe in RECIPES:
+class NamedEnum(str, enum.Enum):
+    """An enum whose members are their names as strings (``str()``, f-strings, ``==`` a
+    str): Python 3.10's stand-in for ``enum.StrEnum``."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Recipe(NamedEnum):
+    """How one fp32 scale covers a matrix (module docstring); a member is its name."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCKWISE_1X128 = "blockwise_1x128"
+    BLOCKWISE_128X128 = "blockwise_128x128"
+
+    @classmethod
+    def parse(cls, value, name: str = "recipe") -> "Recipe":
+        """``value`` (a :class:`Recipe`, a ``torch.nn.functional.ScalingType`` member, or
+        either's name) as a :class:`Recipe`; TypeError or ValueError naming ``name``."""
+        if isinstance(value, cls):
+            return value
+        if _ScalingType is not None and isinstance(value, _ScalingType):
+            value = value.name
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str ({', '.join(cls)}) or a "
+                            f"torch.nn.functional.ScalingType, got {type(value).__name__}")
+        recipe = _BY_NAME.get(value)
+        if recipe is None:
+            raise ValueError(f"{name} {value!r} is not supported; the recipes: "
+                             f"{', '.join(cls)} (or the ScalingType members "
+                             f"{', '.join(_SCALING_NAMES.values())})")
         return recipe
-    if recipe in _SCALING_TYPE_NAMES:
-        return _SCALING_TYPE_NAMES[recipe]
-    raise ValueError(f"{name} {recipe!r} is not supported; the recipes: {', '.join(RECIPES)} "
-                     f"(or the ScalingType members {', '.join(_SCALING_TYPE_NAMES)})")
+
+    @property
+    def scaling_type(self):
+        """This recipe's ``torch.nn.functional.ScalingType`` member (None where torch
+        has no ``ScalingType``)."""
+        return None if _ScalingType is None else getattr(_ScalingType, _SCALING_NAMES[self])
+
+    @property
+    def activation(self) -> "Recipe":
+        """The activation recipe the layer pairs with this weight recipe: per token per
+        128 channels for blockwise weights, per token otherwise (a per-expert weight
+        scale is then served per channel)."""
+        return Recipe.BLOCKWISE_1X128 if self is Recipe.BLOCKWISE_128X128 else Recipe.ROWWISE
+
+    def scale_shape(self, shape) -> tuple:
+        """The scale shape of this recipe over a tensor of ``shape`` (..., R, C)."""
+        *lead, rows, cols = shape
+        lead = tuple(lead)
+        if self is Recipe.TENSORWISE:
+            return lead
+        if self is Recipe.ROWWISE:
+            return (*lead, rows)
+        if self is Recipe.BLOCKWISE_1X128:
+            return (*lead, rows, -(-cols // BLOCK))
+        return (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
+
+    def scale_strides(self, shape) -> tuple:
+        """The strides of a fresh scale of this recipe for a tensor of ``shape``: the
+        kernels' fast layout.  ``BLOCKWISE_1X128``: M-major (stride 1 on the rows, the
+        row count padded to 16 bytes), the transpose of a contiguous (..., ceil(C/128),
+        Rp) tensor, so that one k-block's scales of a tile of rows are one TMA box; the
+        others contiguous."""
+        sshape = self.scale_shape(shape)
+        if self is Recipe.BLOCKWISE_1X128:
+            *lead, rows, blocks = sshape
+            padded = -(-rows // SCALE_ALIGN) * SCALE_ALIGN
+            inner, step = (1, padded), padded * blocks
+        else:
+            lead, inner, step = sshape, (), 1
+        outer = []
+        for size in reversed(lead):
+            outer.insert(0, step)
+            step *= size
+        return (*outer, *inner)
 
 
-def recipe_arg(recipe, name: str = "recipe") -> str:
-    """What the ops' schemas take for a recipe: a str as it is, a ScalingType member as its
-    name (the op's checks judge it, so that a bad one fails alike eagerly and under
-    ``torch.compile``); anything else is a TypeError here."""
-    if isinstance(recipe, str):
-        return recipe
-    if _ScalingType is not None and isinstance(recipe, _ScalingType):
-        return recipe.name
-    raise TypeError(f"{name} must be a str ({', '.join(RECIPES)}) or a "
-                    f"torch.nn.functional.ScalingType, got {type(recipe).__name__}")
+_SCALING_NAMES = {Recipe.TENSORWISE: "TensorWise", Recipe.ROWWISE: "RowWise",
+                  Recipe.BLOCKWISE_1X128: "BlockWise1x128",
+                  Recipe.BLOCKWISE_128X128: "BlockWise128x128"}
+_BY_NAME = {**{r.value: r for r in Recipe}, **{n: r for r, n in _SCALING_NAMES.items()}}
+RECIPES = tuple(Recipe)
+ACTIVATION_RECIPES = (Recipe.BLOCKWISE_1X128, Recipe.ROWWISE, Recipe.TENSORWISE)
+WEIGHT_RECIPES = (Recipe.BLOCKWISE_128X128, Recipe.ROWWISE, Recipe.TENSORWISE)
 
 
-def scale_shape(recipe: str, shape) -> tuple:
-    """The scale shape of ``recipe`` over a tensor of ``shape`` (..., R, C)."""
-    *lead, rows, cols = shape
-    lead = tuple(lead)
-    if recipe == TENSORWISE:
-        return lead
-    if recipe == ROWWISE:
-        return (*lead, rows)
-    if recipe == BLOCKWISE_1X128:
-        return (*lead, rows, -(-cols // BLOCK))
-    return (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
+class Pair(NamedEnum):
+    """A supported pair of recipes of the scaled GEMM, ``a``'s (tokens) and ``b``'s
+    (weights); a member is the FP8 kernel's name for it."""
+
+    BLOCKWISE = "blockwise"
+    ROWWISE = "rowwise"
+    TENSORWISE = "tensorwise"
+
+    @property
+    def a(self) -> Recipe:
+        return _RECIPES_OF[self][0]
+
+    @property
+    def b(self) -> Recipe:
+        return _RECIPES_OF[self][1]
+
+    @classmethod
+    def of(cls, recipe_a: Recipe, recipe_b: Recipe) -> "Pair":
+        """The pair of two parsed recipes, or a ValueError naming both arguments."""
+        pair = _PAIR_OF.get((recipe_a, recipe_b))
+        if pair is None:
+            raise ValueError(f"scale_recipe_a/scale_recipe_b: the pair ({recipe_a}, {recipe_b}) "
+                             f"is not supported; supported pairs: "
+                             + ", ".join(f"({p.a}, {p.b})" for p in cls))
+        return pair
 
 
-def scale_strides(recipe: str, shape) -> tuple:
-    """The strides of a fresh scale of ``recipe`` for a tensor of ``shape``: the fast
-    layout of the kernels.  ``blockwise_1x128``: M-major (stride 1 on the rows, the
-    row count padded to 16 bytes), the transpose of a contiguous (..., ceil(C/128),
-    Rp) tensor, so that one k-block's scales of a tile of rows are one TMA box;
-    the others contiguous."""
-    sshape = scale_shape(recipe, shape)
-    if recipe == BLOCKWISE_1X128:
-        *lead, rows, blocks = sshape
-        padded = -(-rows // SCALE_ALIGN) * SCALE_ALIGN
-        inner, step = (1, padded), padded * blocks
-    else:
-        lead, inner, step = sshape, (), 1
-    outer = []
-    for size in reversed(lead):
-        outer.insert(0, step)
-        step *= size
-    return (*outer, *inner)
+_RECIPES_OF = {Pair.BLOCKWISE: (Recipe.BLOCKWISE_1X128, Recipe.BLOCKWISE_128X128),
+               Pair.ROWWISE: (Recipe.ROWWISE, Recipe.ROWWISE),
+               Pair.TENSORWISE: (Recipe.TENSORWISE, Recipe.TENSORWISE)}
+_PAIR_OF = {recipes: pair for pair, recipes in _RECIPES_OF.items()}
 
 
+def schema_recipe(value, name: str) -> str:
+    """What the ops' schemas take for a recipe: a str (a :class:`Recipe` included) as
+    it is, a ScalingType member as its name; the op parses it (so that a bad one fails
+    alike eagerly and under ``torch.compile``); anything else is a TypeError here."""
+    if isinstance(value, Recipe):
+        return value.value
+    if isinstance(value, str):
+        return value
+    if _ScalingType is not None and isinstance(value, _ScalingType):
+        return value.name
+    raise TypeError(f"{name} must be a str ({', '.join(Recipe)}) or a "
+                    f"torch.nn.functional.ScalingType, got {type(value).__name__}")
+
+
+# ------------------------------------------------------------------ checks
 def _check_types(**tensors) -> None:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -121,20 +198,21 @@ def _check_fp8(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be torch.float8_e4m3fn, got {t.dtype}{hint}")
 
 
-def _check_scale(name: str, t: torch.Tensor, expected: tuple, recipe: str, what: str) -> None:
+def check_scale(name: str, t, expected: tuple, recipe: Recipe, what: str) -> None:
+    """``t`` a fp32 scale of shape ``expected`` (a tensorwise 0-d one may be (1,))."""
+    _check_types(**{name: t})
     if t.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (dequantization multipliers), got {t.dtype}")
     shape = tuple(t.shape)
-    ok = shape == expected or (recipe == TENSORWISE and expected == () and shape == (1,))
+    ok = shape == expected or (recipe is Recipe.TENSORWISE and expected == () and shape == (1,))
     if not ok:
         raise ValueError(f"{name} must have shape {expected} for the {recipe} recipe ({what}), "
                          f"got {shape}")
 
 
 def check_scaled_args(a, b, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtype=None, *,
-                      a_index=None, swiglu: bool = False) -> tuple[str, str, str]:
-    """Validate a scaled grouped GEMM call; returns the pair's kernel name
-    (``blockwise``, ``rowwise``, ``tensorwise``) and the two recipes' names.
+                      a_index=None, swiglu: bool = False) -> Pair:
+    """Validate a scaled grouped GEMM call; returns its recipes, parsed, as a :class:`Pair`.
 
     ``a`` (M, K) e4m3; ``b`` (E, K, N) e4m3 (``swiglu``: ``gate_up`` (E, 2I, K)); ``offs``
     int32 (E,); ``scale_a`` / ``scale_b`` fp32 of the shapes their recipes give for
@@ -144,13 +222,8 @@ def check_scaled_args(a, b, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtyp
     """
     b_name = "gate_up" if swiglu else "b"
     _check_types(a=a, **{b_name: b}, scale_a=scale_a, scale_b=scale_b, offs=offs)
-    recipe_a = recipe_name(recipe_a, "scale_recipe_a")
-    recipe_b = recipe_name(recipe_b, "scale_recipe_b")
-    pair = PAIRS.get((recipe_a, recipe_b))
-    if pair is None:
-        raise ValueError(f"scale_recipe_a/scale_recipe_b: the pair ({recipe_a}, {recipe_b}) is "
-                         f"not supported; supported pairs: "
-                         + ", ".join(f"({x}, {y})" for x, y in PAIRS))
+    pair = Pair.of(Recipe.parse(recipe_a, "scale_recipe_a"),
+                   Recipe.parse(recipe_b, "scale_recipe_b"))
     for name, t, rank in (("a", a, 2), (b_name, b, 3), ("offs", offs, 1)):
         if t.dim() != rank:
             raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
@@ -183,21 +256,20 @@ def check_scaled_args(a, b, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtyp
         raise ValueError("offs must be contiguous")
     if m > MAX_ROWS:
         raise ValueError(f"a has {m} rows; at most 2**31 - 1 are supported (offs is int32)")
-    if pair == "blockwise" and k % BLOCK:
+    if pair is Pair.BLOCKWISE and k % BLOCK:
         raise ValueError(f"a: K = {k} must be a multiple of {BLOCK} for the blockwise recipes")
-    _check_scale("scale_a", scale_a, scale_shape(recipe_a, (m, k)), recipe_a,
-                 f"a is {tuple(a.shape)}")
-    _check_scale("scale_b", scale_b, scale_shape(recipe_b, (num_experts, n, k)), recipe_b,
-                 f"the weights are (E, N, K) = {(num_experts, n, k)}")
+    check_scale("scale_a", scale_a, pair.a.scale_shape((m, k)), pair.a, f"a is {tuple(a.shape)}")
+    check_scale("scale_b", scale_b, pair.b.scale_shape((num_experts, n, k)), pair.b,
+                f"the weights are (E, N, K) = {(num_experts, n, k)}")
     if a_index is not None:
         check_a_index(a_index, device)  # grouped_gemm's rules
-    return pair, recipe_a, recipe_b
+    return pair
 
 
-def check_quantize_args(x, recipe) -> str:
-    """Validate a :func:`ts_moe.quantize_fp8` call; returns the recipe's name."""
+def check_quantize_args(x, recipe) -> Recipe:
+    """Validate a :func:`ts_moe.quantize_fp8` call; returns the recipe, parsed."""
     _check_types(x=x)
-    recipe = recipe_name(recipe, "recipe")
+    recipe = Recipe.parse(recipe, "recipe")
     if x.dtype not in QUANTIZE_DTYPES:
         raise TypeError(f"x must be bfloat16, float16, float32 or float64, got {x.dtype}")
     if x.dim() < 2:

@@ -11,19 +11,18 @@ elements, so that it dequantizes to exactly 0 and nothing is NaN.
 import torch
 
 from ..reference import gather_rows, segment_ends, swiglu
-from .recipes import (BLOCK, BLOCKWISE_1X128, BLOCKWISE_128X128, E4M3, E4M3_MAX, ROWWISE,
-                      TENSORWISE)
+from .recipes import BLOCK, E4M3, E4M3_MAX, Recipe
 
 
 def expand_scale(scale: torch.Tensor, recipe: str, shape) -> torch.Tensor:
     """``scale`` of ``recipe`` broadcast to every element of a tensor of ``shape``
     (..., R, C) (a view where it can be one)."""
     *lead, rows, cols = shape
-    if recipe == TENSORWISE:
+    if recipe == Recipe.TENSORWISE:
         return scale.reshape(*lead, 1, 1).expand(shape)
-    if recipe == ROWWISE:
+    if recipe == Recipe.ROWWISE:
         return scale.unsqueeze(-1).expand(shape)
-    if recipe == BLOCKWISE_1X128:
+    if recipe == Recipe.BLOCKWISE_1X128:
         return scale.repeat_interleave(BLOCK, dim=-1)[..., :cols]
     return scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[
         ..., :rows, :cols]
@@ -40,16 +39,16 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, recipe: str,
 def _amax(x: torch.Tensor, recipe: str) -> torch.Tensor:
     """Largest magnitude per group of ``recipe`` over x (..., R, C), fp32 (or float64)."""
     mag = x.abs()
-    if recipe == TENSORWISE:
+    if recipe == Recipe.TENSORWISE:
         return mag.amax(dim=(-2, -1)) if mag.numel() else mag.new_zeros(mag.shape[:-2])
-    if recipe == ROWWISE:
+    if recipe == Recipe.ROWWISE:
         return mag.amax(dim=-1) if mag.shape[-1] else mag.new_zeros(mag.shape[:-1])
     *lead, rows, cols = mag.shape
     pad_c = -cols % BLOCK
-    pad_r = -rows % BLOCK if recipe == BLOCKWISE_128X128 else 0
+    pad_r = -rows % BLOCK if recipe == Recipe.BLOCKWISE_128X128 else 0
     mag = torch.nn.functional.pad(mag, (0, pad_c, 0, pad_r))
     blocks = mag.unflatten(-1, (-1, BLOCK))  # (..., R, C/128, 128)
-    if recipe == BLOCKWISE_1X128:
+    if recipe == Recipe.BLOCKWISE_1X128:
         return blocks.amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:-1])
     tiles = blocks.unflatten(-3, (-1, BLOCK))  # (..., R/128, 128, C/128, 128)
     if not tiles.numel():
@@ -77,9 +76,9 @@ def gather_fp8_rows(a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
 def gather_scale_rows(scale: torch.Tensor, recipe: str, a_index: torch.Tensor) -> torch.Tensor:
     """The activation scale of the rows ``a[a_index]`` (0 for an index out of range; a
     tensorwise scale as it is)."""
-    if recipe == TENSORWISE:
+    if recipe == Recipe.TENSORWISE:
         return scale
-    if recipe == ROWWISE:
+    if recipe == Recipe.ROWWISE:
         return gather_rows(scale.unsqueeze(1), a_index).squeeze(1)
     return gather_rows(scale, a_index)
 

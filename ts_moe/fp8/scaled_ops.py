@@ -28,19 +28,16 @@ the weights once instead).
 Bad input (types, shapes, recipe pairs, K for blockwise, e5m2) is a TypeError or
 ValueError naming the argument before any kernel, on every path and under
 ``torch.compile`` (the fake kernel runs the same checks).  No backward
-(:mod:`ts_moe.fp8.library`).  Paths: :mod:`ts_moe.fp8.paths`.
+(:func:`ts_moe.ops.library.define_inference_op`).  Paths: :mod:`ts_moe.fp8.paths`.
 """
 
 import torch
 
-from ..reference import segment_ends, swiglu
 from ..ops.layout import empty_output
-from . import dequantize_path
-from .library import define_inference_op
-from .paths import ALIGN, Fp8Path, gemm_kernels, scaled_path
-from .recipes import ROWWISE, check_scaled_args, recipe_arg
-from .reference import (gather_fp8_rows, gather_scale_rows, scaled_grouped_gemm_reference,
-                        scaled_grouped_gemm_swiglu_reference)
+from ..ops.library import define_inference_op
+from ..reference import swiglu
+from .paths import Fp8Backends, gemm_path, paths_for
+from .recipes import Pair, check_scaled_args, schema_recipe
 
 _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale_b, "
          "str scale_recipe_b, Tensor offs, ScalarType? out_dtype=None, Tensor? a_index=None")
@@ -49,154 +46,60 @@ _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale
 # below keep them keyword-only)
 
 
-# ------------------------------------------------------------------ layouts
-def _aligned(t: torch.Tensor) -> bool:
-    return t.numel() == 0 or t.data_ptr() % ALIGN == 0
-
-
-def kernel_rows(a: torch.Tensor) -> torch.Tensor:
-    """``a`` (M, K) e4m3 as the kernels read it: row-major, 16-byte row stride and
-    pointer; a copy otherwise."""
-    if a.stride(-1) == 1 and (a.shape[0] <= 1 or a.stride(0) % ALIGN == 0) and _aligned(a):
-        return a
-    return a.contiguous() if a.shape[1] % ALIGN == 0 else _padded_rows(a)
-
-
-def _padded_rows(a: torch.Tensor) -> torch.Tensor:
-    m, k = a.shape
-    pad = -(-k // ALIGN) * ALIGN
-    return a.new_empty_strided((m, k), (pad, 1)).copy_(a)
-
-
-def kernel_weights(b: torch.Tensor) -> torch.Tensor:
-    """``b`` (E, K, N) e4m3 as the kernels read it: K-major (the transposed view of an
-    (E, N, K) stack) with 16-byte strides; a copy of the stack otherwise."""
-    e, k, n = b.shape
-    if (b.stride(1) == 1 and (n <= 1 or b.stride(2) % ALIGN == 0)
-            and (e <= 1 or b.stride(0) % ALIGN == 0) and _aligned(b)):
-        return b
-    return b.transpose(-2, -1).contiguous().transpose(-2, -1)
-
-
-def torch_rows(a: torch.Tensor) -> torch.Tensor:
-    """``a`` (M, K) e4m3 as ``torch._scaled_grouped_mm`` takes it: row-major with a row
-    stride of at least K and a multiple of 16 bytes, whatever M (a one-row view of
-    stride (1, 1) is refused there); a copy otherwise."""
-    if (a.stride(-1) == 1 and a.stride(0) % ALIGN == 0 and a.stride(0) >= a.shape[1]
-            and _aligned(a)):
-        return a
-    return _padded_rows(a)
-
-
-def torch_weights(b: torch.Tensor) -> torch.Tensor:
-    """``b`` (E, K, N) e4m3 as ``torch._scaled_grouped_mm`` takes it: column-major
-    matrices, the column stride at least K and a multiple of 16 bytes; a copy otherwise."""
-    e, k, n = b.shape
-    if (b.stride(1) == 1 and b.stride(2) % ALIGN == 0 and b.stride(2) >= k
-            and b.stride(0) % ALIGN == 0 and _aligned(b)):
-        return b
-    pad = -(-k // ALIGN) * ALIGN
-    return b.new_empty_strided((e, k, n), (n * pad, 1, pad)).copy_(b)
-
-
-# --------------------------------------------------------------------- paths
-def _kernel_gemm(a, b, scale_a, scale_b, offs, pair, out_dtype, a_index, out):
-    return gemm_kernels().scaled_grouped_gemm(
-        kernel_rows(a), kernel_weights(b), scale_a, scale_b, offs, recipe=pair,
-        out_dtype=out_dtype, a_index=a_index, out=out)
-
-
-def _torch_scaled(a, b, scale_a, scale_b, offs, a_index):
-    """Torch's rowwise FP8 grouped GEMM (bf16 out, its only output type) with this op's
-    semantics: the rows gathered first, ``offs`` read as segment ends, rows past the last
-    zeroed.  ``torch.nn.functional.scaled_grouped_mm`` gets the recipes named, where the
-    installed torch has it (a newer torch infers them from the scales' shapes otherwise,
-    and M == E or M == 1 reads as another recipe)."""
-    if a_index is not None:
-        scale_a = gather_scale_rows(scale_a, ROWWISE, a_index)
-        a = gather_fp8_rows(a, a_index)
-    ends = segment_ends(offs, a.shape[0]).to(torch.int32)
-    a, b = torch_rows(a), torch_weights(b)
-    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
-    explicit = getattr(torch.nn.functional, "scaled_grouped_mm", None)
-    scaling = getattr(torch.nn.functional, "ScalingType", None)
-    if explicit is not None and scaling is not None:
-        out = explicit(a, b, scale_a, scaling.RowWise, scale_b, scaling.RowWise, offs=ends,
-                       output_dtype=torch.bfloat16)
-    else:
-        out = torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=ends,
-                                       out_dtype=torch.bfloat16)
-    past = torch.arange(a.shape[0], device=a.device) >= ends[-1]
-    return out.masked_fill_(past.unsqueeze(1), 0)
-
-
-def run_gemm(path: Fp8Path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, offs,
-             out_dtype, a_index=None) -> torch.Tensor:
-    """A validated ``scaled_grouped_gemm`` on ``path``, the degenerate sizes included."""
+def run_gemm(paths: tuple[Fp8Backends, ...], a, b, scale_a, scale_b, offs, out_dtype,
+             pair: Pair, a_index=None) -> torch.Tensor:
+    """A validated ``scaled_grouped_gemm`` on the first of ``paths`` that takes it
+    (:func:`ts_moe.fp8.paths.gemm_path`), the degenerate sizes answered here."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, k, n = b.shape
-    if path is Fp8Path.TORCH_SCALED and 0 not in (m, n, k, num_experts):
-        # torch allocates the output itself, in the same layout (N % 16 == 0 on this path)
-        return _torch_scaled(a, b, scale_a, scale_b, offs, a_index)
     out = empty_output(a, m, n, out_dtype)
     if 0 in (m, n, k, num_experts):
         return out.zero_()
-    if path is Fp8Path.KERNEL_SM90:
-        return _kernel_gemm(a, b, scale_a, scale_b, offs, pair, out_dtype, a_index, out)
-    if path is Fp8Path.DEQUANTIZE:
-        return dequantize_path.gemm(a, scale_a, recipe_a, b.transpose(-2, -1), scale_b,
-                                    recipe_b, offs, out, a_index)
-    return out.copy_(scaled_grouped_gemm_reference(a, b, scale_a, recipe_a, scale_b, recipe_b,
-                                                   offs, out_dtype, a_index))
+    backends, config = gemm_path(paths, a, b, scale_a, scale_b, offs, out, a_index, pair)
+    return backends.gemm.run(a, b, scale_a, scale_b, offs, out, config, pair, a_index=a_index)
 
 
-def run_swiglu(path: Fp8Path, pair, a, gate_up, scale_a, recipe_a, scale_b, recipe_b, offs,
-               out_dtype, a_index=None) -> torch.Tensor:
-    """A validated ``scaled_grouped_gemm_swiglu`` on ``path``: the fused kernel where it
-    takes I, else the GEMM to fp32 (on the same path) and the activation apart."""
+def run_swiglu(paths: tuple[Fp8Backends, ...], a, gate_up, scale_a, scale_b, offs,
+               out_dtype, pair: Pair, a_index=None) -> torch.Tensor:
+    """A validated ``scaled_grouped_gemm_swiglu``: per path in order, its fused backend
+    where it takes the call, else its GEMM to fp32 and the activation apart (one
+    rounding) where that takes it."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, two_i, k = gate_up.shape
     out = empty_output(a, m, two_i // 2, out_dtype)
     if 0 in (m, two_i, k, num_experts):
         return out.zero_()
-    b = gate_up.transpose(-2, -1)
-    if path is Fp8Path.KERNEL_SM90 and gemm_kernels().swiglu_supported(two_i, pair):
-        return gemm_kernels().scaled_grouped_gemm_swiglu(
-            kernel_rows(a), kernel_weights(b), scale_a, scale_b, offs, recipe=pair,
-            out_dtype=out_dtype, a_index=a_index, out=out)
-    if path is Fp8Path.DEQUANTIZE:
-        return dequantize_path.gemm_swiglu(a, scale_a, recipe_a, gate_up, scale_b, recipe_b,
-                                           offs, out, a_index)
-    if path is Fp8Path.REFERENCE:
-        return out.copy_(scaled_grouped_gemm_swiglu_reference(
-            a, gate_up, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtype, a_index))
-    # the kernel path where the fused kernel does not take I: the GEMM to fp32; torch's
-    # FP8 GEMM has bf16 output only, so that path rounds twice (the docstring says so)
-    wide = torch.float32 if path is not Fp8Path.TORCH_SCALED else torch.bfloat16
-    h = run_gemm(path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, offs, wide, a_index)
-    return out.copy_(swiglu(h.float(), out_dtype))
+    b, wide = gate_up.transpose(-2, -1), None
+    for backends in paths:
+        config = backends.swiglu.choose_config(a, gate_up, scale_a, scale_b, offs, out, a_index,
+                                               pair)
+        if config:
+            return backends.swiglu.run(a, gate_up, scale_a, scale_b, offs, out, config, pair,
+                                       a_index=a_index)
+        wide = empty_output(a, m, two_i, torch.float32) if wide is None else wide
+        config = backends.gemm.choose_config(a, b, scale_a, scale_b, offs, wide, a_index, pair)
+        if config:
+            h = backends.gemm.run(a, b, scale_a, scale_b, offs, wide, config, pair,
+                                  a_index=a_index)
+            return out.copy_(swiglu(h, out_dtype))
+    raise AssertionError(f"the last FP8 path ({backends.path}) declined: {config}")
 
 
 # --------------------------------------------------------------- the ops
 def _gemm_impl(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                out_dtype=None, a_index=None):
-    pair, recipe_a, recipe_b = check_scaled_args(a, b, scale_a, scale_recipe_a, scale_b,
-                                                 scale_recipe_b, offs, out_dtype, a_index=a_index)
-    out_dtype = out_dtype or torch.bfloat16
-    path = scaled_path(a, pair, a.shape[1], b.shape[2], out_dtype, b.shape[0])
-    return run_gemm(path, pair, a, b, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtype,
-                    a_index)
+    pair = check_scaled_args(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
+                             out_dtype, a_index=a_index)
+    return run_gemm(paths_for(a), a, b, scale_a, scale_b, offs, out_dtype or torch.bfloat16,
+                    pair, a_index)
 
 
 def _swiglu_impl(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                  out_dtype=None, a_index=None):
-    pair, recipe_a, recipe_b = check_scaled_args(a, gate_up, scale_a, scale_recipe_a, scale_b,
-                                                 scale_recipe_b, offs, out_dtype,
-                                                 a_index=a_index, swiglu=True)
-    out_dtype = out_dtype or torch.bfloat16
-    path = scaled_path(a, pair, a.shape[1], gate_up.shape[1], out_dtype, gate_up.shape[0])
-    return run_swiglu(path, pair, a, gate_up, scale_a, recipe_a, scale_b, recipe_b, offs,
-                      out_dtype, a_index)
+    pair = check_scaled_args(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
+                             out_dtype, a_index=a_index, swiglu=True)
+    return run_swiglu(paths_for(a), a, gate_up, scale_a, scale_b, offs,
+                      out_dtype or torch.bfloat16, pair, a_index)
 
 
 def _gemm_fake(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
@@ -230,8 +133,8 @@ def _call(op, a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs, out_
     ``torch.compile(fullgraph=True)`` dynamo reports these as an "observed exception"
     that carries the same TypeError; everything else is the op's to judge, alike on
     every path)."""
-    recipe_a = recipe_arg(scale_recipe_a, "scale_recipe_a")
-    recipe_b = recipe_arg(scale_recipe_b, "scale_recipe_b")
+    recipe_a = schema_recipe(scale_recipe_a, "scale_recipe_a")
+    recipe_b = schema_recipe(scale_recipe_b, "scale_recipe_b")
     for name, t in (("a", a), (b_name, b), ("scale_a", scale_a), ("scale_b", scale_b),
                     ("offs", offs), ("a_index", a_index)):
         if not isinstance(t, torch.Tensor) and not (name == "a_index" and t is None):

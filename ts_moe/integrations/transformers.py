@@ -3,13 +3,16 @@
 * :func:`replace_moe_blocks` switches every ``MixtralSparseMoeBlock`` of a
   model to ts_moe, in place, for transformers 4.x and 5.x.
 * :func:`register` (transformers >= 5) adds ``"ts_moe"`` to transformers'
-  experts interface, so ``from_pretrained(..., experts_implementation="ts_moe")``
+  experts interfaces, so ``from_pretrained(..., experts_implementation="ts_moe")``
   (or ``model.set_experts_implementation("ts_moe")``) runs the experts of any
   model whose experts class uses ``@use_experts_implementation`` with
-  Mixtral-style weights through ts_moe.
+  Mixtral-style weights through ts_moe, bf16 and FP8 (``FP8Experts``) alike.
 
-Both train: the ts_moe ops and the layer have backward formulas, so the
-router, ``gate_up_proj`` and ``down_proj`` get gradients.
+bf16, fp16 or fp32 experts and FP8 ones are one value to both
+(:mod:`ts_moe.integrations.transformers_experts` makes it of a module): bf16
+experts train (the ts_moe ops and the layer have backward formulas, so the
+router, ``gate_up_proj`` and ``down_proj`` get gradients); FP8 ones serve
+inference.
 
 Hidden and intermediate sizes must be multiples of 8 (the kernels read 16-byte
 rows): :func:`replace_moe_blocks` checks every block before it switches any;
@@ -22,32 +25,12 @@ import functools
 import torch
 from torch import nn
 
-from ..moe import check_layer_sizes, experts_forward
+from ..experts import ExpertWeights
+from ..moe import run_experts
 from ..nvtx import nvtx_range
 from ..ops import route
-from . import transformers_fp8
-
-EXPERTS_IMPLEMENTATION = "ts_moe"
-
-
-# what the checks compare against, from transformers: resolved once, eagerly (by
-# register() or the first check), never inside a torch.compile trace, which
-# cannot follow transformers' lazy-module imports ("Bad import result")
-_HF: dict = {}
-
-
-def _hf() -> dict:
-    if not _HF:
-        from transformers import activations
-        from transformers.integrations import moe as hf_moe
-
-        _HF["silu_types"] = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
-        _HF["default_apply_gate"] = getattr(hf_moe, "_default_apply_gate", None)
-    return _HF
-
-
-def _is_silu(act) -> bool:
-    return isinstance(act, _hf()["silu_types"])
+from .transformers_experts import (EXPERTS_IMPLEMENTATION, check_experts_module, check_sizes,
+                                   hf, is_silu, module_experts)
 
 
 class _V5Forward:
@@ -64,8 +47,7 @@ class _V5Forward:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         with nvtx_range("route"):
             _, weights, ids = self.gate(x)
-        out = experts_forward(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj,
-                              **transformers_fp8.fp8_scales(self.experts))  # FP8 experts
+        out = run_experts(x, ids, weights, module_experts(self.experts))
         return out.view(hidden_states.shape)
 
 
@@ -82,7 +64,7 @@ class _V4Forward:
         with nvtx_range("route"):
             router_logits = self.gate(x)
             weights, ids = route(router_logits, self.top_k)
-        out = experts_forward(x, ids, weights, self.gate_up_proj, self.down_proj)
+        out = run_experts(x, ids, weights, ExpertWeights(self.gate_up_proj, self.down_proj))
         return out.view(hidden_states.shape), router_logits
 
 
@@ -100,36 +82,21 @@ def _layout(name: str, block: nn.Module) -> type:
             f"{name}: the block's forward is overridden on the instance (e.g. by accelerate "
             f"hooks); call replace_moe_blocks before dispatching or offloading the model")
     experts = block.experts
-    if isinstance(experts, nn.ModuleList):
-        acts, layout = [e.act_fn for e in experts], _V4Forward
-    elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
-        acts, layout = [experts.act_fn], _V5Forward
-        if transformers_fp8.is_fp8_experts(experts):
-            transformers_fp8.check_fp8_experts(experts, name)
-    else:
+    if hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
+        check_experts_module(experts, name)  # bf16 and FP8 alike
+        return _V5Forward
+    if not isinstance(experts, nn.ModuleList):
         raise ValueError(
             f"{name}: unknown Mixtral experts layout {type(experts).__name__} (expected a "
             f"ModuleList of w1/w2/w3 experts or gate_up_proj/down_proj parameters)")
-    if not all(_is_silu(act) for act in acts):
+    if not all(is_silu(e.act_fn) for e in experts):
         raise ValueError(f"{name}: ts_moe runs SwiGLU experts only (hidden_act='silu')")
-    if layout is _V4Forward:  # each expert's w1 (I, H); the stack needs them alike
-        shapes = {tuple(e.w1.weight.shape) for e in experts}
-        if len(shapes) != 1:
-            raise ValueError(f"{name}: the experts' w1 shapes differ: {sorted(shapes)}")
-        (inter, hidden), = shapes
-    else:
-        _, two_inter, hidden = experts.gate_up_proj.shape
-        inter = two_inter // 2
-    _check_sizes(name, hidden, inter)
-    return layout
-
-
-def _check_sizes(name: str, hidden: int, inter: int) -> None:
-    """H and I as the ts_moe layer takes them, or a ValueError naming the module."""
-    try:
-        check_layer_sizes(hidden_size=hidden, intermediate_size=inter)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
+    shapes = {tuple(e.w1.weight.shape) for e in experts}  # each expert's w1 (I, H)
+    if len(shapes) != 1:  # the stack needs them alike
+        raise ValueError(f"{name}: the experts' w1 shapes differ: {sorted(shapes)}")
+    (inter, hidden), = shapes
+    check_sizes(name, hidden, inter)
+    return _V4Forward
 
 
 def _switch_block(block: nn.Module, layout: type) -> None:
@@ -175,45 +142,28 @@ def replace_moe_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
-def _check_experts_module(self: nn.Module) -> None:
-    """NotImplementedError naming what the experts module ``self`` has that ts_moe lacks."""
-    # the flags as transformers 5.x sets them (older 5.x releases lack some:
-    # their defaults are the Mixtral layout)
-    flag = functools.partial(getattr, self)
-    unsupported = [what for what, bad in (
-        ("biases", flag("has_bias", False)), ("experts without a gate", not flag("has_gate", True)),
-        ("transposed weights", flag("is_transposed", False)),
-        ("interleaved gate/up weights", not flag("is_concatenated", True)),
-        ("a post-expert norm", flag("has_post_expert_norm", False)),
-        ("a custom gating function", getattr(type(self), "_apply_gate", None)
-         is not _hf()["default_apply_gate"]),
-        ("an activation other than SiLU", not _is_silu(self.act_fn))) if bad]
-    if unsupported:
-        raise NotImplementedError(
-            f"experts_implementation='{EXPERTS_IMPLEMENTATION}' does not support "
-            f"{', '.join(unsupported)} ({type(self).__name__})")
-
-
 def ts_moe_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
                            top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts-interface entry: ``(T, H), (T, k) ids, (T, k) weights -> (T, H)``.
+    """transformers' experts-interface entry, for its bf16 and its FP8 experts alike:
+    ``(T, H), (T, k) ids, (T, k) weights -> (T, H)``.
 
     ``self`` is the model's experts module (``gate_up_proj`` (E, 2I, H),
-    ``down_proj`` (E, H, I)).  Expert-parallel sentinel ids (>= E) are dropped.
+    ``down_proj`` (E, H, I), e4m3 with their scales for ``FP8Experts``).
+    Expert-parallel sentinel ids (>= E) are dropped.
     """
-    _check_experts_module(self)
-    _, two_inter, hidden = self.gate_up_proj.shape
-    _check_sizes(type(self).__name__, hidden, two_inter // 2)
-    x = hidden_states.to(self.gate_up_proj.dtype)
-    return experts_forward(x, top_k_index, top_k_weights, self.gate_up_proj,
-                           self.down_proj).to(hidden_states.dtype)
+    check_experts_module(self)
+    experts = module_experts(self)
+    x = hidden_states.to(experts.input_dtype(hidden_states.dtype))
+    return run_experts(x, top_k_index, top_k_weights, experts).to(hidden_states.dtype)
 
 
 def register() -> None:
     """Make ``experts_implementation="ts_moe"`` selectable (transformers >= 5).
 
     Registers :func:`ts_moe_experts_forward` in transformers' global
-    ``ExpertsInterface`` mapping; idempotent.
+    ``ExpertsInterface`` mapping, and in ``FP8ExpertsInterface`` where this
+    transformers has one (``FP8Experts`` modules: ``FineGrainedFP8Config``
+    checkpoints); idempotent.
     """
     try:
         from transformers.integrations.moe import ExpertsInterface
@@ -222,5 +172,10 @@ def register() -> None:
             "ts_moe.integrations.transformers.register needs transformers >= 5 "
             "(transformers.integrations.moe.ExpertsInterface)") from e
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, ts_moe_experts_forward)
-    transformers_fp8.register()  # FP8Experts modules (FineGrainedFP8Config checkpoints)
-    _hf()  # before any compiled forward reaches the checks
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # no FP8 experts to serve
+        pass
+    else:
+        FP8ExpertsInterface.register(EXPERTS_IMPLEMENTATION, ts_moe_experts_forward)
+    hf()  # before any compiled forward reaches the checks

@@ -10,7 +10,7 @@ Modules, one job each:
   FP8 ops of :mod:`ts_moe.fp8` register with it too);
 - :mod:`.paths`: which backends a call runs on (device and dtypes only);
 - :mod:`.backend`: the interface every backend of an op family offers
-  (``choose_config``, ``run``);
+  (``choose_config``, ``run``), the FP8 families (:mod:`ts_moe.fp8`'s ops) among them;
 - :mod:`.kernels`: the kernel backends (``csrc_free_kernels.*_launch``, the
   FP8 ones that :mod:`ts_moe.fp8.paths` takes included), imported once, each
   family under its own guard; :mod:`.kernel_status`: how far each family is

@@ -1,16 +1,22 @@
 """The kernel interface: what every backend of an op family offers.
 
 A backend is an arch's kernels (``csrc_free_kernels.*_launch``: sm_90,
-sm_100), torch's own (:mod:`ts_moe.ops.torch_backend`) or plain torch
-(:mod:`ts_moe.ops.reference_backend`).  :mod:`ts_moe.ops.paths` picks one per
-call; the op then
+sm_100), torch's own (:mod:`ts_moe.ops.torch_backend`), plain torch
+(:mod:`ts_moe.ops.reference_backend`), or for the FP8 families one of
+:mod:`ts_moe.fp8.backends`.  :mod:`ts_moe.ops.paths` (:mod:`ts_moe.fp8.paths`)
+picks them per call; the op then
 
-1. validates the call once (:mod:`ts_moe.checks`) and brings the operands to
-   the layout its family promises (:mod:`ts_moe.ops.layout`),
+1. validates the call once (:mod:`ts_moe.checks`; :mod:`ts_moe.fp8.recipes`,
+   which parses the FP8 recipes into their one value) and brings the operands to
+   the layout its family promises (:mod:`ts_moe.ops.layout`; an FP8 backend
+   brings them to its own),
 2. asks ``backend.choose_config(...)``: the kernel configuration for this
-   call, or None where this backend cannot take it (a size its tiles cannot
-   cover, an unaligned row, ...); the op then takes the next backend
-   (:func:`chosen`; the reference takes every call),
+   call, or a falsy answer where this backend cannot take it (a size its tiles
+   cannot cover, an unaligned row, ...): None, or a :class:`Declined` with the
+   reason (the FP8 families' backends give one: their declines choose between
+   paths as different as a kernel and a dequantization); the op then takes the
+   next backend (:func:`chosen`, :func:`first_taker`; the reference takes every
+   call),
 3. calls ``backend.run(..., config)`` once: no validation there, nothing
    raised for a call its ``choose_config`` took, the config used as given.
 
@@ -24,6 +30,8 @@ from collections.abc import Hashable
 from typing import Protocol
 
 import torch
+
+from .kernels import Declined
 
 Config = Hashable  # a backend's own configuration object (a tile config, a build width, ...)
 
@@ -144,8 +152,58 @@ class RouterLogits(Protocol):
     def run(self, x: torch.Tensor, weight: torch.Tensor, config: Config) -> torch.Tensor: ...
 
 
+class ScaledGroupedGemm(Protocol):
+    """FP8 (e4m3) row-grouped GEMM: ``out[r] = (a[r] x scale_a) @ (b[e] x scale_b)`` for
+    the rows ``r`` of expert ``e`` (``a[a_index[r]]``, with its scales, zero rows for
+    indices out of range: every backend gathers), zeros past ``offs[-1]``, fp32 sums.
+
+    a (M, K) e4m3 and b (E, K, N) e4m3 with the strides the caller gave (a backend
+    brings them to its own layout); scale_a, scale_b fp32 of the recipes of ``pair``
+    (``ts_moe.fp8.recipes.Pair``, parsed: a ``str`` enum whose members are the
+    kernels' names for the pairs); offs int32 (E,); out (M', N) in the output dtype
+    (bf16, fp16 or fp32) with 16-byte rows, written whole (or a tensor of its shape,
+    dtype and strides returned instead)."""
+
+    def choose_config(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                      a_index: torch.Tensor | None, pair: str) -> Config | Declined: ...
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+            scale_b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, config: Config,
+            pair: str, *, a_index: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class ScaledGroupedGemmSwiglu(Protocol):
+    """``silu(a @ gate^T) * (a @ up^T)`` per expert of FP8 operands.
+
+    gate_up (E, 2I, K) e4m3 as stored, gate rows first, scale_b of its recipe over
+    (E, 2I, K); out (M', I); otherwise as :class:`ScaledGroupedGemm`.  Where
+    ``choose_config`` declines, the op runs the same path's :class:`ScaledGroupedGemm`
+    to fp32 and the activation apart."""
+
+    def choose_config(self, a: torch.Tensor, gate_up: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                      a_index: torch.Tensor | None, pair: str) -> Config | Declined: ...
+
+    def run(self, a: torch.Tensor, gate_up: torch.Tensor, scale_a: torch.Tensor,
+            scale_b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, config: Config,
+            pair: str, *, a_index: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class QuantizeFp8(Protocol):
+    """``(x_fp8, scale)``: x (..., R, C) bf16/fp16/fp32/fp64 to e4m3 (contiguous) and its
+    fp32 scales ``amax / 448`` per group of ``recipe`` (``ts_moe.fp8.recipes.Recipe``,
+    parsed: a ``str`` enum of the quantize kernel's names), the scale in any strides
+    (the op brings it to the recipe's fast layout)."""
+
+    def choose_config(self, x: torch.Tensor, recipe: str) -> Config | Declined: ...
+
+    def run(self, x: torch.Tensor, recipe: str, config: Config) -> tuple: ...
+
+
 FAMILIES = (GroupedGemm, GroupedGemmK, GroupedGemmSwiglu, SwigluActivation, RouteSlots,
-            RouteTopK, SortSlots, RowSum, RouterLogits)
+            RouteTopK, SortSlots, RowSum, RouterLogits, ScaledGroupedGemm,
+            ScaledGroupedGemmSwiglu, QuantizeFp8)
 
 
 class NoKernel:
@@ -169,6 +227,17 @@ def chosen(backend, fallback, *args) -> tuple:
         backend = fallback
         config = backend.choose_config(*args)
     return backend, config
+
+
+def first_taker(backends, *args) -> tuple:
+    """``(backend, config)`` of the first of ``backends`` whose ``choose_config(*args)``
+    takes the call; the last must take every call."""
+    for backend in backends:
+        config = backend.choose_config(*args)
+        if config:
+            return backend, config
+    raise AssertionError(f"no backend took the call; the last, {type(backend).__name__}, "
+                         f"answered {config!r}")
 
 
 def run_first(backend, fallback, *args):

@@ -15,6 +15,10 @@ The families and their status: :mod:`.kernel_status`.
 
 import warnings
 
+# what a backend answers for a call it does not take: the kernels own it (data flows
+# down), and it needs no DSL
+from csrc_free_kernels.kernel_config import Declined  # noqa: F401
+
 from . import kernel_status as status
 
 
