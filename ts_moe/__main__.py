@@ -48,7 +48,7 @@ TOLERANCE = 2e-2  # bf16 layer against the fp32 reference
 ARCH = "sm_90a"
 KEEP = "ptx,cubin"  # what the DSL keeps of each build for the pre-flight
 NEXT_STEPS = (
-    ("python -m pytest -q", "the tests (about 11 min on 2 CPU cores; "
+    ("python -m pytest -q", "the tests (about 7 min on 2 CPU cores; "
                             "pip install -e '.[dev,hf]' first)"),
     ("python -m bench --help", "the benchmark harness, from a checkout (without a GPU: a "
                                "CPU smoke suite)"),
