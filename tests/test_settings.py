@@ -3,6 +3,7 @@ them when they are used, refuses bad values by name, and is the only reader of t
 environment in the package; the README's table of settings is generated from it."""
 
 import ast
+import os
 import pathlib
 import re
 import subprocess
@@ -180,10 +181,14 @@ def _environment_reads(path: pathlib.Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     reads = []
+
+    def key(arg):  # a constant key, else "*" (a key computed at run time)
+        return arg.value if isinstance(arg, ast.Constant) else "*"
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == "getenv":
             call = parents[node]
-            reads.append((node.lineno, call.args[0].value if call.args else "*"))
+            reads.append((node.lineno, key(call.args[0]) if call.args else "*"))
         if not (isinstance(node, ast.Attribute) and node.attr == "environ"):
             continue
         up = parents[node]
@@ -191,9 +196,9 @@ def _environment_reads(path: pathlib.Path) -> list[tuple[int, str]]:
             continue  # the environment of a child process
         if isinstance(up, ast.Subscript):
             if isinstance(up.ctx, ast.Load):
-                reads.append((node.lineno, up.slice.value))
+                reads.append((node.lineno, key(up.slice)))
         elif isinstance(up, ast.Attribute) and up.attr in ("get", "setdefault"):
-            reads.append((node.lineno, parents[up].args[0].value))
+            reads.append((node.lineno, key(parents[up].args[0])))
         else:
             reads.append((node.lineno, "*"))
     return reads
@@ -224,3 +229,19 @@ def test_the_readme_table_names_every_setting_and_variable():
         assert f"| `ts_moe.settings.{s.name}`" in table
         assert s.env is None or f"`{s.env}`" in table
     assert set(re.findall(r"TS_MOE_[A-Z_]+", readme)) == {s.env for s in ENV}
+
+
+def test_a_variable_is_read_as_the_environment_is_now(monkeypatch):
+    """Settings read os.environ's store directly (an op reads one at every call): what
+    they see follows every change made through os.environ, as os.environ.get does."""
+    from csrc_free_kernels.settings import _environ_get
+
+    for value in ("1", "0", "", "é"):
+        monkeypatch.setenv("TS_MOE_SETTINGS_PROBE", value)
+        assert _environ_get("TS_MOE_SETTINGS_PROBE") == os.environ.get("TS_MOE_SETTINGS_PROBE")
+    monkeypatch.delenv("TS_MOE_SETTINGS_PROBE")
+    assert _environ_get("TS_MOE_SETTINGS_PROBE") is None
+    monkeypatch.setenv("TS_MOE_REFERENCE", "1")
+    assert ts_moe.settings.reference is True
+    monkeypatch.setenv("TS_MOE_REFERENCE", "0")
+    assert ts_moe.settings.reference is False
