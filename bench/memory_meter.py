@@ -20,9 +20,9 @@ _GATHERS = {torch.ops.aten.index, torch.ops.aten.index_select, torch.ops.aten.ga
             torch.ops.aten.embedding}
 
 
-def _storage_key(t: torch.Tensor):
-    storage = t.untyped_storage()
-    return storage._cdata if hasattr(storage, "_cdata") else id(storage)
+def _storage_key(t: torch.Tensor) -> int:
+    """The storage's identity (its C++ object), shared by every view of it."""
+    return t.untyped_storage()._cdata
 
 
 def _nbytes(t: torch.Tensor) -> int:

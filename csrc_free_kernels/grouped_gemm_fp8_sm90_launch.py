@@ -209,6 +209,8 @@ class ScaledGroupedGemmBackend:
     """The sm_90 backend of ``ts_moe.scaled_grouped_gemm``: tiles from the shapes, or the
     limit the call meets."""
 
+    allocates = False  # it writes the op's output
+
     def choose_config(self, a, b, scale_a, scale_b, offs, out, a_index, pair):
         num_experts, k, n = b.shape
         if num_experts > MAX_EXPERTS:

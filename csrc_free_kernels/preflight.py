@@ -351,15 +351,3 @@ def _tz(value: int) -> int:
 def check(build: str, ptx: str, facts: BuildFacts) -> list:
     """Every :class:`Violation` of the rules by one build (its PTX and facts)."""
     return Preflight(build, ptx, facts).run()
-
-
-def check_dumped(directory) -> dict:
-    """``{build: [Violation]}`` of every build :mod:`.ptx_dump` wrote to ``directory``
-    (``NAME.ptx`` beside ``NAME.facts.json``)."""
-    import pathlib
-
-    found = {}
-    for ptx in sorted(pathlib.Path(directory).glob("*.ptx")):
-        facts = BuildFacts.from_json(ptx.with_suffix(".facts.json").read_text())
-        found[ptx.stem] = check(ptx.stem, ptx.read_text(), facts)
-    return found

@@ -120,10 +120,10 @@ class Kernel:
         self._parse(ptx, ptx.index("{", close))
         self._blocks()
         self._control_dependence()
-        self._defs = {}
+        self.writes = {}
         for ins in self.instrs:
             for r in ins.defs:
-                self._defs.setdefault(r, []).append(ins)
+                self.writes.setdefault(r, []).append(ins)
 
     # ----------------------------------------------------------------- parse
     def _parse(self, ptx: str, body_start: int) -> None:
@@ -284,12 +284,12 @@ class Kernel:
             self._is_branch(last) or last.op in ("ret", "exit")) else None
 
     def defs_of(self, reg: str) -> list:
-        return self._defs.get(reg, [])
+        return self.writes.get(reg, [])
 
     # -------------------------------------------------------------- alignment
     def alignment(self) -> dict:
         """``{register: k}``: every value of the register is a multiple of ``2**k``."""
-        align = {r: INF for r in self._defs}
+        align = {r: INF for r in self.writes}
 
         def of(arg: str) -> int:
             arg = arg.strip().lstrip("-")
@@ -326,7 +326,7 @@ class Kernel:
 
         for _ in range(200):
             changed = False
-            for reg, defs in self._defs.items():
+            for reg, defs in self.writes.items():
                 new = min(step(ins) for ins in defs)
                 if new < align[reg]:
                     align[reg], changed = new, True

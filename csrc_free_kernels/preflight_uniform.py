@@ -59,7 +59,7 @@ class ThreadValues:
         self.values: dict = {}
         for _ in range(50):
             before = len(self.values)
-            for reg, defs in kernel._defs.items():
+            for reg, defs in kernel.writes.items():
                 if reg not in self.values and len(defs) == 1 and not defs[0].guard:
                     v = self._eval(defs[0])
                     if v is not None:
@@ -176,7 +176,7 @@ class UniformityFlow:
         defs = self.k.reaching()[ins.index].get(reg)
         if not defs:
             return CTA if _CTA_SPECIAL.match(reg) else (
-                THREAD if reg not in self.k._defs else CTA)
+                THREAD if reg not in self.k.writes else CTA)
         level = max(self.def_level.get(d, CTA) for d in defs)
         if len(defs) > 1:
             here = self.k.cd.get(ins.block, set())
@@ -195,7 +195,7 @@ class UniformityFlow:
             return max([self.operand(ins, r) for r in _REG.findall(arg)] or [CTA])
         if not arg.startswith("%"):
             return CTA  # a symbol (a parameter, a shared array)
-        if arg in self.k._defs:
+        if arg in self.k.writes:
             return self.use_level(ins, arg)
         if arg.startswith("%tid"):
             return THREAD

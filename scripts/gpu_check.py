@@ -134,8 +134,7 @@ def main(argv=None) -> int:
     for r in results:
         for kind, n in r.get("counts", {}).items():
             total[kind] = total.get(kind, 0) + n
-    compile_s = sum(k["compile_s"] for r in results if r.get("kernels")
-                    for k in [r["kernels"]])
+    compile_s = sum(r["kernels"]["compile_s"] for r in results if r.get("kernels"))
     not_run = [r["file"] for r in results if r["rc"] == "not run (budget)"]
     broken = [r["file"] for r in results if r["rc"] not in (0, 5, "not run (budget)")]
     line = (f"GPU check: {total.get('passed', 0)} passed, {total.get('failed', 0)} failed, "

@@ -156,3 +156,23 @@ def test_torch_path_names_the_recipes(monkeypatch):
 def test_swiglu_docstring_names_the_torch_path_rounding():
     doc = scaled_ops.scaled_grouped_gemm_swiglu.__doc__
     assert "two roundings" in doc and "_scaled_grouped_mm" in doc
+
+
+def test_the_output_is_allocated_only_for_a_backend_that_writes_it(monkeypatch):
+    """torch's FP8 GEMM returns its own output: the op allocates none beside it; the
+    fallback writes into the one the op allocates."""
+    allocated = []
+    real = scaled_ops.empty_output
+    monkeypatch.setattr(scaled_ops, "empty_output",
+                        lambda *args: allocated.append(args[1:]) or real(*args))
+    monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm",
+                        lambda a, b, *_, **__: torch.zeros(a.shape[0], b.shape[2],
+                                                           dtype=torch.bfloat16), raising=False)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm",
+                        lambda a, b, *_, **__: torch.zeros(a.shape[0], b.shape[2],
+                                                           dtype=torch.bfloat16), raising=False)
+    xq, wq, sx, sw, offs = problem(m=8, k=256, n=128, counts=(4, 4, 0, 0), pair=PAIRS[1])
+    scaled_ops.run_gemm((TORCH_SCALED,), xq, wq.mT, sx, sw, offs, torch.bfloat16, Pair.ROWWISE)
+    assert allocated == []
+    scaled_ops.run_gemm((DEQUANTIZE,), xq, wq.mT, sx, sw, offs, torch.bfloat16, Pair.ROWWISE)
+    assert allocated == [(8, 128, torch.bfloat16)]

@@ -96,6 +96,8 @@ def _torch_config(pair, k: int, n: int, num_experts: int, out_dtype):
 
 
 class TorchScaledGemm:
+    allocates = True  # torch returns its own output: run takes out=None
+
     def choose_config(self, a, b, scale_a, scale_b, offs, out, a_index, pair):
         num_experts, k, n = b.shape
         return _torch_config(pair, k, n, num_experts, out.dtype)
@@ -122,6 +124,8 @@ DEQUANTIZE_CONFIG = "dequantize"
 
 
 class DequantizeGemm:
+    allocates = False
+
     def choose_config(self, a, b, scale_a, scale_b, offs, out, a_index, pair):
         return DEQUANTIZE_CONFIG
 
@@ -144,6 +148,8 @@ REFERENCE_CONFIG = "reference"
 
 
 class ReferenceGemm:
+    allocates = False
+
     def choose_config(self, a, b, scale_a, scale_b, offs, out, a_index, pair):
         return REFERENCE_CONFIG
 

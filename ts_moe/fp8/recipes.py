@@ -133,7 +133,6 @@ _SCALING_NAMES = {Recipe.TENSORWISE: "TensorWise", Recipe.ROWWISE: "RowWise",
                   Recipe.BLOCKWISE_128X128: "BlockWise128x128"}
 _BY_NAME = {**{r.value: r for r in Recipe}, **{n: r for r, n in _SCALING_NAMES.items()}}
 RECIPES = tuple(Recipe)
-ACTIVATION_RECIPES = (Recipe.BLOCKWISE_1X128, Recipe.ROWWISE, Recipe.TENSORWISE)
 WEIGHT_RECIPES = (Recipe.BLOCKWISE_128X128, Recipe.ROWWISE, Recipe.TENSORWISE)
 
 

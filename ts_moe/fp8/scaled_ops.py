@@ -31,6 +31,8 @@ ValueError naming the argument before any kernel, on every path and under
 (:func:`ts_moe.ops.library.define_inference_op`).  Paths: :mod:`ts_moe.fp8.paths`.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from ..ops.layout import empty_output
@@ -38,6 +40,14 @@ from ..ops.library import define_inference_op
 from ..reference import swiglu
 from .paths import Fp8Backends, gemm_path, paths_for
 from .recipes import Pair, check_scaled_args, schema_recipe
+
+class OutputSpec(NamedTuple):
+    """What a backend's ``choose_config`` reads of the output: its shape and dtype (the
+    output itself is allocated once the path is known)."""
+
+    shape: tuple
+    dtype: torch.dtype
+
 
 _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale_b, "
          "str scale_recipe_b, Tensor offs, ScalarType? out_dtype=None, Tensor? a_index=None")
@@ -52,10 +62,12 @@ def run_gemm(paths: tuple[Fp8Backends, ...], a, b, scale_a, scale_b, offs, out_d
     (:func:`ts_moe.fp8.paths.gemm_path`), the degenerate sizes answered here."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, k, n = b.shape
-    out = empty_output(a, m, n, out_dtype)
     if 0 in (m, n, k, num_experts):
-        return out.zero_()
-    backends, config = gemm_path(paths, a, b, scale_a, scale_b, offs, out, a_index, pair)
+        return empty_output(a, m, n, out_dtype).zero_()
+    backends, config = gemm_path(paths, a, b, scale_a, scale_b, offs,
+                                 OutputSpec((m, n), out_dtype), a_index, pair)
+    # a backend that returns its own tensor (torch's) is given none to leave unused
+    out = None if backends.gemm.allocates else empty_output(a, m, n, out_dtype)
     return backends.gemm.run(a, b, scale_a, scale_b, offs, out, config, pair, a_index=a_index)
 
 

@@ -162,15 +162,20 @@ class ScaledGroupedGemm(Protocol):
     (``ts_moe.fp8.recipes.Pair``, parsed: a ``str`` enum whose members are the
     kernels' names for the pairs); offs int32 (E,); out (M', N) in the output dtype
     (bf16, fp16 or fp32) with 16-byte rows, written whole (or a tensor of its shape,
-    dtype and strides returned instead)."""
+    dtype and strides returned instead).  ``choose_config`` reads only the output's
+    ``shape`` and ``dtype`` (``ts_moe.fp8.scaled_ops.OutputSpec``): the op allocates the
+    output once the path is known, and only for a backend that writes into one."""
+
+    allocates: bool  # True: ``run`` returns a tensor of its own and is given out=None
 
     def choose_config(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-                      scale_b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                      scale_b: torch.Tensor, offs: torch.Tensor, out,
                       a_index: torch.Tensor | None, pair: str) -> Config | Declined: ...
 
     def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-            scale_b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, config: Config,
-            pair: str, *, a_index: torch.Tensor | None = None) -> torch.Tensor: ...
+            scale_b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor | None,
+            config: Config, pair: str, *,
+            a_index: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class ScaledGroupedGemmSwiglu(Protocol):
