@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--out", default="fp8_diag.json")
     p.add_argument("--commit", help="the commit, where the checkout has no .git")
+    p.add_argument("--sanitizer-timeout", type=float, default=240)
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from bench import provenance
@@ -161,19 +162,24 @@ def main(argv=None) -> int:
         print(f"{r['mode']:8s} {r['config']:18s} {r['recipe']:10s} {r['layout']:5s} "
               f"{'aligned' if tuple(r['counts']) == ALIGNED else 'unaligned':9s} "
               f"{r['status'][:60]:60s} {r.get('rel_err', '')}", flush=True)
-    faults = [(j, r) for j, r in zip(todo, results) if j[0] == "kernel" and r["status"] != "ok"]
-    sanitizer = shutil.which("compute-sanitizer")
-    if faults and sanitizer:
-        job, _ = faults[0]
-        print(f"compute-sanitizer on {job}", flush=True)
-        report = run(job, prefix=(sanitizer, "--tool", "memcheck", "--show-backtrace",
-                                  "device"), timeout=900)
-        results.append({"sanitizer": list(job), **report})
     prov = provenance.collect()
     if prov.get("commit") is None and args.commit:
         prov["commit"] = args.commit
-    pathlib.Path(args.out).write_text(json.dumps({"provenance": prov, "jobs": results},
-                                                 indent=1))
+
+    def write():  # before the sanitizer too: a run cut short still leaves its results
+        pathlib.Path(args.out).write_text(json.dumps({"provenance": prov, "jobs": results},
+                                                     indent=1))
+
+    write()
+    faults = [j for j, r in zip(todo, results) if j[0] == "kernel" and r["status"] != "ok"]
+    sanitizer = shutil.which("compute-sanitizer")
+    if faults and sanitizer:
+        print(f"compute-sanitizer on {faults[0]}", flush=True)
+        report = run(faults[0], prefix=(sanitizer, "--tool", "memcheck", "--show-backtrace",
+                                        "device"), timeout=args.sanitizer_timeout)
+        results.append({"sanitizer": list(faults[0]), **report})
+        print(report.get("tail", "")[-1500:], flush=True)
+        write()
     bad = [r for r in results if r.get("status") != "ok" or r.get("ok") is False]
     print(f"{len(results) - len(bad)} of {len(results)} ok; {args.out}")
     return 0
