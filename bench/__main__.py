@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save", action="store_true", help="no JSON, markdown or plot")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--list", action="store_true", help="print the cases and backends, run nothing")
+    p.add_argument("--commit", help="the commit, where the checkout has no .git")
     return p
 
 
@@ -314,7 +315,7 @@ def run(argv) -> int:
     else:
         args.out_dir = args.out_dir or report.default_out_dir()
     device = torch.device(args.device)
-    prov = provenance.collect(device)  # before the run: the code it starts from
+    prov = provenance.collect(device, given_commit=args.commit)  # before the run: the code it starts from
     roofs = None
     if not args.no_roofs and device.type == "cuda":
         roofs = measure_roofs(device)

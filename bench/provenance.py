@@ -61,11 +61,15 @@ def _driver() -> str | None:
     return after[0] if after else None
 
 
-def collect(device: torch.device | None = None, repo: Path = REPO) -> dict:
+def collect(device: torch.device | None = None, repo: Path = REPO,
+            given_commit: str | None = None) -> dict:
     """The provenance of a run on ``device`` (a CUDA device: its GPU and driver)
-    of the code in ``repo``."""
+    of the code in ``repo``.  ``given_commit`` stands in where ``repo`` is a copy
+    without ``.git`` (the device machine's): its tree state is then unknown (None)."""
     commit = _git("rev-parse", "HEAD", repo=repo)
     status = _git("status", "--porcelain", "--untracked-files=no", repo=repo)
+    if commit is None:
+        commit = given_commit
     cuda = device is not None and torch.device(device).type == "cuda"
     return {
         "commit": commit,
@@ -89,7 +93,8 @@ def describe(result: dict) -> str:
         return ("provenance unknown: the JSON records no commit, tree state, host, driver or "
                 "package versions" + (f" (it records {recorded})" if recorded else ""))
     commit = prov.get("commit")
-    state = {True: " with uncommitted changes", False: "", None: ""}[prov.get("dirty")]
+    state = {True: " with uncommitted changes", False: "",
+             None: " (tree state not recorded)"}[prov.get("dirty")]
     parts = [f"commit {commit[:12]}{state}" if commit else "commit unknown",
              f"host {prov.get('host') or 'unknown'}",
              f"GPU {prov.get('gpu') or 'none'}",

@@ -162,9 +162,10 @@ def main(argv=None) -> int:
         print(f"{r['mode']:8s} {r['config']:18s} {r['recipe']:10s} {r['layout']:5s} "
               f"{'aligned' if tuple(r['counts']) == ALIGNED else 'unaligned':9s} "
               f"{r['status'][:60]:60s} {r.get('rel_err', '')}", flush=True)
-    prov = provenance.collect()
-    if prov.get("commit") is None and args.commit:
-        prov["commit"] = args.commit
+    import torch
+
+    prov = provenance.collect(torch.device("cuda") if torch.cuda.is_available() else None,
+                              given_commit=args.commit)
 
     def write():  # before the sanitizer too: a run cut short still leaves its results
         pathlib.Path(args.out).write_text(json.dumps({"provenance": prov, "jobs": results},

@@ -143,9 +143,10 @@ def main(argv=None) -> int:
             f"{time.perf_counter() - start:.0f} s; kernels compiled in the files "
             f"{compile_s:.0f} s" + (f", warm-up {warmed['kernels']} kernels "
                                      f"{warmed['wall_s']} s" if warmed else ""))
-    prov = provenance.collect()
-    if prov.get("commit") is None and args.commit:
-        prov["commit"] = args.commit
+    import torch
+
+    prov = provenance.collect(torch.device("cuda") if torch.cuda.is_available() else None,
+                              given_commit=args.commit)
     pathlib.Path(args.out).write_text(json.dumps(
         {"provenance": prov, "summary": line, "warm": warmed, "files": results,
          "files_with_failures": broken, "not_run": not_run}, indent=1))

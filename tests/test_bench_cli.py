@@ -179,7 +179,8 @@ def test_gpu_run_writes_outside_the_checkout(gpu_machine, tmp_path, monkeypatch,
     monkeypatch.setattr(cli, "measure_roofs", lambda device: {"hbm_read_tbps": 4.0,
                                                               "bf16_dense_tflops": 700.0})
     monkeypatch.setattr(cli, "device_name", lambda device: "NVIDIA H200")
-    monkeypatch.setattr(cli.provenance, "collect", lambda device: {"commit": None})
+    monkeypatch.setattr(cli.provenance, "collect",
+                        lambda device, given_commit=None: {"commit": given_commit})
     before = _status()
     assert cli.main(["--models", "qwen3", "--T", "16", "--no-plots"]) == 0
     written = tmp_path / "ts_moe" / "bench" / "nvidia-h200-grouped_gemm.json"

@@ -204,3 +204,16 @@ def test_provenance_is_described_field_by_field():
                     "transformers not installed")
     clean = provenance.describe({"provenance": {**prov, "dirty": False, "commit": None}})
     assert clean.startswith("commit unknown, host h1")
+
+
+def test_a_copy_without_git_takes_the_given_commit_and_records_no_tree_state(tmp_path):
+    """The device machine's copy of the tree has no .git: the commit named on the command
+    line stands in, and its tree state is unknown, not clean."""
+    from bench import provenance
+
+    prov = provenance.collect(repo=tmp_path, given_commit="fedcba9876543210")
+    assert prov["commit"] == "fedcba9876543210" and prov["dirty"] is None
+    assert provenance.describe({"provenance": prov}).startswith(
+        "commit fedcba987654 (tree state not recorded), host ")
+    here = provenance.collect(given_commit="fedcba9876543210")  # a checkout: git wins
+    assert here["commit"] != "fedcba9876543210" and here["dirty"] in (True, False)
