@@ -276,11 +276,11 @@ def ts_moe_variant(spec: str) -> Factory:
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
     with the peers in one run.  ``store_warp=1`` runs the opt-in store-warp
-    kernel (``csrc_free_kernels.grouped_gemm_sm90_store_warp``)."""
-    from csrc_free_kernels import grouped_gemm_sm90_config as sm90
-    from csrc_free_kernels.grouped_gemm_sm90 import GroupedGemmSm90
-    from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
-    from csrc_free_kernels.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
+    kernel (``csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp``)."""
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
+    from csrc_free_kernels.hopper.grouped_gemm_sm90 import GroupedGemmSm90
+    from csrc_free_kernels.hopper.grouped_gemm_sm90_launch import grouped_gemm
+    from csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
 
     fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
     base, changes, kernel_cls = None, {}, GroupedGemmSm90

@@ -117,6 +117,6 @@ def settings_markdown() -> str:
         rows.append((setter, env, s.default_text(), s.does, s.read))
     return "\n".join([
         SETTINGS_BEGIN,
-        GENERATED.format(sources="ts_moe/settings.py and csrc_free_kernels/settings.py"), "",
+        GENERATED.format(sources="ts_moe/settings.py and csrc_free_kernels/common/settings.py"), "",
         *_table(("setting", "environment variable", "default", "what it does", "read"), rows),
         SETTINGS_END])

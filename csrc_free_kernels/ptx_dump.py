@@ -4,7 +4,7 @@
 
 writes ``OUT_DIR/NAME.ptx`` for each named build (see :data:`BUILDS`) and beside it
 ``NAME.facts.json``, what the pre-flight needs that the PTX does not say (the TMA maps,
-shared memory, the cubin's registers: :mod:`.preflight_trace`).  The DSL reads the
+shared memory, the cubin's registers: :mod:`.preflight`).  The DSL reads the
 arch and the keep/dump settings once, at import, so each arch needs its own process:
 :func:`dump` runs one.
 """
@@ -25,16 +25,16 @@ def _gemm(config, b_n_major=True, dtype="bfloat16", out="same", swiglu=False,
         import cutlass
         import cutlass.cute as cute
 
-        from . import grouped_gemm_sm90 as g
-        from .grouped_gemm_sm90_config import CONFIGS
-        from .grouped_gemm_sm90_launch import _fake_args
+        from .hopper import grouped_gemm_sm90 as g
+        from .hopper.grouped_gemm_sm90_config import CONFIGS
+        from .hopper.grouped_gemm_sm90_launch import _fake_args
 
         cfg = dataclasses.replace(CONFIGS[config], **kw)
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
         cls = g.GroupedGemmSwigluSm90 if swiglu else g.GroupedGemmSm90
         if store_warp:
-            from . import grouped_gemm_sm90_store_warp as sw
+            from .hopper import grouped_gemm_sm90_store_warp as sw
             cls = sw.GroupedGemmSwigluStoreWarpSm90 if swiglu else sw.GroupedGemmStoreWarpSm90
         return cls(cfg, prefetch_weights=prefetch), (
             *_fake_args(ab, c, b_n_major, cls), cutlass.Int32(1),
@@ -51,9 +51,9 @@ def _gemm100(config, b_n_major=True, gather=True, swiglu=False, out="same"):
         import cutlass
         import cutlass.cute as cute
 
-        from . import grouped_gemm_sm100 as g
-        from .grouped_gemm_sm100_config import CONFIGS
-        from .grouped_gemm_sm100_launch import fake_args
+        from .sm100 import grouped_gemm_sm100 as g
+        from .sm100.grouped_gemm_sm100_config import CONFIGS
+        from .sm100.grouped_gemm_sm100_launch import fake_args
 
         cfg = CONFIGS[config]
         c = cutlass.Float32 if out == "float32" else cutlass.BFloat16
@@ -68,9 +68,9 @@ def _dw(config, dtype="bfloat16", out="same"):
     def build():
         import cutlass
 
-        from . import grouped_gemm_dw_sm90 as g
-        from .grouped_gemm_dw_sm90_config import CONFIGS
-        from .grouped_gemm_dw_sm90_launch import _fake_args
+        from .hopper import grouped_gemm_dw_sm90 as g
+        from .hopper.grouped_gemm_dw_sm90_config import CONFIGS
+        from .hopper.grouped_gemm_dw_sm90_launch import _fake_args
 
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         c = cutlass.Float32 if out == "float32" else ab
@@ -84,8 +84,8 @@ def _swiglu_ew(backward, dtype="bfloat16"):
     def build():
         import cutlass
 
-        from . import swiglu_sm90 as s
-        from .swiglu_sm90_launch import fake_args
+        from .hopper import swiglu_sm90 as s
+        from .hopper.swiglu_sm90_launch import fake_args
 
         ab = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         return s.SwigluElementwise(backward), fake_args(ab, backward)
@@ -97,8 +97,8 @@ def _route(from_logits, dtype="bfloat16", per_lane=8):
     def build():
         import cutlass
 
-        from . import route_sm90 as r
-        from .route_sm90_launch import route_fake_args
+        from .routing import route_sm90 as r
+        from .routing.route_sm90_launch import route_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32",
                               "int64": "Int64", "int32": "Int32"}[dtype])
@@ -111,8 +111,8 @@ def _router(dtype="bfloat16"):
     def build():
         import cutlass
 
-        from . import router_sm90 as r
-        from .router_sm90_launch import router_fake_args
+        from .routing import router_sm90 as r
+        from .routing.router_sm90_launch import router_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float16": "Float16"}[dtype])
         return r.RouterLogits(), router_fake_args(c)
@@ -124,8 +124,8 @@ def _topk(dtype="bfloat16", per_lane=8):
     def build():
         import cutlass
 
-        from . import router_sm90 as r
-        from .router_sm90_launch import topk_fake_args
+        from .routing import router_sm90 as r
+        from .routing.router_sm90_launch import topk_fake_args
 
         c = getattr(cutlass, {"bfloat16": "BFloat16", "float32": "Float32"}[dtype])
         return r.RouteTopK(per_lane), topk_fake_args(c)
@@ -137,8 +137,8 @@ def _rowsum(weighted, index="int64"):
     def build():
         import cutlass
 
-        from . import route_sm90 as r
-        from .route_sm90_launch import rowsum_fake_args
+        from .routing import route_sm90 as r
+        from .routing.route_sm90_launch import rowsum_fake_args
 
         return r.WeightedRowSum(weighted), rowsum_fake_args(
             cutlass.BFloat16, getattr(cutlass, index.capitalize()), weighted)
@@ -151,9 +151,9 @@ def _fp8(config, recipe, swiglu=False, out="bfloat16", regs=0):
         import cutlass
         import cutlass.cute as cute
 
-        from . import grouped_gemm_fp8_sm90 as k
-        from .grouped_gemm_fp8_sm90_config import CONFIGS
-        from .grouped_gemm_fp8_sm90_launch import fake_args
+        from .fp8 import grouped_gemm_fp8_sm90 as k
+        from .fp8.grouped_gemm_fp8_sm90_config import CONFIGS
+        from .fp8.grouped_gemm_fp8_sm90_launch import fake_args
 
         cls = k.GroupedGemmFp8SwigluSm90 if swiglu else k.GroupedGemmFp8Sm90
         kernel = cls(CONFIGS[config], recipe)
@@ -171,8 +171,8 @@ def _quantize(recipe, dtype):
     def build():
         import cutlass
 
-        from . import quantize_fp8_sm90 as q
-        from .quantize_fp8_sm90_launch import fake_args
+        from .fp8 import quantize_fp8_sm90 as q
+        from .fp8.quantize_fp8_sm90_launch import fake_args
 
         c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
              "float32": cutlass.Float32}[dtype]
@@ -298,17 +298,16 @@ def main(out_dir: str, names: list, builds: dict = BUILDS) -> None:
     writing ``NAME.ptx`` and ``NAME.facts.json`` to ``out_dir``."""
     import cutlass.cute as cute
 
-    from . import preflight_trace
-
+    from . import preflight
     out = pathlib.Path(out_dir)
     dump_dir = pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"])
     for name in names:
         if name.endswith("_reference") and not reference_module_available():
             continue
         kernel, args = builds[name]()
-        with preflight_trace.recording() as facts:
+        with preflight.recording() as facts:
             cute.compile(kernel, *args)
-        (out / f"{name}.ptx").write_text(preflight_trace.collect(dump_dir, facts))
+        (out / f"{name}.ptx").write_text(preflight.collect(dump_dir, facts))
         (out / f"{name}.facts.json").write_text(facts.to_json())
 
 

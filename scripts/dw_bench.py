@@ -5,7 +5,7 @@
 
 For each shape (M token rows, K, N, E experts, uniform routing), on
 ``torch.randn`` bf16 inputs: the kernel
-(``csrc_free_kernels.grouped_gemm_dw_sm90_launch.grouped_gemm_k``) in each
+(``csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch.grouped_gemm_k``) in each
 configuration of ``grouped_gemm_dw_sm90_config.CONFIGS`` (``*`` marks the one
 ``choose_config`` picks) and
 ``torch._grouped_mm(a.t(), dy, offs=ends)``; CUDA-event time per call (ms),
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
-    from csrc_free_kernels import grouped_gemm_dw_sm90_config as g
-    from csrc_free_kernels.grouped_gemm_dw_sm90_launch import grouped_gemm_k
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config as g
+    from csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch import grouped_gemm_k
 
     out_dtype = getattr(torch, args.out_dtype)
     print(f"{'M':>7} {'K':>5} {'N':>6} {'E':>4}  {'kernel':<18} {'ms':>8} {'TFLOP/s':>8} "

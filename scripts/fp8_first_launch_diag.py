@@ -53,7 +53,7 @@ try:
         out = ts_moe.scaled_grouped_gemm(cuda[0], cuda[1].transpose(-2, -1), cuda[2], pair[0],
                                          cuda[3], pair[1], cuda[4])
     elif mode == "quantize":
-        from csrc_free_kernels import quantize_fp8_sm90_launch as q8
+        from csrc_free_kernels.fp8 import quantize_fp8_sm90_launch as q8
         x = torch.randn(257, 1024, device="cuda", dtype=torch.bfloat16)
         q, s = q8.quantize(x, pair[0])
         torch.cuda.synchronize()
@@ -80,7 +80,7 @@ def old_scale_box_class():
     """The blockwise layout that ran on the H200, rebuilt from the fixed kernel's hooks:
     the scale box at the tile's first row, ``rows`` rows, read unshifted, a stage's column
     ``max(tile_m, 32)`` words (its PTX is that build's, but for the kernel's name)."""
-    from csrc_free_kernels.grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90
+    from csrc_free_kernels.fp8.grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90
 
     class OldScaleBox(GroupedGemmFp8Sm90):
         sfa_box_rows = property(lambda self: self.cfg.rows)
@@ -97,10 +97,10 @@ def launch(config_name, recipe, layout, a, w, sa, sw, offs):
     import cutlass
     import torch
 
-    from csrc_free_kernels import compile as kcompile
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as glue
-    from csrc_free_kernels.grouped_gemm_fp8_sm90_config import CONFIGS
-    from csrc_free_kernels.quantize_fp8_sm90_launch import one_row_view
+    from csrc_free_kernels.common import compile as kcompile
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as glue
+    from csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_config import CONFIGS
+    from csrc_free_kernels.fp8.quantize_fp8_sm90_launch import one_row_view
 
     cfg = CONFIGS[config_name]
     out = a.new_empty(a.shape[0], w.shape[1], dtype=torch.bfloat16)

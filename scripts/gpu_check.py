@@ -11,7 +11,7 @@
   what they use, one at a time (:func:`warm`);
 - a time budget: a file that would start after it is listed as not run;
 - per file, the pytest summary, the failed tests, and how many kernels the file
-  compiled or loaded and the seconds that took (``csrc_free_kernels.compile.stats``,
+  compiled or loaded and the seconds that took (``csrc_free_kernels.common.compile.stats``,
   through the plugin :mod:`gpu_check_plugin`);
 - one JSON with all of it and the run's provenance (``bench.provenance``), and one
   summary line (``GPU check: ...``) to quote.

@@ -1,6 +1,6 @@
 """pytest plugin of ``scripts/gpu_check.py``: at the end of a file's run, how many kernels
 the process compiled or loaded from the kernel cache, and the seconds each took
-(``csrc_free_kernels.compile.stats``), written to ``--gpu-check-stats``."""
+(``csrc_free_kernels.common.compile.stats``), written to ``--gpu-check-stats``."""
 
 import json
 import pathlib
@@ -14,7 +14,7 @@ def pytest_addoption(parser):
 
 def pytest_sessionfinish(session):
     path = session.config.getoption("--gpu-check-stats")
-    compile_module = sys.modules.get("csrc_free_kernels.compile")
+    compile_module = sys.modules.get("csrc_free_kernels.common.compile")
     if not path:
         return
     stats = compile_module.stats if compile_module is not None else []

@@ -78,8 +78,8 @@ def main(argv=None) -> int:
         print("scripts/k_sweep.py: needs a CUDA GPU (sm_90); torch sees none here",
               file=sys.stderr)
         return 2
-    from csrc_free_kernels import grouped_gemm_sm90_config as sm90
-    from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
+    from csrc_free_kernels.hopper.grouped_gemm_sm90_launch import grouped_gemm
 
     if args.config not in sm90.CONFIGS:
         p.error(f"--config {args.config!r}: known: {', '.join(sm90.CONFIGS)}")

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("scripts/prefetch_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
         return 2
-    from csrc_free_kernels import grouped_gemm_sm90_launch as kernels
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as kernels
 
     dev = torch.device("cuda")
     backends = (kernels.GROUPED_GEMM, kernels.GROUPED_GEMM_SWIGLU)  # the op layer's sm_90 GEMMs

@@ -6,14 +6,14 @@ alone and inside the decode block.
 
 For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3; the suite's
 cases and inputs, ``bench.moe_block.suite_inputs``) and token count: the logits
-alone, ``F.linear`` then ``csrc_free_kernels.router_sm90_launch.router_logits``; the
+alone, ``F.linear`` then ``csrc_free_kernels.routing.router_sm90_launch.router_logits``; the
 routing alone, the one-CTA ``route_slots`` then ``route_topk`` + ``sort_slots``
 (two launches; twenty calls per CUDA graph each); and the block
 (``bench.moe_block.stages_graph_ms``) with
 :func:`ts_moe.use_router_kernel` off, on, and off again (the spread between
 the two "off" columns is the noise; "on" is the op's choice, ``F.linear``
 where the kernel would read more than
-``csrc_free_kernels.router_sm90_launch.ROUTER_KERNEL_MAX_READ``).
+``csrc_free_kernels.routing.router_sm90_launch.ROUTER_KERNEL_MAX_READ``).
 µs per call.  The kernel's logits are
 checked against float64 first (relative error per row).  Needs an sm_90 GPU.
 """
@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("scripts/router_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
         return 2
-    from csrc_free_kernels import route_sm90_launch as route_sm90
-    from csrc_free_kernels import router_sm90_launch
+    from csrc_free_kernels.routing import route_sm90_launch as route_sm90
+    from csrc_free_kernels.routing import router_sm90_launch
 
     dev = torch.device("cuda")
     print("| model | T | F.linear | router kernel | route_slots | route_topk + sort_slots "

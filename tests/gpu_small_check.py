@@ -14,12 +14,12 @@ import dataclasses
 
 import torch
 
-from csrc_free_kernels import grouped_gemm_sm90_config as sm90
-from csrc_free_kernels import route_sm90_launch as route_sm90
-from csrc_free_kernels import router_sm90_launch
-from csrc_free_kernels.grouped_gemm_sm90 import GroupedGemmSm90
-from csrc_free_kernels.grouped_gemm_sm90_launch import grouped_gemm
-from csrc_free_kernels.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
+from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
+from csrc_free_kernels.routing import route_sm90_launch as route_sm90
+from csrc_free_kernels.routing import router_sm90_launch
+from csrc_free_kernels.hopper.grouped_gemm_sm90 import GroupedGemmSm90
+from csrc_free_kernels.hopper.grouped_gemm_sm90_launch import grouped_gemm
+from csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
 from ts_moe import reference
 from ts_moe.reference import grouped_gemm_reference
 

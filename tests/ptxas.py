@@ -54,7 +54,7 @@ def assert_pdl_entry(ptx_text: str) -> None:
     """A kernel launched with programmatic dependent launch waits for the stream
     ahead (``griddepcontrol.wait``) before any global access, and only then lets
     its dependents launch; with ``TS_MOE_PDL=0``, neither instruction."""
-    from csrc_free_kernels import pdl
+    from csrc_free_kernels.common import pdl
 
     body = ptx_text[ptx_text.index(".entry"):]
     wait = body.find("griddepcontrol.wait;")
@@ -73,7 +73,7 @@ def assert_pdl_prefetch_entry(ptx_text: str) -> None:
     ``griddepcontrol.wait`` it reads ``offs`` from L2 only (``ld.global.cg``),
     never writes; every role waits once more before touching the tokens or
     the output, and each wait is followed by ``launch_dependents``."""
-    from csrc_free_kernels import pdl
+    from csrc_free_kernels.common import pdl
 
     body = ptx_text[ptx_text.index(".entry"):]
     waits = [m.start() for m in re.finditer(r"griddepcontrol\.wait;", body)]
@@ -120,8 +120,8 @@ class PtxStore:
         return {b: self.ptx[arch, b] for b in builds if (arch, b) in self.ptx}
 
     def facts(self, arch: str, build: str):
-        """The build's :class:`csrc_free_kernels.preflight_trace.BuildFacts`."""
-        from csrc_free_kernels.preflight_trace import BuildFacts
+        """The build's :class:`csrc_free_kernels.preflight.trace.BuildFacts`."""
+        from csrc_free_kernels.preflight.trace import BuildFacts
 
         self.get(arch, [build])
         found = sorted(self.directory.glob(f"{arch}_*/{build}.facts.json"))

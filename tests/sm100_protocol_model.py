@@ -11,7 +11,7 @@ as credits: it has no arrival counts, phases or second CTA, so a wrong
 arrival count (the bug class that matters here) cannot be planted in it.  This
 is the smallest model that can.
 
-Roles, per the kernel (``csrc_free_kernels/grouped_gemm_sm100.py``):
+Roles, per the kernel (``csrc_free_kernels/sm100/grouped_gemm_sm100.py``):
 
 - ``G0``, ``G1``: the gather threads of each CTA (one actor per CTA, arriving
   with the weight of its 128 threads): wait the local empty barrier, write the

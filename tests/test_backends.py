@@ -69,9 +69,9 @@ def test_every_backend_has_its_familys_signatures(family, impl):
 
 
 def test_each_path_runs_the_backends_it_names():
-    from csrc_free_kernels import (grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch,
-                                   grouped_gemm_sm100_launch, route_sm90_launch,
-                                   router_sm90_launch, swiglu_sm90_launch)
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch, swiglu_sm90_launch
+    from csrc_free_kernels.routing import route_sm90_launch, router_sm90_launch
+    from csrc_free_kernels.sm100 import grouped_gemm_sm100_launch
 
     p = paths.PATH_BACKENDS
     assert p[paths.Path.KERNEL_SM90] == (grouped_gemm_sm90_launch.GROUPED_GEMM,
@@ -88,7 +88,7 @@ def test_each_path_runs_the_backends_it_names():
 
 
 def test_each_fp8_path_runs_the_backends_it_names():
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch, quantize_fp8_sm90_launch
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch, quantize_fp8_sm90_launch
 
     p = fp8_paths.PATH_BACKENDS
     assert p[fp8_paths.Fp8Path.KERNEL_SM90][1:] == (
@@ -109,7 +109,7 @@ def test_the_kernels_choose_from_shapes_the_references_take_everything():
     take (the op then takes the next backend); a reference never declines."""
     import torch
 
-    from csrc_free_kernels import grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch
 
     bf16 = torch.bfloat16
     a, offs = torch.empty(64, 256, dtype=bf16), torch.empty(8, dtype=torch.int32)
@@ -122,7 +122,7 @@ def test_the_kernels_choose_from_shapes_the_references_take_everything():
     for impl in (reference_backend.GROUPED_GEMM_SWIGLU, torch_backend.GROUPED_GEMM_SWIGLU):
         assert impl.choose_config(a, gate_up, offs, out, None) is not None
     # FP8: a decline is falsy and says why; the fallbacks take every call
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as fp8
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as fp8
 
     from ts_moe.fp8.recipes import Pair
 

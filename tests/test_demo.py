@@ -134,7 +134,7 @@ def test_compile_command_builds_each_family_in_its_own_process(tmp_path):
     code = (
         "import sys, torch; from functools import partial; import ts_moe.__main__ as m\n"
         "def families():\n"
-        "    from csrc_free_kernels import swiglu_sm90_launch as act\n"
+        "    from csrc_free_kernels.hopper import swiglu_sm90_launch as act\n"
         "    return [('SwiGLU', [partial(act.compiled_kernel, torch.bfloat16, False)])]\n"
         "m.kernel_families = families\n"
         "rc = m.main(['compile'])\n"
@@ -161,15 +161,15 @@ def test_compile_command_fails_a_build_the_preflight_refuses(tmp_path):
     instruction (here the pre-flight is handed a wrong armed byte count)."""
     code = (
         "import sys, torch; from functools import partial; import ts_moe.__main__ as m\n"
-        "from csrc_free_kernels import preflight, preflight_trace\n"
-        "collect = preflight_trace.collect\n"
+        "from csrc_free_kernels import preflight\n"
+        "collect = preflight.collect\n"
         "def broken(d, facts):\n"
         "    return collect(d, facts).replace('setmaxnreg.inc.sync.aligned.u32 \\t240;',\n"
         "                                     'setmaxnreg.inc.sync.aligned.u32 \\t244;')\n"
-        "preflight_trace.collect = broken\n"
+        "preflight.collect = broken\n"
         "def families():\n"
-        "    from csrc_free_kernels import grouped_gemm_sm90_launch as g\n"
-        "    from csrc_free_kernels import grouped_gemm_sm90_config as c\n"
+        "    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as g\n"
+        "    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c\n"
         "    return [('grouped GEMM', [partial(g.compiled_kernel, c.DECODE16, torch.bfloat16,\n"
         "                                      torch.bfloat16, False)])]\n"
         "m.kernel_families = families\n"
@@ -186,9 +186,9 @@ def test_compile_command_fails_a_build_the_preflight_refuses(tmp_path):
 
 def test_kernel_families_name_the_shipped_configurations():
     families = dict(demo_main.kernel_families())
-    from csrc_free_kernels import grouped_gemm_dw_sm90_config as dw
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as fp8
-    from csrc_free_kernels import grouped_gemm_sm90_config as gemm
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config as dw
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as fp8
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as gemm
 
     assert [b.args[0] for b in families["grouped GEMM"]] == list(gemm.CONFIGS.values())
     assert len(families["grouped GEMM + SwiGLU"]) == len(gemm.CONFIGS)

@@ -28,17 +28,17 @@ FP8 = torch.float8_e4m3fn
 
 
 def L():
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch
     return grouped_gemm_fp8_sm90_launch
 
 
 def C():
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config
     return grouped_gemm_fp8_sm90_config
 
 
 def QL():
-    from csrc_free_kernels import quantize_fp8_sm90_launch
+    from csrc_free_kernels.fp8 import quantize_fp8_sm90_launch
     return quantize_fp8_sm90_launch
 
 

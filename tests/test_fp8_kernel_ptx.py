@@ -30,13 +30,13 @@ ptx = ptx_fixture("sm_90a", sorted(SPECS))
 
 
 def _config(name):
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
 
     return C.CONFIGS[SPECS[name][0]]
 
 
 def test_every_configuration_is_built(ptx):
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
 
     assert set(ptx) == set(SPECS)
     assert set(CONFIG_NAMES) == set(C.CONFIGS)
@@ -149,7 +149,7 @@ def test_quantize_ptx(ptx, name):
     ((8, 28672, 4096, 32768), "fp8_prefill_c2"),    # Mixtral gate_up T=16384
 ])
 def test_choose_config(shape, name):
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
 
     for recipe in RECIPES:  # a recipe reaches the heuristic parsed (the op layer's)
         assert C.choose_config(*shape, recipe=recipe).name == name
@@ -158,9 +158,9 @@ def test_choose_config(shape, name):
 def test_refused_configurations():
     import dataclasses
 
-    from csrc_free_kernels import grouped_gemm_fp8_sm90 as K
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
-    from csrc_free_kernels import grouped_gemm_sm90_config as g
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90 as K
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as g
 
     with pytest.raises(ValueError, match="128 deep"):
         K.GroupedGemmFp8Sm90(g.DECODE)  # bf16's tile_k 64
@@ -173,7 +173,7 @@ def test_refused_configurations():
 
 
 def test_swiglu_supported():
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
 
     assert C.swiglu_supported(2 * 768, "blockwise", C.MID)       # Qwen3 I = 768
     assert not C.swiglu_supported(2 * 704, "blockwise", C.MID)   # I % 128 != 0

@@ -23,8 +23,8 @@ from .test_fp8_ops import PAIRS, assert_rows_close, problem, ref64
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
-L = pytest.importorskip("csrc_free_kernels.grouped_gemm_fp8_sm90_launch")
-QL = pytest.importorskip("csrc_free_kernels.quantize_fp8_sm90_launch")
+L = pytest.importorskip("csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_launch")
+QL = pytest.importorskip("csrc_free_kernels.fp8.quantize_fp8_sm90_launch")
 
 
 def _meta_call(pair, k, n, experts, out_dtype, m=64):
@@ -229,8 +229,8 @@ def test_launch_modules_have_one_entry_and_check_nothing():
     """The FP8 launch module's one way in is ``launch`` (the backends' run is it); it and
     the quantizer's launch module raise nothing: every check is the op layer's, every
     limit a backend's decline."""
-    import csrc_free_kernels.grouped_gemm_fp8_sm90_launch as gemm
-    import csrc_free_kernels.quantize_fp8_sm90_launch as quant
+    import csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_launch as gemm
+    import csrc_free_kernels.fp8.quantize_fp8_sm90_launch as quant
 
     for module in (gemm, quant):
         source = pathlib.Path(module.__file__).read_text()

@@ -32,8 +32,8 @@ _TRACE = """
 import json, sys
 import cutlass, cutlass.cute as cute
 from cutlass.tensor_utils import LayoutEnum
-from csrc_free_kernels import grouped_gemm_fp8_sm90 as K
-from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
+from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90 as K
+from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
 maps = {}
 for name in json.loads(sys.argv[1]):
     for swiglu in (False, True):
@@ -81,7 +81,7 @@ def maps():
 
 
 def _entry(maps, name, swiglu):
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
 
     cfg = C.CONFIGS[name]
     return maps[f"{cfg.tile_m}x{cfg.tile_n}:{int(swiglu)}"]
@@ -89,8 +89,8 @@ def _entry(maps, name, swiglu):
 
 def _kernel(name, swiglu, recipe="blockwise"):
     """The kernel object (host-side methods only: no tracing)."""
-    from csrc_free_kernels import grouped_gemm_fp8_sm90 as K
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as C
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90 as K
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as C
 
     cls = K.GroupedGemmFp8SwigluSm90 if swiglu else K.GroupedGemmFp8Sm90
     return cls(C.CONFIGS[name], recipe)
@@ -294,7 +294,7 @@ def test_emulated_kernel_matches_reference(maps, name, recipe, swiglu):
 def test_emulated_kernel_with_a_index(maps, name, recipe):
     """``a_index`` through the launch glue's gather (rows and scales; out-of-range
     indices give zero rows), blockwise scales landing in the kernel's fast layout."""
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as L
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as L
 
     gen = torch.Generator().manual_seed(11)
     kernel = _kernel(name, False, recipe)
@@ -333,7 +333,7 @@ def test_a_wrong_row_map_is_caught(maps):
 def test_fast_scale_a_layout():
     """The blockwise activation scales the kernel reads: M-major, 16-byte column stride
     and start; kept as is when so, re-strided otherwise (values unchanged)."""
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as L
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as L
 
     row_major = torch.rand(10, 3)
     fast = L.fast_scale_a(row_major)

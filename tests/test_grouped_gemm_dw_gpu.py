@@ -12,12 +12,12 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 
 def dw():
-    from csrc_free_kernels import grouped_gemm_dw_sm90_launch
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch
     return grouped_gemm_dw_sm90_launch
 
 
 def dwc():
-    from csrc_free_kernels import grouped_gemm_dw_sm90_config
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config
     return grouped_gemm_dw_sm90_config
 
 

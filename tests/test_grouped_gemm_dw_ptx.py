@@ -15,12 +15,12 @@ BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("dw_")]
 
 
 def dw():
-    from csrc_free_kernels import grouped_gemm_dw_sm90
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90
     return grouped_gemm_dw_sm90
 
 
 def dwc():
-    from csrc_free_kernels import grouped_gemm_dw_sm90_config
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config
     return grouped_gemm_dw_sm90_config
 
 
@@ -130,7 +130,7 @@ def test_ptxas_no_spills(ptx, name, tmp_path):
 @pytest.mark.parametrize("m_tiles, n_tiles, band_n", [
     (32, 112, 8), (56, 16, 8), (3, 5, 2), (1, 1, 8), (4, 7, 3), (16, 6, 16)])
 def test_schedule_decode_is_a_bijection(m_tiles, n_tiles, band_n):
-    from csrc_free_kernels.tile_schedule import KGroupedTileSchedule
+    from csrc_free_kernels.common.tile_schedule import KGroupedTileSchedule
 
     experts = 3
     tiles = [KGroupedTileSchedule.tile_coords(t, m_tiles, n_tiles, band_n)
@@ -235,7 +235,7 @@ def _args(m=64, k=32, n=48, e=4, dtype=torch.bfloat16, out_dtype=None):
 ])
 def test_entry_rejects_other_layouts(corrupt, msg):
     with pytest.raises(ValueError, match=msg):
-        from csrc_free_kernels.grouped_gemm_dw_sm90_launch import grouped_gemm_k
+        from csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch import grouped_gemm_k
 
         grouped_gemm_k(*corrupt(*_args()))
 

@@ -24,12 +24,12 @@ MODELS = {  # E, H, I, top-k
 
 
 def gg():
-    from csrc_free_kernels import grouped_gemm_sm90_launch
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch
     return grouped_gemm_sm90_launch
 
 
 def ggc():
-    from csrc_free_kernels import grouped_gemm_sm90_config
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config
     return grouped_gemm_sm90_config
 
 
@@ -84,7 +84,7 @@ def test_model_shapes(model, gemm, tokens):
 CONFIG_NAMES = ["decode16", "decode16_n64", "decode", "decode_p2", "mid", "prefill", "prefill_c2",
                 "prefill_p2"]
 # raster bands of two m-tiles, so that the small cases below span several bands;
-# ":sw": the opt-in store-warp kernel (csrc_free_kernels.grouped_gemm_sm90_store_warp)
+# ":sw": the opt-in store-warp kernel (csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp)
 VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
             "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2),
             **{f"{c}:sw": {} for c in ("mid", "prefill", "prefill_c2", "prefill_p2")}}
@@ -100,7 +100,7 @@ def launch_kw(name, swiglu=False):
     and for ":sw" the store-warp kernel class."""
     kw = {"config": config_named(name)}
     if name.endswith(":sw"):
-        from csrc_free_kernels import grouped_gemm_sm90_store_warp as sw
+        from csrc_free_kernels.hopper import grouped_gemm_sm90_store_warp as sw
         kw["kernel_cls"] = (sw.GroupedGemmSwigluStoreWarpSm90 if swiglu
                             else sw.GroupedGemmStoreWarpSm90)
     return kw
@@ -182,7 +182,7 @@ def test_op_dispatches_to_kernel_and_no_sync(monkeypatch):
     """This call of each op runs its sm_90 kernel once, with the configuration
     the heuristic gives its shapes (recorded at the backends' ``run``), without
     a host sync, and its result is right overall and per row."""
-    from csrc_free_kernels import grouped_gemm_sm90_launch as launch
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as launch
     from ts_moe.reference import grouped_gemm_swiglu_reference
 
     calls = []

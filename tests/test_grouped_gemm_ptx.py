@@ -18,14 +18,14 @@ def _config(name):
     """The TileConfig that build ``name`` compiles."""
     import dataclasses
 
-    from csrc_free_kernels import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 
     config, overrides = ptx_dump.BUILDS[name].config
     return dataclasses.replace(c.CONFIGS[config], **overrides)
 
 
 def test_every_configuration_is_built(ptx):
-    from csrc_free_kernels import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 
     assert set(BUILDS) <= set(ptx)
     built = {_config(n).name for n in BUILDS}
@@ -47,8 +47,8 @@ def test_waits_for_the_stream_before_global_memory(ptx, name):
 
 def _kernel_cls(name):
     """The kernel class that build ``name`` compiles."""
-    from csrc_free_kernels import grouped_gemm_sm90 as g
-    from csrc_free_kernels import grouped_gemm_sm90_store_warp as sw
+    from csrc_free_kernels.hopper import grouped_gemm_sm90 as g
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_store_warp as sw
 
     build = ptx_dump.BUILDS[name]
     if build.store_warp:
@@ -64,7 +64,7 @@ def _prefetches(name):
 
 
 def test_prefetch_builds_exist():
-    from csrc_free_kernels import pdl
+    from csrc_free_kernels.common import pdl
 
     requested = [n for n in BUILDS if ptx_dump.BUILDS[n].prefetch_weights]
     assert len(requested) >= 4
@@ -74,8 +74,8 @@ def test_prefetch_builds_exist():
 def test_prefetch_needs_no_cluster():
     """The weight warps stream before the wait only where they own the weight
     loads of their CTA alone (no multicast); elsewhere the flag is off (a hint)."""
-    from csrc_free_kernels import grouped_gemm_sm90 as g
-    from csrc_free_kernels import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90 as g
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 
     assert g.GroupedGemmSm90(c.DECODE16, prefetch_weights=True).prefetch_weights
     assert g.GroupedGemmSwigluSm90(c.DECODE16_N64, prefetch_weights=True).prefetch_weights
@@ -118,7 +118,7 @@ def test_kernel_ptx(ptx, name):
         assert "ex2.approx" in text  # silu in the epilogue
     barriers = set(re.findall(r"bar\.(?:sync|arrive)\s+(\d+), \d+;", text))
     if ptx_dump.BUILDS[name].store_warp:
-        from csrc_free_kernels.grouped_gemm_sm90_store_warp import StoreWarpBarrier
+        from csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp import StoreWarpBarrier
 
         # the tile staged whole; the store warp stores it a row per bulk copy
         # (lane i: rows i, i + 32, ...), waiting on the staged barrier and giving
@@ -134,7 +134,7 @@ def test_kernel_ptx(ptx, name):
                 assert re.search(rf"bar\.{op}\s+{int(barrier)}, 288;", text), (op, barrier)
         assert barriers == {str(int(b)) for b in StoreWarpBarrier}
     else:
-        from csrc_free_kernels.grouped_gemm_sm90 import Barrier
+        from csrc_free_kernels.hopper.grouped_gemm_sm90 import Barrier
 
         assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
         assert "stmatrix" in text or "f32_out" in name
@@ -162,7 +162,7 @@ def test_kernel_ptx(ptx, name):
     ((8, 28672, 4096, 32768), "prefill_c2"),     # Mixtral gate_up T=16384
 ])
 def test_choose_config(shape, name):
-    from csrc_free_kernels import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 
     assert c.choose_config(*shape).name == name
 
@@ -170,8 +170,8 @@ def test_choose_config(shape, name):
 def test_pair_tiles_need_a_cluster_pair():
     import dataclasses
 
-    from csrc_free_kernels import grouped_gemm_sm90 as g
-    from csrc_free_kernels import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90 as g
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 
     with pytest.raises(ValueError, match="pair_tiles needs cluster_m 2"):
         g.GroupedGemmSm90(dataclasses.replace(c.PREFILL, pair_tiles=True))
@@ -183,8 +183,8 @@ def test_unsplittable_weight_tile_is_refused():
     import cutlass
     from cutlass.tensor_utils import LayoutEnum
 
-    from csrc_free_kernels import grouped_gemm_sm90 as g
-    from csrc_free_kernels import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90 as g
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 
     # 64x128 pairs: each CTA would multicast a 32-column share of a 64-column
     # N-major weight part, less than one 64-column swizzle atom
@@ -198,8 +198,8 @@ def test_store_warp_configurations_are_checked():
     import cutlass
     from cutlass.tensor_utils import LayoutEnum
 
-    from csrc_free_kernels import grouped_gemm_sm90_config as c
-    from csrc_free_kernels.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
 
     for cfg in (c.DECODE, c.DECODE16, c.DECODE_P2):
         with pytest.raises(ValueError, match="not 64-row tiles"):

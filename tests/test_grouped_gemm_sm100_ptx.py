@@ -16,7 +16,7 @@ ptx = ptx_fixture("sm_100a", BUILDS)
 
 
 def test_every_configuration_is_built(ptx):
-    from csrc_free_kernels import grouped_gemm_sm100_config as g
+    from csrc_free_kernels.sm100 import grouped_gemm_sm100_config as g
 
     assert set(BUILDS) <= set(ptx)
     built = {ptx_dump.BUILDS[n].config[0] for n in BUILDS}
@@ -89,8 +89,8 @@ def test_gather_writes_the_bytes_the_mma_reads(tmp_path):
     script = tmp_path / "probe_layouts.py"  # the DSL compiles from source files only
     script.write_text(
         "import cutlass, cutlass.cute as cute\n"
-        "from csrc_free_kernels import grouped_gemm_sm100 as g\n"
-        "from csrc_free_kernels.grouped_gemm_sm100_config import WIDE\n"
+        "from csrc_free_kernels.sm100 import grouped_gemm_sm100 as g\n"
+        "from csrc_free_kernels.sm100.grouped_gemm_sm100_config import WIDE\n"
         "k = g.GroupedGemmSm100(WIDE, gather=True, b_n_major=True)\n"
         "@cute.jit\n"
         "def probe():\n"
@@ -108,7 +108,7 @@ def test_gather_writes_the_bytes_the_mma_reads(tmp_path):
 
 def test_choose_config_counts_pair_tiles():
     """256 columns while they make two waves of pair tiles over 74 pairs, else 128."""
-    from csrc_free_kernels import grouped_gemm_sm100_config as g
+    from csrc_free_kernels.sm100 import grouped_gemm_sm100_config as g
 
     assert g.choose_config(8, 28672, 4096, 16384) is g.WIDE       # Mixtral gate_up, prefill
     assert g.choose_config(8, 4096, 14336, 32) is g.NARROW        # Mixtral down, decode

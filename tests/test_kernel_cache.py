@@ -21,8 +21,9 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 
-from csrc_free_kernels import compile as kcompile
-from csrc_free_kernels import kernel_cache, ptx_dump
+from csrc_free_kernels.common import compile as kcompile
+from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.common import kernel_cache
 from ts_moe import __main__ as ts_moe_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,7 +267,7 @@ def test_the_code_generation_environment_is_in_the_key(dsl, tmp_path, monkeypatc
 
 _ARCH_SCRIPT = textwrap.dedent("""
     import os, types
-    from csrc_free_kernels import compile as kcompile
+    from csrc_free_kernels.common import compile as kcompile
 
     class Compiled:
         def __init__(self, payload):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from csrc_free_kernels import kernel_cache
+from csrc_free_kernels.common import kernel_cache
 from ts_moe import __main__ as ts_moe_main
 
 from .test_kernel_cache import (OTHER_UID, PLANTED, cache_warnings, dsl, fresh,  # noqa: F401

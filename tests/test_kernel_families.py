@@ -63,11 +63,11 @@ def _break(module: str, how: str) -> dict:
 
 
 def test_a_broken_fp8_family_leaves_the_bf16_kernels_on():
-    got = _break("csrc_free_kernels.grouped_gemm_fp8_sm90_launch", "missing")
+    got = _break("csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_launch", "missing")
     (warning,) = got["warnings"]
     assert warning.startswith("ts_moe: the gemm_fp8_sm90 kernels (FP8 (e4m3) grouped GEMM")
-    assert ("importing csrc_free_kernels.grouped_gemm_fp8_sm90_launch raised ModuleNotFoundError: "
-            "import of csrc_free_kernels.grouped_gemm_fp8_sm90_launch halted") in warning
+    assert ("importing csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_launch raised ModuleNotFoundError: "
+            "import of csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_launch halted") in warning
     assert list(got["failed"]) == ["gemm_fp8_sm90"]
     assert set(got["available"]) == {f.name for f in ks.STATUS if f.in_ops} - {"gemm_fp8_sm90"}
     assert got["bf16_path"] == "KERNEL_SM90" and got["gemm_k"] == "GroupedGemmKBackend"
@@ -80,23 +80,23 @@ def test_a_broken_fp8_family_leaves_the_bf16_kernels_on():
 
 def test_a_family_that_raises_at_import_is_off_alone():
     """Not only ImportError: any exception of a family's import turns that family off."""
-    got = _break("csrc_free_kernels.router_sm90_launch", "raise")
+    got = _break("csrc_free_kernels.routing.router_sm90_launch", "raise")
     (warning,) = got["warnings"]
     assert "the router_sm90 kernels" in warning and "RuntimeError: a bug at import" in warning
     assert got["failed"] == {"router_sm90": "RuntimeError: a bug at import"}
     assert got["bf16_path"] == "KERNEL_SM90"
-    route = "csrc_free_kernels.route_sm90_launch"
+    route = "csrc_free_kernels.routing.route_sm90_launch"
     assert got["device"] == [f"{route}.RouteSlotsBackend", "ts_moe.ops.backend.NoKernel",
                              f"{route}.SortSlotsBackend", f"{route}.RowSumBackend",
                              "ts_moe.ops.backend.NoKernel",
-                             "csrc_free_kernels.swiglu_sm90_launch.SwigluActivationBackend"]
+                             "csrc_free_kernels.hopper.swiglu_sm90_launch.SwigluActivationBackend"]
     assert got["fp8_kernels"] and got["info"]["route_sm90"].endswith("its kernels")
     assert got["info"]["router_sm90"].endswith(
         "F.linear and the one-CTA routing (its import failed)")
 
 
 def test_a_broken_dw_family_sends_the_weight_gradient_elsewhere():
-    got = _break("csrc_free_kernels.grouped_gemm_dw_sm90_launch", "missing")
+    got = _break("csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch", "missing")
     assert [w.split(" kernels")[0] for w in got["warnings"]] == ["ts_moe: the gemm_dw_sm90"]
     assert got["bf16_path"] == "KERNEL_SM90" and got["gemm_k"] == "NoKernel"
     assert got["info"]["gemm_dw_sm90"].endswith("torch._grouped_mm (its import failed)")
@@ -110,7 +110,7 @@ def test_each_family_declares_its_status_and_unproven_ones_are_off_by_default():
     names = [f.name for f in ks.STATUS]
     assert len(set(names)) == len(names) and ks.BY_NAME.keys() == set(names)
     for f in ks.STATUS:
-        assert (ROOT / "csrc_free_kernels" / f"{f.module}.py").is_file(), f.module
+        assert (ROOT / "csrc_free_kernels" / f"{f.module.replace('.', '/')}.py").is_file(), f.module
         if f.proof is ks.Proof.VERIFIED:
             assert f.run is not None and len(f.run.commit) >= 7 and f.run.device
         else:  # never on by default
@@ -190,7 +190,9 @@ def test_the_wheel_holds_no_test_kernels():
         "tool"]["setuptools"]["packages"]["find"]["include"]
     packages = find_packages(str(ROOT), include=include)
     assert set(packages) == {"ts_moe", "ts_moe.ops", "ts_moe.fp8", "ts_moe.integrations",
-                             "ts_pipeline", "csrc_free_kernels"}
+                             "ts_pipeline", "csrc_free_kernels",
+                             *(f"csrc_free_kernels.{sub}" for sub in (
+                                 "common", "hopper", "fp8", "routing", "sm100", "preflight"))}
     modules = [p.stem for pkg in packages for p in (ROOT / pkg.replace(".", "/")).glob("*.py")]
     assert not [m for m in modules if "probe" in m or m.startswith("test")]
     assert (ROOT / "tests" / "kernels" / "pipeline_probe_sm90.py").is_file()

@@ -30,9 +30,9 @@ def _aligned(t: torch.Tensor) -> bool:
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """The sm_90 path for CPU tensors, compiled kernels replaced; yields the launches."""
-    from csrc_free_kernels import (grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch,
-                                   route_sm90_launch, swiglu_sm90_launch)
-    from csrc_free_kernels.grouped_gemm_sm90 import GroupedGemmSwigluSm90
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch, swiglu_sm90_launch
+    from csrc_free_kernels.routing import route_sm90_launch
+    from csrc_free_kernels.hopper.grouped_gemm_sm90 import GroupedGemmSwigluSm90
 
     launches = []
 
@@ -88,7 +88,7 @@ def _problem(m=40, k=64, n=48, e=4):
 
 
 def test_hot_path_launches_the_kernel_once_with_its_config(kernels_on_cpu):
-    from csrc_free_kernels.grouped_gemm_sm90_config import choose_config
+    from csrc_free_kernels.hopper.grouped_gemm_sm90_config import choose_config
 
     a, b, offs = _problem()
     out = gemm._cuda(a, b, offs)
@@ -139,7 +139,7 @@ def test_k_grouped_form_on_its_kernel_and_past_it(kernels_on_cpu):
 
 @pytest.mark.parametrize("inter, fused", [(64, True), (48, False)])
 def test_swiglu_fused_where_the_tiles_fit_else_gemm_and_activation(kernels_on_cpu, inter, fused):
-    from csrc_free_kernels.grouped_gemm_sm90_config import swiglu_config
+    from csrc_free_kernels.hopper.grouped_gemm_sm90_config import swiglu_config
 
     a, _, offs = _problem()
     gate_up = (torch.randn(4, 2 * inter, 64) * 0.125).to(BF16)

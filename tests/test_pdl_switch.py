@@ -9,7 +9,8 @@ from .ptxas import run_for_arch
 SCRIPT = """
 import json, os, pathlib, sys
 import cutlass.cute as cute
-from csrc_free_kernels import pdl, ptx_dump
+from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.common import pdl
 
 dump_dir = pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"])
 seen = {}
@@ -34,7 +35,7 @@ def test_the_pdl_switch_set_after_import_reaches_the_next_build(tmp_path, monkey
 
 
 def test_the_pdl_switch_is_read_at_each_use(monkeypatch):
-    from csrc_free_kernels import pdl
+    from csrc_free_kernels.common import pdl
 
     monkeypatch.setenv("TS_MOE_PDL", "0")
     assert pdl.ENABLED is False and pdl.enabled() is False

@@ -1,4 +1,4 @@
-"""CPU: the pre-flight of the hardware's rules (``csrc_free_kernels.preflight``) passes every
+"""CPU: the pre-flight of the hardware's rules (``csrc_free_kernels.preflight.rules``) passes every
 kernel build, fails the FP8 build that faulted on the H200 naming its scale load, and
 each of its rules fails a build mutated to break it."""
 
@@ -10,9 +10,9 @@ import re
 import pytest
 
 from csrc_free_kernels import preflight, ptx_dump
-from csrc_free_kernels.preflight_ptx import CTA, THREAD, WARP, WARPGROUP, Kernel
-from csrc_free_kernels.preflight_trace import BuildFacts, TmaMap, parse_atom
-from csrc_free_kernels.preflight_uniform import UniformityFlow
+from csrc_free_kernels.preflight.ptx import CTA, THREAD, WARP, WARPGROUP, Kernel
+from csrc_free_kernels.preflight.trace import BuildFacts, TmaMap, parse_atom
+from csrc_free_kernels.preflight.uniform import UniformityFlow
 
 from .kernels.probe_builds import ALL_BUILDS
 
@@ -73,7 +73,7 @@ def test_the_fp8_build_that_faulted_fails_on_its_scale_load():
     load = text.splitlines()[line - 1]
     assert "cp.async.bulk.tensor.2d" in load and "{%r27, %r658}" in load
     # ...and the instruction is the load of the f32 map: the scale atom
-    kernel = preflight.Preflight("old", text, facts)
+    kernel = preflight.rules.Preflight("old", text, facts)
     (ins,) = [i for i in kernel.k.instrs if i.line == line]
     assert kernel.tensor_map(ins).dtype == "f32"
 

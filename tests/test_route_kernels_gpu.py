@@ -18,12 +18,12 @@ pytestmark = pytest.mark.gpu
 
 
 def rk():
-    from csrc_free_kernels import route_sm90_launch
+    from csrc_free_kernels.routing import route_sm90_launch
     return route_sm90_launch
 
 
 def rtr():
-    from csrc_free_kernels import router_sm90_launch
+    from csrc_free_kernels.routing import router_sm90_launch
     return router_sm90_launch
 
 

@@ -76,7 +76,7 @@ def test_topk_kernel_is_the_routing_phase_alone(ptx):
 
 
 def test_router_kernel_tile_is_validated():
-    from csrc_free_kernels import router_sm90_launch as r
+    from csrc_free_kernels.routing import router_sm90_launch as r
 
     with pytest.raises(ValueError, match="experts_per_cta"):
         r.RouterLogits(experts_per_cta=0)
@@ -91,7 +91,7 @@ def test_router_kernel_tile_is_validated():
 def test_router_kernel_taken_for_small_batches_only():
     """The op's rule: the kernel while its CTAs read at most ROUTER_KERNEL_MAX_READ
     (the rows of x are read once per expert pair)."""
-    from csrc_free_kernels import router_sm90_launch as r
+    from csrc_free_kernels.routing import router_sm90_launch as r
 
     def taken(t, e, h):
         return r.router_read_bytes(t, e, h) <= r.ROUTER_KERNEL_MAX_READ
@@ -103,7 +103,7 @@ def test_router_kernel_taken_for_small_batches_only():
 
 def test_router_kernel_entry_refuses_what_it_cannot_take():
     """The module entry checks the batch and H on the host before any launch."""
-    from csrc_free_kernels import router_sm90_launch as r
+    from csrc_free_kernels.routing import router_sm90_launch as r
 
     w = torch.randn(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="1 to 524280 tokens"):
@@ -115,8 +115,8 @@ def test_router_kernel_entry_refuses_what_it_cannot_take():
 
 def test_lane_widths():
     """One build per logits-per-lane width: a round's scan is no wider than E needs."""
-    from csrc_free_kernels import route_sm90 as r
-    from csrc_free_kernels.route_sm90_launch import lane_width
+    from csrc_free_kernels.routing import route_sm90 as r
+    from csrc_free_kernels.routing.route_sm90_launch import lane_width
 
     assert [lane_width(e) for e in (1, 8, 32, 33, 60, 64, 65, 128, 129, 256)] == \
         [1, 1, 1, 2, 2, 2, 4, 4, 8, 8]
@@ -145,8 +145,8 @@ def test_tvm_ffi_builds_compile():
     """The builds the ops use (TVM-FFI, symbolic sizes): compiled in a fresh process
     for sm_90a, no GPU needed."""
     code = ("import torch\n"
-            "from csrc_free_kernels import route_sm90_launch as r\n"
-            "from csrc_free_kernels import router_sm90_launch as rr\n"
+            "from csrc_free_kernels.routing import route_sm90_launch as r\n"
+            "from csrc_free_kernels.routing import router_sm90_launch as rr\n"
             "for dt in (torch.bfloat16, torch.float16):\n"
             "    assert rr._router_kernel(dt) is not None\n"
             "    assert rr._topk_kernel(dt, 4) is not None\n"
@@ -202,7 +202,7 @@ def sm90_kernels_on_cpu(monkeypatch):
     by recorders (everything else, choose_config and the launch glue, is the
     backends' own): the router writes 7s, the routing kernels the references'
     results.  Yields the list of launches."""
-    from csrc_free_kernels import route_sm90_launch, router_sm90_launch
+    from csrc_free_kernels.routing import route_sm90_launch, router_sm90_launch
 
     launches = []
 
@@ -233,7 +233,7 @@ def test_router_op_chooses_on_shapes_and_the_weight(sm90_kernels_on_cpu, monkeyp
     copied first (never F.linear for them: a decode graph's aligned buffers
     would take the kernel); too many tokens, too many bytes, an unreadable
     weight, fp32 or the switch off: F.linear."""
-    from csrc_free_kernels import router_sm90_launch
+    from csrc_free_kernels.routing import router_sm90_launch
 
     launches = sm90_kernels_on_cpu
     monkeypatch.setattr(router_sm90_launch, "ROUTER_MAX_TOKENS", 6)
@@ -265,7 +265,7 @@ def test_route_op_splits_large_batches_with_the_router_kernels(sm90_kernels_on_c
     logits per lane is routed on many CTAs, then sorted (two launches); smaller
     ones, or the switch off, take the one-CTA kernel (one launch); past its
     1024 slots, the references (none)."""
-    from csrc_free_kernels import router_sm90_launch
+    from csrc_free_kernels.routing import router_sm90_launch
 
     launches = sm90_kernels_on_cpu
     assert router_sm90_launch.ROUTE_SPLIT_MIN_WORK == 128
@@ -365,7 +365,7 @@ def test_small_kernels_only_where_the_sm90_kernels_run(monkeypatch):
     """``paths.device_backends``: the sm_90 routing, row and activation kernels on
     a CUDA device whose calls take the sm_90 kernels, the references on the
     CPU and where the path is another."""
-    from csrc_free_kernels import route_sm90_launch
+    from csrc_free_kernels.routing import route_sm90_launch
 
     class CudaTensor:  # what the choice reads of a tensor on cuda:0
         is_cuda = True
@@ -384,7 +384,7 @@ def test_small_kernels_only_where_the_sm90_kernels_run(monkeypatch):
 def test_kernel_entries_refuse_batches_past_their_tables():
     """The module's own entries check the capacity before anything launches
     (a batch of 2,560 slots once ran past the tables: an illegal address)."""
-    from csrc_free_kernels import route_sm90_launch as r
+    from csrc_free_kernels.routing import route_sm90_launch as r
 
     with pytest.raises(ValueError, match="1 to 1024 slots"):
         r.route_slots(torch.zeros(64, 64, dtype=torch.bfloat16), 40)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ts_moe
-from csrc_free_kernels import kernel_cache, pdl
-from csrc_free_kernels import settings as kernel_settings
+from csrc_free_kernels.common import kernel_cache, pdl
+from csrc_free_kernels.common import settings as kernel_settings
 from ts_moe import ops
 from ts_moe.decode_graphs import DecodeGraphs
 from ts_moe.fp8 import paths as fp8_paths
@@ -119,7 +119,7 @@ def test_values_set_from_code_are_checked():
 
 
 def test_the_kernels_read_the_same_values():
-    """ts_moe.settings shares its values with csrc_free_kernels.settings.settings,
+    """ts_moe.settings shares its values with csrc_free_kernels.common.settings.settings,
     which the kernels read (PDL at each build, the disk cache at each use)."""
     assert pdl.enabled() is True
     ts_moe.settings.pdl = False
@@ -208,7 +208,8 @@ def test_only_the_settings_read_the_environment():
     """Outside the two settings modules the package reads only the DSL's own
     CUTE_DSL_* variables (build tooling: the arch, the dump directory, the codegen key)
     and PYTHONPATH for a child."""
-    settings_modules = {ROOT / "csrc_free_kernels" / "settings.py", ROOT / "ts_moe" / "settings.py"}
+    settings_modules = {ROOT / "csrc_free_kernels" / "common" / "settings.py",
+                        ROOT / "ts_moe" / "settings.py"}
     found = {}
     for package in ("ts_moe", "csrc_free_kernels", "ts_pipeline"):
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -217,8 +218,8 @@ def test_only_the_settings_read_the_environment():
                 found[path.relative_to(ROOT).as_posix()] = reads
     others = {(p, v) for p, reads in found.items() for _, v in reads
               if not v.startswith("CUTE_DSL_") and v != "PYTHONPATH"}
-    assert others == {("csrc_free_kernels/compile.py", "*")}, others  # codegen_environment
-    assert _environment_reads(ROOT / "csrc_free_kernels" / "settings.py")
+    assert others == {("csrc_free_kernels/common/compile.py", "*")}, others  # codegen_environment
+    assert _environment_reads(ROOT / "csrc_free_kernels" / "common" / "settings.py")
 
 
 def test_the_readme_table_names_every_setting_and_variable():
@@ -234,7 +235,7 @@ def test_the_readme_table_names_every_setting_and_variable():
 def test_a_variable_is_read_as_the_environment_is_now(monkeypatch):
     """Settings read os.environ's store directly (an op reads one at every call): what
     they see follows every change made through os.environ, as os.environ.get does."""
-    from csrc_free_kernels.settings import _environ_get
+    from csrc_free_kernels.common.settings import _environ_get
 
     for value in ("1", "0", "", "é"):
         monkeypatch.setenv("TS_MOE_SETTINGS_PROBE", value)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from csrc_free_kernels.grouped_gemm_sm100 import PROTOCOL
+from csrc_free_kernels.sm100.grouped_gemm_sm100 import PROTOCOL
 
 from .sm100_protocol_model import Counts, ProtocolError, Shape, check
 

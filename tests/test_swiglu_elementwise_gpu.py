@@ -1,4 +1,4 @@
-"""The elementwise SwiGLU kernels (csrc_free_kernels/swiglu_sm90.py) against fp32
+"""The elementwise SwiGLU kernels (csrc_free_kernels/hopper/swiglu_sm90.py) against fp32
 references on an sm_90 GPU.
 
 ``python -m tests.test_swiglu_elementwise_gpu`` prints the bandwidth of both
@@ -17,7 +17,7 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 
 def sw():
-    from csrc_free_kernels import swiglu_sm90_launch
+    from csrc_free_kernels.hopper import swiglu_sm90_launch
     return swiglu_sm90_launch
 
 

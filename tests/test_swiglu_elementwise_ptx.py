@@ -17,12 +17,12 @@ BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]
 
 
 def sw():
-    from csrc_free_kernels import swiglu_sm90
+    from csrc_free_kernels.hopper import swiglu_sm90
     return swiglu_sm90
 
 
 def swl():
-    from csrc_free_kernels import swiglu_sm90_launch
+    from csrc_free_kernels.hopper import swiglu_sm90_launch
     return swiglu_sm90_launch
 
 
@@ -71,7 +71,7 @@ def test_tvm_ffi_build_compiles():
     """The build the torch entry points use (TVM-FFI, symbolic M, I, strides):
     compiled in a fresh process for sm_90a, no GPU needed."""
     code = ("import torch\n"
-            "from csrc_free_kernels import swiglu_sm90_launch as s\n"
+            "from csrc_free_kernels.hopper import swiglu_sm90_launch as s\n"
             "for b in (False, True):\n"
             "    for dt in (torch.bfloat16, torch.float16):\n"
             "        assert s.compiled_kernel(dt, b) is not None\n"

@@ -18,7 +18,7 @@
    so, runs the reference path, then builds the kernels for sm_90a (``compile``,
    in a process of its own: the DSL takes its target arch at import), a line
    per kernel family, each build through the pre-flight of the hardware's rules
-   (``csrc_free_kernels.preflight``: a build that would fault on the GPU fails here);
+   (``csrc_free_kernels.preflight.rules``: a build that would fault on the GPU fails here);
 4. ends in ``PASS``, or ``FAIL`` with the error and the tolerance, then says
    what to run next.
 
@@ -80,15 +80,15 @@ def _say(text: str = "") -> None:
 def kernel_families() -> list[tuple[str, list[Callable[[], object]]]]:
     """The kernel families the layer runs on sm_90, each as thunks that compile one
     configuration through the path the op takes (bf16; the layer's K-major weights)."""
-    from csrc_free_kernels import grouped_gemm_dw_sm90_config as dw_configs
-    from csrc_free_kernels import grouped_gemm_dw_sm90_launch as dw
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_config as fp8_configs
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as fp8
-    from csrc_free_kernels import grouped_gemm_sm90 as gemm_classes
-    from csrc_free_kernels import grouped_gemm_sm90_config as gemm_configs
-    from csrc_free_kernels import grouped_gemm_sm90_launch as gemm
-    from csrc_free_kernels import quantize_fp8_sm90_launch as quantize
-    from csrc_free_kernels import swiglu_sm90_launch as act
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config as dw_configs
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch as dw
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as fp8_configs
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as fp8
+    from csrc_free_kernels.hopper import grouped_gemm_sm90 as gemm_classes
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as gemm_configs
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as gemm
+    from csrc_free_kernels.fp8 import quantize_fp8_sm90_launch as quantize
+    from csrc_free_kernels.hopper import swiglu_sm90_launch as act
 
     bf16 = torch.bfloat16
     return [
@@ -110,7 +110,7 @@ def kernel_families() -> list[tuple[str, list[Callable[[], object]]]]:
 
 def compile_kernels() -> int:
     """Compile every family for :data:`ARCH` in this process, a line per family, and run
-    the pre-flight of the hardware's rules on each build (``csrc_free_kernels.preflight``)
+    the pre-flight of the hardware's rules on each build (``csrc_free_kernels.preflight.rules``)
     from the PTX and cubin the DSL keeps; a violation fails the build step."""
     dump_dir = os.environ.get("CUTE_DSL_DUMP_DIR")
     if (os.environ.get("CUTE_DSL_ARCH") != ARCH or not dump_dir
@@ -119,7 +119,7 @@ def compile_kernels() -> int:
         with tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
             return subprocess.call([sys.executable, "-m", "ts_moe", "compile"],
                                    env=_child_env(scratch))
-    from csrc_free_kernels import preflight, preflight_trace
+    from csrc_free_kernels import preflight
 
     settings.disk_cache = False  # build only: nothing written to the cache
     start = time.perf_counter()
@@ -129,10 +129,10 @@ def compile_kernels() -> int:
         for build in builds:
             what = getattr(build.args[0], "name", build.args[0]) if build.args else ""
             try:
-                with preflight_trace.recording() as facts:
+                with preflight.recording() as facts:
                     build()
                 found = preflight.check(f"{name} {what}",
-                                        preflight_trace.collect(dump_dir, facts), facts)
+                                        preflight.collect(dump_dir, facts), facts)
             except Exception as exc:  # say which build, then fail
                 print(f"{name} {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
                 return 1

@@ -1,10 +1,10 @@
 """``python -m ts_moe cache`` (``ts-moe cache``): where the compiled kernels are
 kept, how much they take, or why they stay in memory; ``--clear`` empties it.
-The rules are :mod:`csrc_free_kernels.kernel_cache`'s."""
+The rules are :mod:`csrc_free_kernels.common.kernel_cache`'s."""
 
 import sys
 
-from csrc_free_kernels import kernel_cache
+from csrc_free_kernels.common import kernel_cache
 
 
 def add_arguments(c) -> None:

@@ -182,7 +182,7 @@ def route(logits: torch.Tensor, top_k: int,
     one kept at the top-k boundary).  ``torch.topk`` has no such rule (on CPU
     it returns the *higher* indices of equal values first), so the selection is
     a stable descending sort of the logits.  The routing kernel
-    (``csrc_free_kernels.route_sm90``) ranks the same way.
+    (``csrc_free_kernels.routing.route_sm90``) ranks the same way.
     """
     check_route_args(logits, top_k)
     check_flag("renormalize", renormalize)

@@ -9,10 +9,10 @@ one object read at call time.
 
 Each attribute answers, when it is read: the value set from code, else its
 environment variable as it is now, else its default
-(:mod:`csrc_free_kernels.settings` has the rules, the machinery, and why the
+(:mod:`csrc_free_kernels.common.settings` has the rules, the machinery, and why the
 kernels' part lives there).  :data:`settings` here is a :class:`Settings`,
 the kernels' settings (``pdl``, ``disk_cache``, ``cache_dir``) and the op
-layer's below, sharing its values with ``csrc_free_kernels.settings.settings``,
+layer's below, sharing its values with ``csrc_free_kernels.common.settings.settings``,
 which the kernels read.  ``ts_moe.use_sm100_kernel``, ``use_router_kernel``
 and ``use_fp8_kernels`` are setters of ``sm100_kernel``, ``router_kernel`` and
 ``fp8_kernels``.  No other module of the package reads ``os.environ`` for a
@@ -21,13 +21,13 @@ setting; the README's table of settings is generated from :data:`SETTINGS`.
 ``ts_moe.settings`` is the object, not this module (``import ts_moe.settings as
 x`` binds the object too); the class is ``from ts_moe.settings import Settings``.
 
-The store-warp epilogue (``csrc_free_kernels.grouped_gemm_sm90_store_warp``)
+The store-warp epilogue (``csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp``)
 has no setting: no path of the ops takes it; the benchmark harness runs it as
 ``ts_moe:store_warp=1``.
 """
 
-from csrc_free_kernels import settings as _kernels
-from csrc_free_kernels.settings import Setting, setting_property
+from csrc_free_kernels.common import settings as _kernels
+from csrc_free_kernels.common.settings import Setting, setting_property
 
 REFERENCE = Setting(
     "reference", False, env="TS_MOE_REFERENCE", values={"0": False, "1": True},

@@ -140,7 +140,7 @@ def copy_through_ring(x, num_producer_warps: int, num_stages: int, num_ctas: int
     """Run the probe on CUDA: ``x`` (num_ctas * S * P * 8, 64) bf16 -> flat copy of it."""
     import cutlass.cute as cute
 
-    from csrc_free_kernels import compile as kcompile
+    from csrc_free_kernels.common import compile as kcompile
 
     probe = PipelineProbeSm90(num_producer_warps, num_stages)
     stages_per_cta = x.shape[0] // (num_ctas * probe.stage_rows)

@@ -23,7 +23,7 @@ TS_MOE_REFERENCE=1 fp32 accumulation
 with K % 128 == 0, ``rowwise``, ``tensorwise``; K % 16 == 0) on sm_90 after
 :func:`use_fp8_kernels` runs the quantize kernel (one pass, scales in the GEMM's fast
 layout); everything else runs the reference, which never syncs.
-Backends: the kernels' (``csrc_free_kernels.grouped_gemm_fp8_sm90_launch``,
+Backends: the kernels' (``csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_launch``,
 ``quantize_fp8_sm90_launch``, through :mod:`ts_moe.ops.kernels`) and
 :mod:`ts_moe.fp8.backends`.
 """

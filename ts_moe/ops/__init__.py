@@ -25,10 +25,10 @@ From ``ts_moe.grouped_gemm`` to the pipeline, a bf16 call on an H100/H200::
     ts_moe/ops/gemm.py        _cuda                     paths.cuda_path: the sm_90 backends;
                                                         checks.layout_ready: validated once
     ts_moe/ops/gemm.py        dispatch                  backend.choose_config, then backend.run
-    csrc_free_kernels/grouped_gemm_sm90_launch.py
+    csrc_free_kernels/hopper/grouped_gemm_sm90_launch.py
                               GroupedGemmBackend        choose_config (grouped_gemm_sm90_config),
                                                         run -> _launch: the compiled kernel, once
-    csrc_free_kernels/grouped_gemm_sm90.py
+    csrc_free_kernels/hopper/grouped_gemm_sm90.py
                               GroupedGemmSm90           __call__ -> kernel -> make_ring
     ts_pipeline/tma.py        TSPipelineTmaAsync.create the producers' stage ring
 """

@@ -71,43 +71,43 @@ FP8_RUN = Run("04b71cd", "NVIDIA H200", "2026-12-05",
               "the GEMM stopped with an illegal instruction at its first launch")
 
 GEMM_SM90 = FamilyStatus(
-    "gemm_sm90", "bf16/fp16 grouped GEMM and fused SwiGLU GEMM", "grouped_gemm_sm90_launch",
+    "gemm_sm90", "bf16/fp16 grouped GEMM and fused SwiGLU GEMM", "hopper.grouped_gemm_sm90_launch",
     "sm_90a", Proof.VERIFIED, "against the fp32 references on the GPU", H200_RUN)
 GEMM_DW_SM90 = FamilyStatus(
-    "gemm_dw_sm90", "k-grouped GEMM (the weight gradient)", "grouped_gemm_dw_sm90_launch",
+    "gemm_dw_sm90", "k-grouped GEMM (the weight gradient)", "hopper.grouped_gemm_dw_sm90_launch",
     "sm_90a", Proof.VERIFIED, "against the fp32 references on the GPU", H200_RUN)
 SWIGLU_SM90 = FamilyStatus(
-    "swiglu_sm90", "SwiGLU activation and its gradient, elementwise", "swiglu_sm90_launch",
+    "swiglu_sm90", "SwiGLU activation and its gradient, elementwise", "hopper.swiglu_sm90_launch",
     "sm_90a", Proof.VERIFIED, "against the fp32 references on the GPU", H200_RUN)
 ROUTE_SM90 = FamilyStatus(
     "route_sm90", "routing and slot order in one CTA, the combine, the row gather",
-    "route_sm90_launch", "sm_90a", Proof.VERIFIED,
+    "routing.route_sm90_launch", "sm_90a", Proof.VERIFIED,
     "against the plain-torch functions on the GPU (the same experts and order)", H200_RUN)
 ROUTER_SM90 = FamilyStatus(
     "router_sm90", "router logits, and the routing's top-k on many CTAs",
-    "router_sm90_launch", "sm_90a", Proof.AWAITING_AB,
+    "routing.router_sm90_launch", "sm_90a", Proof.AWAITING_AB,
     "compiled and PTX-checked; its timing against F.linear and the one-CTA routing "
     "(scripts/router_ab.py) not yet run", setting="router_kernel")
 STORE_WARP_SM90 = FamilyStatus(
     "gemm_sm90_store_warp", "grouped GEMM with its output tiles stored by a warp of their own",
-    "grouped_gemm_sm90_store_warp", "sm_90a", Proof.AWAITING_AB,
+    "hopper.grouped_gemm_sm90_store_warp", "sm_90a", Proof.AWAITING_AB,
     "compiled and PTX-checked; its timing against the shipped epilogue not yet run "
     "(bench/notes/2026-12-04-store-warp-epilogue.md)", in_ops=False)
 GEMM_SM100 = FamilyStatus(
     "gemm_sm100", "bf16/fp16 grouped GEMM and fused SwiGLU GEMM, Blackwell",
-    "grouped_gemm_sm100_launch", "sm_100a", Proof.COMPILED,
+    "sm100.grouped_gemm_sm100_launch", "sm_100a", Proof.COMPILED,
     "no Blackwell GPU here: every configuration compiles, its PTX is checked, ptxas "
     "assembles it without spills, its barrier protocol is model-checked "
-    "(csrc_free_kernels/sm100_protocol.md)", setting="sm100_kernel")
+    "(csrc_free_kernels/sm100/sm100_protocol.md)", setting="sm100_kernel")
 GEMM_FP8_SM90 = FamilyStatus(
     "gemm_fp8_sm90", "FP8 (e4m3) grouped GEMM and fused SwiGLU GEMM",
-    "grouped_gemm_fp8_sm90_launch", "sm_90a", Proof.FAULTED,
+    "fp8.grouped_gemm_fp8_sm90_launch", "sm_90a", Proof.FAULTED,
     "compiled, PTX- and scale-map-checked and pre-flight checked on the CPU; the fix "
     "after the fault (the scale box's start row) not yet run on a GPU "
     "(bench/notes/2026-12-05-fp8-kernel-first-gpu-run.md)", FP8_RUN,
     setting="fp8_kernels")
 QUANTIZE_FP8_SM90 = FamilyStatus(
-    "quantize_fp8_sm90", "FP8 activation quantizer", "quantize_fp8_sm90_launch", "sm_90a",
+    "quantize_fp8_sm90", "FP8 activation quantizer", "fp8.quantize_fp8_sm90_launch", "sm_90a",
     Proof.COMPILED, "compiled and pre-flight checked on the CPU; on the H200 at 04b71cd "
     "its launches ran without a fault, their values unchecked", setting="fp8_kernels")
 

@@ -17,7 +17,7 @@ import warnings
 
 # what a backend answers for a call it does not take: the kernels own it (data flows
 # down), and it needs no DSL
-from csrc_free_kernels.kernel_config import Declined  # noqa: F401
+from csrc_free_kernels.common.kernel_config import Declined  # noqa: F401
 
 from . import kernel_status as status
 
@@ -50,35 +50,35 @@ def _off(family: status.FamilyStatus, exc: Exception) -> None:
 
 
 try:
-    from csrc_free_kernels import grouped_gemm_sm90_launch as sm90
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as sm90
 except Exception as exc:
     sm90 = _off(status.GEMM_SM90, exc)
 try:
-    from csrc_free_kernels import grouped_gemm_dw_sm90_launch as sm90_dw
+    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch as sm90_dw
 except Exception as exc:
     sm90_dw = _off(status.GEMM_DW_SM90, exc)
 try:
-    from csrc_free_kernels import swiglu_sm90_launch as swiglu_sm90
+    from csrc_free_kernels.hopper import swiglu_sm90_launch as swiglu_sm90
 except Exception as exc:
     swiglu_sm90 = _off(status.SWIGLU_SM90, exc)
 try:
-    from csrc_free_kernels import route_sm90_launch as route_sm90
+    from csrc_free_kernels.routing import route_sm90_launch as route_sm90
 except Exception as exc:
     route_sm90 = _off(status.ROUTE_SM90, exc)
 try:
-    from csrc_free_kernels import router_sm90_launch as router_sm90
+    from csrc_free_kernels.routing import router_sm90_launch as router_sm90
 except Exception as exc:
     router_sm90 = _off(status.ROUTER_SM90, exc)
 try:
-    from csrc_free_kernels import grouped_gemm_sm100_launch as sm100
+    from csrc_free_kernels.sm100 import grouped_gemm_sm100_launch as sm100
 except Exception as exc:
     sm100 = _off(status.GEMM_SM100, exc)
 try:
-    from csrc_free_kernels import grouped_gemm_fp8_sm90_launch as sm90_fp8
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as sm90_fp8
 except Exception as exc:
     sm90_fp8 = _off(status.GEMM_FP8_SM90, exc)
 try:
-    from csrc_free_kernels import quantize_fp8_sm90_launch as quantize_fp8_sm90
+    from csrc_free_kernels.fp8 import quantize_fp8_sm90_launch as quantize_fp8_sm90
 except Exception as exc:
     quantize_fp8_sm90 = _off(status.QUANTIZE_FP8_SM90, exc)
 

@@ -30,7 +30,7 @@ from .library import define
 def use_router_kernel(enabled: bool = True) -> bool:
     """Set ``ts_moe.settings.router_kernel`` to ``bool(enabled)``: take
     :func:`router_logits` of small batches (bf16/fp16, the kernel's reads within
-    ``csrc_free_kernels.router_sm90_launch.ROUTER_KERNEL_MAX_READ``) on the sm_90
+    ``csrc_free_kernels.routing.router_sm90_launch.ROUTER_KERNEL_MAX_READ``) on the sm_90
     path to ts_moe's router kernel (one launch, fp32 sums in a fixed order) instead of ``F.linear`` (cuBLAS: two launches at decode shapes), and
     :func:`route_slots` of batches from ``ROUTE_SPLIT_MIN_WORK`` to the top-k on
     many CTAs and the slot order in a second launch (the same experts, weights
