@@ -280,6 +280,30 @@ def training_summary(result: dict) -> str:
     return text + (f"; {_met(vs)} targets met" if vs else "")
 
 
+def fp8_summary(result: dict) -> str:
+    """ts_moe's FP8 kernel over its own bf16 kernel on the same (dequantized) values,
+    and at T >= 4096 rowwise over torch's FP8 grouped GEMM (the fp8 targets' peers)."""
+    by_case = {}
+    for r in result["cases"]:
+        if r["status"] == "ok":
+            by_case.setdefault((r["model"], r["gemm"], r["T"], r["routing"], r.get("step")),
+                               {})[r["backend"]] = r["ms"]
+    parts = []
+    for recipe, peer, where, pick in (
+            ("blockwise", "ts_moe_bf16", "decode", lambda t: t <= targets.STREAM_T),
+            ("rowwise", "ts_moe_bf16", "decode", lambda t: t <= targets.STREAM_T),
+            ("blockwise", "ts_moe_bf16", "T >= 4096", lambda t: t >= targets.LARGE_T),
+            ("rowwise", "torch_scaled_grouped_mm", "T >= 4096", lambda t: t >= targets.LARGE_T)):
+        ratios = [ms[peer] / ms["ts_moe_fp8"] for key, ms in by_case.items()
+                  if key[4] == recipe and pick(key[2]) and peer in ms and "ts_moe_fp8" in ms]
+        if ratios:
+            parts.append(f"{recipe} at {where} {_span(ratios)} against `{peer}`")
+    text = ("**FP8 grouped GEMM** (e4m3, the kernel opted in): ts_moe's speed "
+            + ("; ".join(parts) if parts else "not timed"))
+    vs = _verdicts(result)
+    return text + (f"; {_met(vs)} targets met" if vs else "")
+
+
 def generic_summary(result: dict) -> str:
     ts = _ts(result["cases"])
     return (f"**{result['suite']}**: ts_moe's speed against the fastest peer: "
@@ -291,6 +315,7 @@ SUMMARIES: dict[str, Callable[[dict], str]] = {
     "moe_layer": layer_summary,
     "moe_block": block_summary,
     "training": training_summary,
+    "fp8": fp8_summary,
 }
 
 

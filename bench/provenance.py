@@ -64,12 +64,16 @@ def _driver() -> str | None:
 def collect(device: torch.device | None = None, repo: Path = REPO,
             given_commit: str | None = None) -> dict:
     """The provenance of a run on ``device`` (a CUDA device: its GPU and driver)
-    of the code in ``repo``.  ``given_commit`` stands in where ``repo`` is a copy
-    without ``.git`` (the device machine's): its tree state is then unknown (None)."""
+    of the code in ``repo``.
+
+    ``given_commit``: the commit the caller says the tree is, for a copy whose
+    ``.git`` is not the tree's own (the device machine's copy has none, or the
+    session's starting commit under the working tree sent over it).  It wins over
+    git; the tree state is then known only where git's HEAD is that commit."""
     commit = _git("rev-parse", "HEAD", repo=repo)
     status = _git("status", "--porcelain", "--untracked-files=no", repo=repo)
-    if commit is None:
-        commit = given_commit
+    if given_commit and commit != given_commit:
+        commit, status = given_commit, None
     cuda = device is not None and torch.device(device).type == "cuda"
     return {
         "commit": commit,

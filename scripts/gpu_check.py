@@ -14,7 +14,9 @@
   compiled or loaded and the seconds that took (``csrc_free_kernels.common.compile.stats``,
   through the plugin :mod:`gpu_check_plugin`);
 - one JSON with all of it and the run's provenance (``bench.provenance``), and one
-  summary line (``GPU check: ...``) to quote.
+  summary line (``GPU check: ...``) to quote;
+- every file's whole pytest output, in one log beside the JSON (``--log``; the JSON
+  keeps only each failing file's last lines): a failure's detail is never lost.
 
 The compute-sanitizer runs (memcheck, racecheck) are tests of the suite
 (``tests/test_grouped_gemm_gpu.py``, ``test_compute_sanitizer``).
@@ -95,7 +97,7 @@ def run_file(path: pathlib.Path, env: dict, timeout: float) -> dict:
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
     return {"file": path.name, "rc": rc, "seconds": round(seconds, 1), "counts": counts,
             "failed": failed, "kernels": compiled, "summary": tail[:300],
-            "tail": out[-4000:] if rc not in (0, 5) else ""}
+            "tail": out[-4000:] if rc not in (0, 5) else "", "output": out}
 
 
 def main(argv=None) -> int:
@@ -106,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--warm-workers", type=int, default=min(os.cpu_count() or 1, 16))
     p.add_argument("--no-warm", action="store_true")
     p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--log", help="every file's whole output (default: --out with .log)")
     p.add_argument("--commit", help="the commit, where the checkout has no .git")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -121,6 +124,8 @@ def main(argv=None) -> int:
     env.pop("TS_MOE_NO_DISK_CACHE", None)
     warmed = None if args.no_warm else warm(env, args.warm_workers)
     files = [pathlib.Path(f).resolve() for f in args.files] or gpu_test_files()
+    log = pathlib.Path(args.log or pathlib.Path(args.out).with_suffix(".log"))
+    log.write_text("")
     results = []
     for path in files:
         left = args.budget - (time.perf_counter() - start)
@@ -129,6 +134,8 @@ def main(argv=None) -> int:
             continue
         results.append(run_file(path, env, min(args.file_timeout, left)))
         r = results[-1]
+        with log.open("a") as f:  # as it goes: a run cut short keeps what it did
+            f.write(f"===== {r['file']} (rc {r['rc']}, {r['seconds']} s)\n{r.pop('output')}\n")
         print(f"{r['file']:36s} {r['seconds']:6.1f} s  {r['summary']}", flush=True)
     total = {}
     for r in results:

@@ -68,11 +68,11 @@ def test_page_of_current_runs_and_others(tmp_path):
             "transformers": "5.0.0"}
     (tmp_path / "nvidia-h200-grouped_gemm.json").write_text(
         json.dumps(_run("grouped_gemm", provenance=prov)))
-    (tmp_path / "nvidia-h200-fp8.json").write_text(json.dumps(_run("fp8")))
+    (tmp_path / "nvidia-h200-other.json").write_text(json.dumps(_run("other")))
     (tmp_path / "nvidia-h200-grouped_gemm-ab.json").write_text(json.dumps(_run("grouped_gemm")))
     current, others = pages.load_runs(tmp_path)
     assert [p.name for p, _ in current] == ["nvidia-h200-grouped_gemm.json",
-                                            "nvidia-h200-fp8.json"]
+                                            "nvidia-h200-other.json"]
     assert [p.name for p, _ in others] == ["nvidia-h200-grouped_gemm-ab.json"]
     page = pages.results_md(tmp_path)
     assert page.count("\n## ") == 3  # two suites and the other runs
@@ -87,8 +87,22 @@ def test_page_of_current_runs_and_others(tmp_path):
     gemm = next(line for line in lines if "Grouped GEMM" in line)
     assert "1.50x at T <= 128; 0.50x at T >= 4096" in gemm
     assert gemm.endswith("(NVIDIA H200, 2026-12-24, commit abcdef012345).")
-    generic = next(line for line in lines if "**fp8**" in line)  # no summary of its own
+    generic = next(line for line in lines if "**other**" in line)  # no summary of its own
     assert "peer: 0.50-1.50x over 2 cases (NVIDIA H200, 2026-12-24, provenance unknown)" in generic
+
+
+def test_fp8_summary_judges_the_kernel_against_its_own_bf16_and_torch():
+    cases = [{"model": "m", "gemm": "down", "T": t, "routing": "uniform", "step": recipe,
+              "backend": b, "status": "ok", "ms": ms}
+             for t, recipe, b, ms in ((1, "blockwise", "ts_moe_fp8", 1.0),
+                                      (1, "blockwise", "ts_moe_bf16", 1.9),
+                                      (4096, "rowwise", "ts_moe_fp8", 2.0),
+                                      (4096, "rowwise", "ts_moe_bf16", 3.0),
+                                      (4096, "rowwise", "torch_scaled_grouped_mm", 2.2))]
+    text = pages.fp8_summary({"suite": "fp8", "cases": cases})
+    assert "blockwise at decode 1.90x against `ts_moe_bf16`" in text
+    assert "rowwise at T >= 4096 1.10x against `torch_scaled_grouped_mm`" in text
+    assert "rowwise at decode" not in text  # no such case
 
 
 def test_committed_page_is_short_and_covers_every_current_run():
@@ -148,15 +162,15 @@ def test_staleness_by_commit_time(repo):
 
 
 def test_targets_warns_about_a_stale_run(tmp_path, capsys, monkeypatch):
-    run = json.loads((report.RESULTS_DIR / "nvidia-h200-moe_block.json").read_text())
+    run = json.loads(next(report.RESULTS_DIR.glob("*-moe_block.json")).read_text())
     monkeypatch.setattr(provenance, "last_change", lambda repo=None: (
         "f" * 40, datetime.datetime(2030, 1, 1, tzinfo=datetime.timezone.utc)))
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
     assert cli.main(["targets", str(path)]) == 0
     assert "older than the last change" in capsys.readouterr().err
-    newer = copy.deepcopy(run)
-    newer["date"] = "2031-01-01T00:00:00+00:00"
+    newer = copy.deepcopy(run)  # no commit known here: judged by its date
+    newer["date"], newer["provenance"] = "2031-01-01T00:00:00+00:00", None
     path.write_text(json.dumps(newer))
     assert cli.main(["targets", str(path)]) == 0
     assert "older" not in capsys.readouterr().err

@@ -206,14 +206,18 @@ def test_provenance_is_described_field_by_field():
     assert clean.startswith("commit unknown, host h1")
 
 
-def test_a_copy_without_git_takes_the_given_commit_and_records_no_tree_state(tmp_path):
-    """The device machine's copy of the tree has no .git: the commit named on the command
-    line stands in, and its tree state is unknown, not clean."""
+def test_a_given_commit_wins_and_the_tree_state_is_then_unknown(tmp_path):
+    """The device machine's copy of the tree has no .git of its own: the commit named on
+    the command line stands in, and its tree state is unknown, not clean."""
     from bench import provenance
 
     prov = provenance.collect(repo=tmp_path, given_commit="fedcba9876543210")
     assert prov["commit"] == "fedcba9876543210" and prov["dirty"] is None
     assert provenance.describe({"provenance": prov}).startswith(
         "commit fedcba987654 (tree state not recorded), host ")
-    here = provenance.collect(given_commit="fedcba9876543210")  # a checkout: git wins
-    assert here["commit"] != "fedcba9876543210" and here["dirty"] in (True, False)
+    # a .git that is not the tree's (the session's first commit under a newer tree):
+    # the given commit wins, the tree state unknown; the commit git has keeps its state
+    here = provenance.collect(given_commit="fedcba9876543210")
+    assert here["commit"] == "fedcba9876543210" and here["dirty"] is None
+    head = provenance.collect()["commit"]
+    assert provenance.collect(given_commit=head)["dirty"] in (True, False)

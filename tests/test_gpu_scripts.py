@@ -35,7 +35,11 @@ def test_gpu_check_runs_each_file_and_writes_one_summary(tmp_path):
     for f in found["files"]:
         assert f["kernels"] == {"compiled": 0, "loaded": 0, "compile_s": 0.0, "load_s": 0.0}
         assert f["counts"]["skipped"] > 0  # no sm_90 GPU here: every gpu test skips
-    assert found["provenance"]["commit"]  # this checkout's, or --commit without a .git
+    assert found["provenance"]["commit"] == "abc123"  # the given commit wins
+    log = out.with_suffix(".log").read_text()  # each file's whole output, in order
+    assert log.index("===== test_swiglu_elementwise_gpu.py (rc 0") < log.index(
+        "===== test_fp8_gpu.py (rc 0") and log.count(" skipped") >= 2
+    assert "output" not in found["files"][0]
     assert re.fullmatch(r"GPU check: 0 passed, 0 failed, 0 errors, \d+ skipped in 2 files "
                         r"\(0 not run\), \d+ s; kernels compiled in the files 0 s",
                         found["summary"])
