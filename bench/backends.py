@@ -275,24 +275,17 @@ def ts_moe_variant(spec: str) -> Factory:
     ``choose_config`` picks replaced (``config=NAME`` starts from a named
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
-    with the peers in one run.  ``store_warp=1`` runs the opt-in store-warp
-    kernel (``csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp``)."""
+    with the peers in one run."""
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
-    from csrc_free_kernels.hopper.grouped_gemm_sm90 import GroupedGemmSm90
-    from csrc_free_kernels.hopper.grouped_gemm_sm90_launch import grouped_gemm
-    from csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
+    from ts_moe.ops import Op, paths
 
     fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
-    base, changes, kernel_cls = None, {}, GroupedGemmSm90
+    base, changes = None, {}
     for item in spec.split(":"):
         key, sep, value = item.partition("=")
         if not sep or not value:
             raise ValueError(f"ts_moe variant {spec!r}: {item!r} is not FIELD=VALUE")
-        if key == "store_warp":
-            if value not in ("0", "1"):
-                raise ValueError(f"ts_moe variant {spec!r}: store_warp is 0 or 1, got {value!r}")
-            kernel_cls = GroupedGemmStoreWarpSm90 if value == "1" else GroupedGemmSm90
-        elif key == "config":
+        if key == "config":
             if value not in sm90.CONFIGS:
                 raise ValueError(f"ts_moe variant {spec!r}: no configuration {value!r}; "
                                  f"known: {', '.join(sm90.CONFIGS)}")
@@ -305,16 +298,22 @@ def ts_moe_variant(spec: str) -> Factory:
                 raise ValueError(f"ts_moe variant {spec!r}: {key}={value!r}: {exc}") from None
         else:
             raise ValueError(f"ts_moe variant {spec!r}: no TileConfig field {key!r}; known: "
-                             f"config, store_warp, {', '.join(k for k in fields if k != 'name')}")
+                             f"config, {', '.join(k for k in fields if k != 'name')}")
 
     def factory(case: Case, device: torch.device) -> Bind:
         _require_cuda(device, f"ts_moe:{spec}")
         if torch.cuda.get_device_capability(device) != (9, 0):
             raise Unavailable("the sm_90 kernel needs an sm_90 GPU")
+        kernel = paths.TABLE[paths.Path.KERNEL_SM90].get(Op.GROUPED_GEMM)
+        if kernel is None:
+            raise Unavailable("the sm_90 kernel family did not load here")
         chosen = base or sm90.choose_config(case.E, case.N, case.K, case.M)
         config = dataclasses.replace(chosen, name=f"{chosen.name}:{spec}", **changes)
-        return lambda inp: lambda: grouped_gemm(inp.a, inp.b, inp.offs, config=config,
-                                                kernel_cls=kernel_cls)
+
+        def bind(inp):
+            out = torch.empty(case.M, case.N, dtype=inp.a.dtype, device=inp.a.device)
+            return lambda: kernel.run(inp.a, inp.b, inp.offs, out, config)
+        return bind
 
     return factory
 

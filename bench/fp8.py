@@ -143,20 +143,24 @@ def ts_moe_fp8(case: Case, device: torch.device) -> Bind:
     turned on (:func:`ts_moe.use_fp8_kernels`: opt-in until they pass on a GPU); on a
     CUDA device where it would not run them (its fallback would be timed): unavailable."""
     import ts_moe
-    from ts_moe.fp8 import paths
     from ts_moe.fp8.recipes import Pair, Recipe
+    from ts_moe.ops import Op, paths
+    from ts_moe.ops.backend import OutputSpec, first_taker
 
     act, weight = RECIPES[case.step]
 
     def bind(inp: Fp8Inputs):
         if device.type == "cuda":
             paths.use_fp8_kernels(True)
-            out = torch.empty(case.M, case.N, dtype=torch.bfloat16, device=device)
-            taken, _ = paths.gemm_path(paths.paths_for(inp.a), inp.a, inp.b, inp.scale_a,
-                                         inp.scale_b, inp.offs, out, None,
-                                         Pair.of(Recipe(act), Recipe(weight)))
-            if taken.path is not paths.Fp8Path.KERNEL_SM90:
-                raise Unavailable(f"no ts_moe FP8 kernel here (the op takes: {taken.path.value})")
+            kernel = paths.TABLE[paths.Path.KERNEL_SM90].get(Op.SCALED_GROUPED_GEMM)
+            taken, config = first_taker(
+                paths.backends(Op.SCALED_GROUPED_GEMM, paths.device_capability(inp.a)),
+                inp.a, inp.b, inp.scale_a, inp.scale_b, inp.offs,
+                OutputSpec((case.M, case.N), torch.bfloat16), None,
+                Pair.of(Recipe(act), Recipe(weight)))
+            if kernel is None or taken is not kernel:
+                raise Unavailable(f"no ts_moe FP8 kernel here (the op takes "
+                                  f"{type(taken).__name__})")
         return lambda: ts_moe.scaled_grouped_gemm(inp.a, inp.b, inp.scale_a, act, inp.scale_b,
                                                   weight, inp.offs)
     return bind
@@ -247,13 +251,9 @@ def ts_moe_fp8_fallback(case: Case, device: torch.device) -> Bind:
     dequantized to bf16 in chunks, then ts_moe's bf16 grouped GEMM.  Its records carry
     the transient bytes and bytes moved, and the whole stack's, against the FP8 weight
     bytes (:mod:`bench.fp8_fallback`)."""
-    from ts_moe.fp8 import scaled_ops
-    from ts_moe.fp8.paths import DEQUANTIZE
-    from ts_moe.fp8.recipes import Pair
-
-    pair = Pair(fp8_fallback.RECIPES[case.step][2])
-    return lambda inp: lambda: scaled_ops.run_gemm(
-        (DEQUANTIZE,), inp.a, inp.b, inp.scale_a, inp.scale_b, inp.offs, torch.bfloat16, pair)
+    pair = fp8_fallback.RECIPES[case.step][2]
+    return lambda inp: fp8_fallback.dequantize_call(inp.a, inp.b, inp.scale_a, inp.scale_b,
+                                                    inp.offs, pair)
 
 
 ts_moe_fp8_fallback.fields = fp8_fallback.case_fields

@@ -42,19 +42,29 @@ def _fake_operands(recipe: str, e: int, n: int, k: int, rows: int):
             torch.empty(e, dtype=torch.int32))
 
 
+def dequantize_call(a, b, scale_a, scale_b, offs, pair: str):
+    """A call of the dequantize path's backend of ``scaled_grouped_gemm`` (named in the
+    path table, ``ts_moe.ops.paths``), bf16 out: the FP8 fallback alone."""
+    from ts_moe.fp8.recipes import Pair
+    from ts_moe.ops import Op, paths
+    from ts_moe.ops.backend import OutputSpec
+
+    backend = paths.TABLE[paths.Path.DEQUANTIZE][Op.SCALED_GROUPED_GEMM]
+    pair = Pair(pair)
+    spec = OutputSpec((a.shape[0], b.shape[2]), torch.bfloat16)
+    config = backend.choose_config(a, b, scale_a, scale_b, offs, spec, None, pair)
+    out = a.new_empty(spec.shape, dtype=spec.dtype)
+    return lambda: backend.run(a, b, scale_a, scale_b, offs, out, config, pair)
+
+
 def measure(recipe: str, e: int, n: int, k: int, rows: int) -> dict:
     """The fallback's and the whole stack's peak transient bytes and bytes moved for an
     (E, N, K) weight stack and ``rows`` token rows, with the FP8 weight bytes."""
-    from ts_moe.fp8 import scaled_ops
-    from ts_moe.fp8.paths import DEQUANTIZE
-    from ts_moe.fp8.recipes import Pair
-
     act, weight, pair = RECIPES[recipe]
     with FakeTensorMode():
         a, sa, w, sw, offs = _fake_operands(recipe, e, n, k, rows)
         with MemoryMeter() as fallback:
-            scaled_ops.run_gemm((DEQUANTIZE,), a, w.transpose(-2, -1), sa, sw, offs,
-                                torch.bfloat16, Pair(pair))
+            dequantize_call(a, w.transpose(-2, -1), sa, sw, offs, pair)()
         with MemoryMeter() as whole:
             whole_stack_gemm(a, w, sa, act, sw, weight, offs)
     return {"fallback_transient_bytes": fallback.peak, "fallback_moved_bytes": fallback.moved,

@@ -345,13 +345,13 @@ def ts_moe_fp8_block(recipe: str) -> Factory:
     without ts_moe's FP8 kernels: unavailable."""
     def factory(case: Case, device: torch.device) -> Bind:
         import ts_moe
-        from ts_moe.fp8 import paths
-        from ts_moe.ops.backend import NoKernel
+        from ts_moe.ops import Op, paths
 
         if device.type == "cuda":
             paths.use_fp8_kernels(True)  # opt-in until they pass on a GPU
-        if device.type == "cuda" and (torch.cuda.get_device_capability(device) != (9, 0)
-                                      or isinstance(paths.KERNEL_SM90.gemm, NoKernel)):
+        if device.type == "cuda" and (
+                torch.cuda.get_device_capability(device) != (9, 0)
+                or Op.SCALED_GROUPED_GEMM not in paths.TABLE[paths.Path.KERNEL_SM90]):
             raise Unavailable("no ts_moe FP8 kernels for this GPU")
 
         def bind(inp: BlockInputs):

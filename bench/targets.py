@@ -333,7 +333,7 @@ def main(argv) -> int:
                         "bench/results/nvidia-h200-moe_block.json")
     parser.add_argument("--backend", default="ts_moe",
                         help="the backend judged (default ts_moe), e.g. a variant timed in "
-                             "the same run: ts_moe_router_kernel, ts_moe:store_warp=1")
+                             "the same run: ts_moe_router_kernel, ts_moe:band_m=16")
     args = parser.parse_args(argv)
     if not args.json.is_file():
         parser.error(f"no such file: {args.json}")

@@ -5,7 +5,7 @@
 
 For each shape (M token rows, K, N, E experts, uniform routing), on
 ``torch.randn`` bf16 inputs: the kernel
-(``csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch.grouped_gemm_k``) in each
+(the sm_90 backend of the path table, ``ts_moe.ops.paths``) in each
 configuration of ``grouped_gemm_dw_sm90_config.CONFIGS`` (``*`` marks the one
 ``choose_config`` picks) and
 ``torch._grouped_mm(a.t(), dy, offs=ends)``; CUDA-event time per call (ms),
@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
     from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config as g
-    from csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch import grouped_gemm_k
+    from ts_moe.ops import Op, paths
+
+    kernel = paths.TABLE[paths.Path.KERNEL_SM90][Op.GROUPED_GEMM_K]  # the shipped backend
 
     out_dtype = getattr(torch, args.out_dtype)
     print(f"{'M':>7} {'K':>5} {'N':>6} {'E':>4}  {'kernel':<18} {'ms':>8} {'TFLOP/s':>8} "
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
         out = torch.empty(e, k, n, device="cuda", dtype=out_dtype)
         chosen = g.choose_config(e, k, n, m).name
         for name, cfg in g.CONFIGS.items():
-            ms = time_ms(lambda: grouped_gemm_k(a, dy, ends, out, config=cfg), args.iters)
+            ms = time_ms(lambda: kernel.run(a.t(), dy, ends, out, cfg), args.iters)
             diff = f"{rel(out, theirs):9.2e}" if theirs is not None else ""
             label = name + (" *" if name == chosen else "")
             print(f"{m:7d} {k:5d} {n:6d} {e:4d}  {label:<18} {ms:8.3f} "

@@ -53,9 +53,10 @@ try:
         out = ts_moe.scaled_grouped_gemm(cuda[0], cuda[1].transpose(-2, -1), cuda[2], pair[0],
                                          cuda[3], pair[1], cuda[4])
     elif mode == "quantize":
-        from csrc_free_kernels.fp8 import quantize_fp8_sm90_launch as q8
+        from ts_moe.ops import Op, paths
+        from ts_moe.ops.backend import run_first
         x = torch.randn(257, 1024, device="cuda", dtype=torch.bfloat16)
-        q, s = q8.quantize(x, pair[0])
+        q, s = run_first((paths.TABLE[paths.Path.KERNEL_SM90][Op.QUANTIZE_FP8],), x, pair[0])
         torch.cuda.synchronize()
         qr, sr = ts_moe.quantize_fp8(x.cpu(), pair[0])
         res["scale_rel_err"] = rel_err(s.cpu().float().reshape(-1), sr.float().reshape(-1))
@@ -92,8 +93,9 @@ def old_scale_box_class():
 
 
 def launch(config_name, recipe, layout, a, w, sa, sw, offs):
-    """One FP8 kernel launch: the shipped class (``layout == "fixed"``) through the launch
-    module's entry point, or the old scale box (``"old"``, blockwise only) compiled here."""
+    """One FP8 kernel launch: the shipped backend (``layout == "fixed"``; the sm_90 entry
+    of the path table, ``ts_moe.ops.paths``) in the named configuration, or the old scale
+    box (``"old"``, blockwise only) compiled here."""
     import cutlass
     import torch
 
@@ -101,11 +103,13 @@ def launch(config_name, recipe, layout, a, w, sa, sw, offs):
     from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as glue
     from csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_config import CONFIGS
     from csrc_free_kernels.fp8.quantize_fp8_sm90_launch import one_row_view
+    from ts_moe.ops import Op, paths
 
     cfg = CONFIGS[config_name]
     out = a.new_empty(a.shape[0], w.shape[1], dtype=torch.bfloat16)
     if layout == "fixed":
-        return glue.launch(a, w.transpose(-2, -1), sa, sw, offs, out, cfg, recipe)
+        backend = paths.TABLE[paths.Path.KERNEL_SM90][Op.SCALED_GROUPED_GEMM]
+        return backend.run(a, w.transpose(-2, -1), sa, sw, offs, out, cfg, recipe)
     old = old_scale_box_class()
     fn = kcompile.get_compiled(("diag_old_scale_box", cfg, recipe), lambda: (
         old(cfg, recipe), (*glue.fake_args(recipe, cutlass.BFloat16), cutlass.Int32(1),
@@ -117,7 +121,7 @@ def launch(config_name, recipe, layout, a, w, sa, sw, offs):
 
 
 def jobs() -> list:
-    from csrc_free_kernels.ptx_dump import FP8_CONFIGS
+    from csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_config import CONFIGS as FP8_CONFIGS
 
     found = [("default", "-", r, "-", c) for r in RECIPES for c in (ALIGNED, UNALIGNED)]
     found += [("quantize", "-", r, "-", ALIGNED) for r in RECIPES]

@@ -5,10 +5,11 @@
 
 - each test file with ``gpu`` tests runs in a process of its own (``pytest -m gpu FILE``),
   so a sticky CUDA error (an illegal instruction, a device assert) ends only its file;
-- before the tests, the kernels of ``python -m ts_moe compile`` are compiled in parallel
-  into a fresh private kernel cache (``TS_MOE_CACHE_DIR``) that every file then loads
-  from: compiling is CPU work, and the suite's processes would otherwise each compile
-  what they use, one at a time (:func:`warm`);
+- before the tests, the sm_90a builds of ``python -m ts_moe compile`` (every family's
+  checked builds) are compiled in parallel into a fresh private kernel cache
+  (``TS_MOE_CACHE_DIR``) that every file then loads from: compiling is CPU work, and
+  the suite's processes would otherwise each compile what they use, one at a time
+  (:func:`warm`);
 - a time budget: a file that would start after it is listed as not run;
 - per file, the pytest summary, the failed tests, and how many kernels the file
   compiled or loaded and the seconds that took (``csrc_free_kernels.common.compile.stats``,
@@ -39,12 +40,13 @@ SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|x
 WARM = r'''
 import sys, time
 sys.path.insert(0, sys.argv[1])
-import ts_moe.__main__ as m
-builds = [b for _, family in m.kernel_families() for b in family]
+from csrc_free_kernels.common.compile import get_compiled
+from ts_moe import compile_cli
+builds = [b for _, family in compile_cli.builds("sm_90a") for b in family]
 shard, shards = int(sys.argv[2]), int(sys.argv[3])
 t0 = time.perf_counter()
 for b in builds[shard::shards]:
-    b()
+    get_compiled(b.key, b.make)
 print(f"WARM {len(builds[shard::shards])} {time.perf_counter() - t0:.1f}")
 '''
 

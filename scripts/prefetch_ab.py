@@ -32,10 +32,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("scripts/prefetch_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
         return 2
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as kernels
+    from ts_moe.ops import Op, paths
 
     dev = torch.device("cuda")
-    backends = (kernels.GROUPED_GEMM, kernels.GROUPED_GEMM_SWIGLU)  # the op layer's sm_90 GEMMs
+    table = paths.TABLE[paths.Path.KERNEL_SM90]
+    backends = (table[Op.GROUPED_GEMM], table[Op.GROUPED_GEMM_SWIGLU])  # the op layer's sm_90 GEMMs
 
     def dropped(run):
         return lambda *a, prefetch_weights=False, **kw: run(*a, **kw)

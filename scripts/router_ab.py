@@ -6,8 +6,9 @@ alone and inside the decode block.
 
 For each moe_block model (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3; the suite's
 cases and inputs, ``bench.moe_block.suite_inputs``) and token count: the logits
-alone, ``F.linear`` then ``csrc_free_kernels.routing.router_sm90_launch.router_logits``; the
-routing alone, the one-CTA ``route_slots`` then ``route_topk`` + ``sort_slots``
+alone, ``F.linear`` then the router kernel (the sm_90 backends of the path table,
+``ts_moe.ops.paths``); the routing alone, the one-CTA ``route_slots`` then ``route_topk`` +
+``sort_slots``
 (two launches; twenty calls per CUDA graph each); and the block
 (``bench.moe_block.stages_graph_ms``) with
 :func:`ts_moe.use_router_kernel` off, on, and off again (the spread between
@@ -40,29 +41,36 @@ def main(argv=None) -> int:
         print("scripts/router_ab.py: needs a CUDA GPU; torch sees none here", file=sys.stderr)
         return 2
     from csrc_free_kernels.routing import route_sm90_launch as route_sm90
-    from csrc_free_kernels.routing import router_sm90_launch
+    from ts_moe.ops import Op, paths
+    from ts_moe.ops.backend import run_first
+
+    table = paths.TABLE[paths.Path.KERNEL_SM90]  # the shipped backends, named
+
+    def kernel(op, *args):
+        return run_first((table[op],), *args)
 
     dev = torch.device("cuda")
     print("| model | T | F.linear | router kernel | route_slots | route_topk + sort_slots "
           "| block, kernels off | on | off again |\n|---|---|---|---|---|---|---|---|---|")
     for model, tokens, inp in suite_inputs(map(int, args.T.split(",")), dev):
         exact = inp.x.double() @ inp.router.double().t()
-        got = router_sm90_launch.router_logits(inp.x, inp.router).double()
+        got = kernel(Op.ROUTER_LOGITS, inp.x, inp.router).double()
         worst = ((got - exact).norm(dim=1) / exact.norm(dim=1)).max().item()
         if worst > 1e-2:
             print(f"{model.name} T={tokens}: router kernel off by {worst:.3g} (rel. per row)",
                   file=sys.stderr)
             return 1
         row = [measure([lambda: fn(inp.x, inp.router)] * 20, dev, graph=True, target_ms=20).ms
-               for fn in (F.linear, router_sm90_launch.router_logits)]
+               for fn in (F.linear, lambda x, w: kernel(Op.ROUTER_LOGITS, x, w))]
         logits = F.linear(inp.x, inp.router)
+        lanes = route_sm90.lane_width(model.experts)
 
         def split():
-            _, ids = router_sm90_launch.route_topk(logits, inp.top_k)
-            return route_sm90.sort_slots(ids, model.experts)
+            _, ids = table[Op.ROUTE_TOPK].run(logits, inp.top_k, lanes)
+            return kernel(Op.SORT_SLOTS, ids, model.experts)
 
         if route_sm90.fits(tokens * inp.top_k, model.experts):  # the one-CTA kernel's slots
-            for routing in (lambda: route_sm90.route_slots(logits, inp.top_k), split):
+            for routing in (lambda: kernel(Op.ROUTE_SLOTS, logits, inp.top_k), split):
                 row.append(measure([routing] * 20, dev, graph=True, target_ms=20).ms)
         else:
             row += [float("nan")] * 2

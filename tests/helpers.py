@@ -152,3 +152,18 @@ class FifoWatch:
     def close(self):
         self._stop.set()
         self._thread.join()
+
+
+def on_path(path, op) -> tuple:
+    """One path's backend of op family ``op`` (``ts_moe.ops.paths.TABLE``), as the
+    candidates of an op's ``run_*`` that a test forces onto that path."""
+    from ts_moe.ops import paths
+
+    return (paths.TABLE[path][op],)
+
+
+def pairs_on_path(path, fused, split) -> tuple:
+    """One path's ``(fused, GEMM)`` backends, as :func:`on_path` for a SwiGLU op."""
+    from ts_moe.ops import paths
+
+    return ((paths.TABLE[path][fused], paths.TABLE[path][split]),)

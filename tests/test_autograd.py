@@ -163,8 +163,9 @@ def activation(request, monkeypatch):
     if request.param == "reference":
         return None
     stand_in = _KernelLikeActivation()
-    device = paths.REFERENCE_DEVICE._replace(activation=stand_in)
-    monkeypatch.setattr(paths, "device_backends", lambda t: device)
+    real = paths.device_backends
+    monkeypatch.setattr(paths, "device_backends", lambda op, t: (
+        (stand_in,) if op is paths.Op.SWIGLU_ACTIVATION else real(op, t)))
     return stand_in
 
 

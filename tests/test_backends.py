@@ -11,26 +11,17 @@ import re
 import pytest
 
 from ts_moe.fp8 import backends as fp8_backends
-from ts_moe.fp8 import paths as fp8_paths
-from ts_moe.ops import backend, kernel_status, kernels, paths, reference_backend, torch_backend
+from ts_moe.ops import backend, kernels, paths, reference_backend, torch_backend
+from ts_moe.ops.backend import Op
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _all_backends():
-    """(family, backend object, where) of every backend the paths can choose."""
-    found = []
-    for gemms in paths.PATH_BACKENDS.values():
-        found += zip((backend.GroupedGemm, backend.GroupedGemmK, backend.GroupedGemmSwiglu),
-                     gemms)
-    for device in (paths.REFERENCE_DEVICE, paths.SM90_DEVICE):
-        found += zip((backend.RouteSlots, backend.RouteTopK, backend.SortSlots, backend.RowSum,
-                      backend.RouterLogits, backend.SwigluActivation), device)
-    for fp8 in fp8_paths.PATH_BACKENDS.values():
-        found += zip((backend.ScaledGroupedGemm, backend.ScaledGroupedGemmSwiglu,
-                      backend.QuantizeFp8), fp8[1:])
-    unique = {id(b): (family, b) for family, b in found}  # a reference serves several paths
-    return [(family, b) for family, b in unique.values() if not isinstance(b, backend.NoKernel)]
+    """(protocol, backend object) of every backend the path table holds."""
+    unique = {id(b): (backend.PROTOCOLS[op], b) for table in paths.TABLE.values()
+              for op, b in table.items()}  # a reference serves several paths
+    return list(unique.values())
 
 
 BACKENDS = _all_backends()
@@ -42,16 +33,19 @@ def _methods(family):
 
 
 def test_the_kernels_are_available_here():
-    """cutlass is installed here: every family the ops take imported and every kernel
-    path has its backends (a family that fails is None in kernels.py, and the
-    paths take the next backend: test_kernel_families.py)."""
-    assert kernels.AVAILABLE == {f.name for f in kernel_status.STATUS if f.in_ops}
+    """cutlass is installed here: every family the ops take loaded, and the kernel
+    paths hold every op family their families serve (a family that fails is missing,
+    and the paths take the next backend: test_kernel_families.py)."""
+    assert kernels.AVAILABLE == {f.name for f in kernels.FAMILIES if f.in_ops}
     assert not kernels.FAILED
-    assert set(paths.PATH_BACKENDS) == set(paths.Path)
-    assert set(fp8_paths.PATH_BACKENDS) == set(fp8_paths.Fp8Path)
-    # bf16: 3 GEMMs per path (sm_100 has no k-grouped one), 6 small kernels twice;
-    # FP8: a GEMM and a SwiGLU GEMM per path, the kernel's quantizer and the reference's
-    assert len(BACKENDS) == 3 * 4 - 1 + 2 * 6 + 2 * 4 + 2
+    served = {arch: {op for f in kernels.FAMILIES if f.arch == arch for op in f.serves}
+              for arch in paths.KERNEL_PATHS}
+    for arch, path in paths.KERNEL_PATHS.items():
+        assert set(paths.TABLE[path]) == served[arch]
+    assert set(paths.TABLE[paths.Path.REFERENCE]) == set(Op)  # it takes every op family
+    # kernels: 12 op families on sm_90, 2 on sm_100; torch's: 3; FP8's: 2 + 2;
+    # the references: 12
+    assert len(BACKENDS) == 12 + 2 + 3 + 4 + 12
 
 
 @pytest.mark.parametrize("family, impl", BACKENDS,
@@ -68,62 +62,77 @@ def test_every_backend_has_its_familys_signatures(family, impl):
         assert isinstance(impl.gathers, bool)
 
 
-def test_each_path_runs_the_backends_it_names():
-    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch, swiglu_sm90_launch
-    from csrc_free_kernels.routing import route_sm90_launch, router_sm90_launch
-    from csrc_free_kernels.sm100 import grouped_gemm_sm100_launch
-
-    p = paths.PATH_BACKENDS
-    assert p[paths.Path.KERNEL_SM90] == (grouped_gemm_sm90_launch.GROUPED_GEMM,
-                                         grouped_gemm_dw_sm90_launch.GROUPED_GEMM_K,
-                                         grouped_gemm_sm90_launch.GROUPED_GEMM_SWIGLU)
-    assert p[paths.Path.KERNEL_SM100].gemm is grouped_gemm_sm100_launch.GROUPED_GEMM
-    assert p[paths.Path.KERNEL_SM100].swiglu is grouped_gemm_sm100_launch.GROUPED_GEMM_SWIGLU
-    assert p[paths.Path.TORCH_GROUPED_MM].gemm is torch_backend.GROUPED_GEMM
-    assert p[paths.Path.REFERENCE].gemm is reference_backend.GROUPED_GEMM
-    assert paths.SM90_DEVICE == (route_sm90_launch.ROUTE_SLOTS, router_sm90_launch.ROUTE_TOPK,
-                                 route_sm90_launch.SORT_SLOTS, route_sm90_launch.ROW_SUM,
-                                 router_sm90_launch.ROUTER_LOGITS,
-                                 swiglu_sm90_launch.SWIGLU_ACTIVATION)
+def test_each_path_holds_the_backends_of_its_families():
+    """The kernel paths hold each family's own backends (what its launch module serves);
+    the others, the backends their modules name."""
+    for family in kernels.FAMILIES:
+        for op, impl in kernels.LOADED[family.name].backends.items():
+            path = paths.KERNEL_PATHS[family.arch]
+            assert paths.TABLE[path][op] is impl and paths.PROVIDER[path, op] is family
+    t = paths.TABLE
+    assert t[paths.Path.TORCH_GROUPED_MM][Op.GROUPED_GEMM] is torch_backend.GROUPED_GEMM
+    assert t[paths.Path.REFERENCE][Op.GROUPED_GEMM] is reference_backend.GROUPED_GEMM
+    assert t[paths.Path.TORCH_SCALED][Op.SCALED_GROUPED_GEMM] is fp8_backends.TORCH_SCALED_GEMM
+    assert t[paths.Path.DEQUANTIZE][Op.SCALED_GROUPED_GEMM] is fp8_backends.DEQUANTIZE_GEMM
+    assert t[paths.Path.REFERENCE][Op.QUANTIZE_FP8] is fp8_backends.REFERENCE_QUANTIZE
 
 
-def test_each_fp8_path_runs_the_backends_it_names():
-    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch, quantize_fp8_sm90_launch
+@pytest.mark.parametrize("capability, dtype, want", [
+    (None, "bfloat16", ["REFERENCE"]),
+    ((9, 0), "bfloat16", ["KERNEL_SM90", "TORCH_GROUPED_MM"]),
+    ((9, 0), "float16", ["KERNEL_SM90", "REFERENCE"]),
+    ((9, 0), "float32", ["TORCH_GROUPED_MM"]),
+    ((10, 0), "bfloat16", ["TORCH_GROUPED_MM"]),
+    ((8, 0), "bfloat16", ["REFERENCE"]),
+])
+def test_the_paths_of_a_grouped_gemm(capability, dtype, want):
+    import torch
 
-    p = fp8_paths.PATH_BACKENDS
-    assert p[fp8_paths.Fp8Path.KERNEL_SM90][1:] == (
-        grouped_gemm_fp8_sm90_launch.GROUPED_GEMM, grouped_gemm_fp8_sm90_launch.GROUPED_GEMM_SWIGLU,
-        quantize_fp8_sm90_launch.QUANTIZE)
-    assert p[fp8_paths.Fp8Path.TORCH_SCALED][1:] == (
-        fp8_backends.TORCH_SCALED_GEMM, fp8_backends.TORCH_SCALED_SWIGLU,
-        fp8_backends.REFERENCE_QUANTIZE)
-    assert p[fp8_paths.Fp8Path.DEQUANTIZE].gemm is fp8_backends.DEQUANTIZE_GEMM
-    assert p[fp8_paths.Fp8Path.REFERENCE].swiglu is fp8_backends.REFERENCE_SWIGLU
-    for family in (backend.ScaledGroupedGemm, backend.ScaledGroupedGemmSwiglu,
-                   backend.QuantizeFp8):
-        assert family in backend.FAMILIES
+    got = paths.paths_for(Op.GROUPED_GEMM, capability, getattr(torch, dtype), None, 8)
+    assert [p.name for p in got] == want
+
+
+def test_the_paths_of_the_fp8_ops_and_the_small_kernels(monkeypatch):
+    import torch
+
+    from ts_moe.settings import settings
+
+    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0)) == (
+        paths.Path.TORCH_SCALED, paths.Path.DEQUANTIZE, paths.Path.REFERENCE)
+    assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (paths.Path.REFERENCE,)
+    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (10, 0))[0] is paths.Path.DEQUANTIZE
+    assert paths.paths_for(Op.ROW_SUM, (9, 0)) == (paths.Path.KERNEL_SM90, paths.Path.REFERENCE)
+    assert paths.paths_for(Op.ROW_SUM, (10, 0)) == (paths.Path.REFERENCE,)
+    assert paths.paths_for(Op.ROUTER_LOGITS, (9, 0)) == (paths.Path.REFERENCE,)  # opt-in
+    monkeypatch.setattr(settings, "fp8_kernels", True)
+    monkeypatch.setattr(settings, "router_kernel", True)
+    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0))[0] is paths.Path.KERNEL_SM90
+    assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0))[0] is paths.Path.KERNEL_SM90
+    assert paths.paths_for(Op.ROUTER_LOGITS, (9, 0))[0] is paths.Path.KERNEL_SM90
+    assert paths.paths_for(Op.GROUPED_GEMM, (9, 0), torch.bfloat16)[0] is paths.Path.KERNEL_SM90
 
 
 def test_the_kernels_choose_from_shapes_the_references_take_everything():
     """choose_config runs without a GPU: a kernel declines what its tiles cannot
-    take (the op then takes the next backend); a reference never declines."""
+    take, saying why (the op then takes the next backend); a reference never declines."""
     import torch
 
-    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch, grouped_gemm_sm90_launch
-
+    table = paths.TABLE[paths.Path.KERNEL_SM90]
     bf16 = torch.bfloat16
     a, offs = torch.empty(64, 256, dtype=bf16), torch.empty(8, dtype=torch.int32)
     gate_up, out = torch.empty(8, 2 * 48, 256, dtype=bf16), torch.empty(64, 48, dtype=bf16)
-    assert grouped_gemm_sm90_launch.GROUPED_GEMM_SWIGLU.choose_config(
-        a, gate_up, offs, out, None) is None  # I = 48: not whole tiles
+    declined = table[Op.GROUPED_GEMM_SWIGLU].choose_config(a, gate_up, offs, out, None)
+    assert not declined and "I = 48" in declined.reason  # not whole tiles
     k_a, k_b = torch.empty(60, 64, dtype=bf16).t().t(), torch.empty(64, 32, dtype=bf16)
-    assert grouped_gemm_dw_sm90_launch.GROUPED_GEMM_K.choose_config(
-        k_a, k_b, offs, torch.empty(8, 60, 32, dtype=bf16)) is None  # K = 60
+    declined = table[Op.GROUPED_GEMM_K].choose_config(k_a, k_b, offs,
+                                                      torch.empty(8, 60, 32, dtype=bf16))
+    assert not declined and "K = 60" in declined.reason
     for impl in (reference_backend.GROUPED_GEMM_SWIGLU, torch_backend.GROUPED_GEMM_SWIGLU):
-        assert impl.choose_config(a, gate_up, offs, out, None) is not None
+        assert impl.choose_config(a, gate_up, offs, out, None)
+    # the row kernel's gather is a config of its own, never a falsy one
+    rows = torch.empty(4, 64, dtype=bf16)
+    assert table[Op.ROW_SUM].choose_config(rows, torch.zeros(4, dtype=torch.int64), None)
     # FP8: a decline is falsy and says why; the fallbacks take every call
-    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as fp8
-
     from ts_moe.fp8.recipes import Pair
 
     e4m3 = torch.float8_e4m3fn
@@ -131,26 +140,26 @@ def test_the_kernels_choose_from_shapes_the_references_take_everything():
     sa, sb = torch.empty(64), torch.empty(600, 256)
     offs8, out8 = torch.empty(600, dtype=torch.int32), torch.empty(64, 256, dtype=bf16)
     call = (a8, w8.mT, sa, sb, offs8, out8, None, Pair.ROWWISE)
-    declined = fp8.GROUPED_GEMM.choose_config(*call)
+    declined = table[Op.SCALED_GROUPED_GEMM].choose_config(*call)
     assert not declined and isinstance(declined, kernels.Declined)
     assert "600 experts" in declined.reason
-    assert fp8.GROUPED_GEMM.choose_config(a8, w8[:8].mT, sa, sb[:8], offs8[:8], out8, None,
-                                          Pair.ROWWISE)
+    assert table[Op.SCALED_GROUPED_GEMM].choose_config(a8, w8[:8].mT, sa, sb[:8], offs8[:8],
+                                                       out8, None, Pair.ROWWISE)
     for impl in (fp8_backends.DEQUANTIZE_GEMM, fp8_backends.REFERENCE_GEMM):
         assert impl.choose_config(*call)
 
 
 def test_ops_import_their_backends_statically():
-    """No module looked up by a string anywhere in ts_moe; the ops import
-    csrc_free_kernels in one place (ts_moe/ops/kernels.py; the command line
-    imports its PTX tool and the kernel cache's rules, ts_moe/settings.py the
-    kernels' settings), and nothing below ts_moe imports it back."""
+    """No module looked up by a string anywhere in ts_moe; the ops import the kernel
+    families in one place (ts_moe/ops/kernels.py, through the records; the command line
+    the families' builds, the PTX tool and the kernel cache's rules; ts_moe/settings.py
+    the kernels' settings), and nothing below ts_moe imports it back."""
     sources = {p: p.read_text() for p in (ROOT / "ts_moe").rglob("*.py")}
     for path, text in sources.items():
         assert not re.search(r"import_module|__import__", text), path
     importers = {p.relative_to(ROOT).as_posix() for p, text in sources.items()
                  if re.search(r"^\s*(from|import) csrc_free_kernels", text, re.M)}
-    assert importers - {"ts_moe/__main__.py", "ts_moe/cache_cli.py", "ts_moe/settings.py"} == {
+    assert importers - {"ts_moe/compile_cli.py", "ts_moe/cache_cli.py", "ts_moe/settings.py"} == {
         "ts_moe/ops/kernels.py"}
     for path in list((ROOT / "csrc_free_kernels").rglob("*.py")) + \
             list((ROOT / "ts_pipeline").rglob("*.py")):
@@ -184,16 +193,15 @@ def test_without_cutlass_the_kernel_paths_are_unavailable():
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import torch, ts_moe\n"
-        "from ts_moe.ops import backend, kernels, paths\n"
+        "from ts_moe.ops import Op, kernels, paths\n"
         "said = [str(w.message) for w in caught if w.category is kernels.KernelImportWarning]\n"
         "assert len(said) == 1 and 'nvidia-cutlass-dsl' in said[0], said\n"
-        "assert not kernels.AVAILABLE and kernels.sm90 is None and kernels.sm90_fp8 is None\n"
-        "assert set(paths.PATH_BACKENDS) == {paths.Path.TORCH_GROUPED_MM, paths.Path.REFERENCE}\n"
-        "assert all(isinstance(b, backend.NoKernel) for b in paths.SM90_DEVICE)\n"
-        "assert not paths.KERNEL_MAX_EXPERTS\n"
-        "torch.cuda.get_device_capability = lambda index=None: (9, 0)\n"
-        "assert paths.cuda_path(0, torch.bfloat16)[0] is paths.Path.TORCH_GROUPED_MM\n"
-        "assert paths.cuda_path(0, torch.float16)[0] is paths.Path.REFERENCE\n"
+        "assert not kernels.AVAILABLE and not kernels.LOADED\n"
+        "assert not paths.TABLE[paths.Path.KERNEL_SM90] and not paths.PROVIDER\n"
+        "bf16, f16 = torch.bfloat16, torch.float16\n"
+        "assert paths.paths_for(Op.GROUPED_GEMM, (9, 0), bf16)[0] is paths.Path.TORCH_GROUPED_MM\n"
+        "assert paths.paths_for(Op.GROUPED_GEMM, (9, 0), f16) == (paths.Path.REFERENCE,)\n"
+        "assert paths.paths_for(Op.ROW_SUM, (9, 0)) == (paths.Path.REFERENCE,)\n"
         "a, b = torch.randn(6, 8), torch.randn(2, 8, 4)\n"
         "out = ts_moe.grouped_gemm(a, b, torch.tensor([2, 5], dtype=torch.int32))\n"
         "assert torch.allclose(out[:2], a[:2] @ b[0]) and (out[5:] == 0).all()\n"

@@ -66,13 +66,14 @@ def test_environment_switch(monkeypatch, value, enabled):
 def test_graph_paths(monkeypatch, path, dtype, graphed):
     seen = []
 
-    def fake_cuda_path(device_index, dt, out_dtype=None, num_experts=1):
-        seen.append((device_index, dt, num_experts))
-        return path, None
+    def fake_paths_for(op, capability, dt, out_dtype=None, num_experts=1):
+        seen.append((op, dt, num_experts))
+        return (path,)
 
-    monkeypatch.setattr(paths, "cuda_path", fake_cuda_path)
+    monkeypatch.setattr(paths, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(paths, "paths_for", fake_paths_for)
     assert paths.graph_path(0, dtype, 300) is (path if graphed else None)
-    assert seen == [(0, dtype, 300)]  # the expert count decides the kernel path
+    assert seen == [(paths.Op.GROUPED_GEMM, dtype, 300)]  # the expert count decides the path
 
 
 # ------------------------------------------- admission and eviction, on the CPU

@@ -46,16 +46,18 @@ def test_demo_runs_without_transformers():
 
 @pytest.fixture
 def cpu_demo(monkeypatch):
-    """The demo in this process as on a machine without CUDA, with the sm_90a
-    build (a child process of a minute) replaced by a recorder."""
+    """The demo in this process as on a machine without CUDA, with the kernel builds
+    (a child process per arch, minutes) replaced by a recorder."""
+    from ts_moe import compile_cli
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     builds = []
 
     def fake_build():
         builds.append("child")
-        print("  [  0.0 s] grouped GEMM: 10 configurations")
+        print("  [  0.0 s] gemm_sm90 (bf16/fp16 grouped GEMM): 10 builds")
 
-    monkeypatch.setattr(demo_main, "build_in_child", fake_build)
+    monkeypatch.setattr(compile_cli, "build_in_child", fake_build)
     return builds
 
 
@@ -67,14 +69,14 @@ def test_demo_builds_the_kernels_unless_told_not_to(cpu_demo, capsys):
     assert demo_main.main(["demo", "--tokens", "4"]) == 0
     assert cpu_demo == ["child"]
     out = capsys.readouterr().out
-    assert "building the sm_90a kernels (no GPU needed" in out
-    assert "] grouped GEMM: 10 configurations" in out
-    assert re.fullmatch(r"PASS: the layer matches the fp32 reference \(\S+ < 2e-02\) and the "
-                        r"sm_90a kernels build \(\d+ s\)", _verdict(out))
+    assert "building every kernel family for sm_90a, sm_100a (no GPU needed" in out
+    assert "] gemm_sm90 (bf16/fp16 grouped GEMM): 10 builds" in out
+    assert re.fullmatch(r"PASS: the layer matches the fp32 reference \(\S+ < 2e-02\) and "
+                        r"every kernel family builds for sm_90a, sm_100a \(\d+ s\)", _verdict(out))
     assert demo_main.main(["demo", "--tokens", "4", "--no-compile"]) == 0
     assert cpu_demo == ["child"]  # not built again
     out = capsys.readouterr().out
-    assert "building" not in out and "kernels build" not in _verdict(out)
+    assert "building" not in out and "builds for" not in _verdict(out)
 
 
 @pytest.mark.parametrize("wrong,shown", [
@@ -95,21 +97,25 @@ def test_demo_says_what_failed(cpu_demo, capsys, monkeypatch, wrong, shown):
 
 def test_a_failed_build_is_a_fail(monkeypatch, capsys):
     """The child's progress lines pass through; its exit status and last words end the demo."""
+    from ts_moe import compile_cli
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    child = ("-c", "import sys; print('  [  0.1 s] grouped GEMM: 10 configurations'); "
-                   "sys.exit('ValueError: no such tile')")
-    real = demo_main.build_in_child
-    monkeypatch.setattr(demo_main, "build_in_child", lambda: real(child))
+    child = "import sys; print('  [  0.1 s] gemm_sm90: 10 builds'); sys.exit('ValueError: no such tile')"
+    real = compile_cli.subprocess.Popen
+    monkeypatch.setattr(compile_cli.subprocess, "Popen",
+                        lambda args, **kw: real([sys.executable, "-c", child], **kw))
     assert demo_main.main(["demo", "--tokens", "4"]) == 1
     out = capsys.readouterr().out
-    assert "  [  0.1 s] grouped GEMM: 10 configurations\n" in out
+    assert "  [  0.1 s] gemm_sm90: 10 builds\n" in out
     assert "FAIL: the sm_90a build failed (exit status 1):\nValueError: no such tile" in out
 
 
 def test_verbose_shows_each_builds_ptx(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     from csrc_free_kernels import ptx_dump
+    from csrc_free_kernels.families import FAMILIES
+    from ts_moe import compile_cli
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     dumped = []
 
     def fake_dump(arch, names, out_dir, timeout=600):
@@ -117,30 +123,26 @@ def test_verbose_shows_each_builds_ptx(monkeypatch, capsys):
         return {n: "wgmma.mma_async cp.async.bulk.tensor expect_tx" for n in names}
 
     monkeypatch.setattr(ptx_dump, "dump", fake_dump)
-    monkeypatch.setattr(demo_main, "build_in_child", lambda: pytest.fail("built twice"))
+    monkeypatch.setattr(compile_cli, "build_in_child", lambda: pytest.fail("built twice"))
     assert demo_main.main(["demo", "--tokens", "4", "--verbose"]) == 0
-    assert [arch for arch, _ in dumped] == ["sm_90a"] * 3  # a dump per family
+    assert [arch for arch, _ in dumped] == [f.arch for f in FAMILIES
+                                            if f.arch == "sm_90a"] + ["sm_100a"]
     names = [n for _, family in dumped for n in family]
-    assert "gemm_decode" in names and "swiglu_decode" in names and "dw_128x256" in names
-    assert not any(n.startswith("swiglu_ew") for n in names)
+    assert "gemm_decode" in names and "swiglu_decode_bk" in names and "dw_128x256" in names
+    assert "route_slots" in names and "sm100_gemm_n256" in names  # every family
     out = capsys.readouterr().out
-    assert " 1 wgmma, 1 TMA loads, 1 expect_tx" in out
+    assert " 1 MMAs, 1 TMA loads, 1 expect_tx" in out
     assert _verdict(out).startswith("PASS")
 
 
-def test_compile_command_builds_each_family_in_its_own_process(tmp_path):
-    """``python -m ts_moe compile`` (here with one small family): a line per family with
-    the elapsed time, the arch set before the DSL is imported, no PTX tool, no cache."""
-    code = (
-        "import sys, torch; from functools import partial; import ts_moe.__main__ as m\n"
-        "def families():\n"
-        "    from csrc_free_kernels.hopper import swiglu_sm90_launch as act\n"
-        "    return [('SwiGLU', [partial(act.compiled_kernel, torch.bfloat16, False)])]\n"
-        "m.kernel_families = families\n"
-        "rc = m.main(['compile'])\n"
-        "import os; print(os.environ['CUTE_DSL_ARCH'],\n"
-        "                 'csrc_free_kernels.ptx_dump' in sys.modules)\n"
-        "sys.exit(rc)\n")
+def test_compile_command_builds_a_family_on_its_arch(tmp_path):
+    """``python -m ts_moe compile --family swiglu_sm90``: a line for the family with the
+    elapsed time, the arch set before the DSL is imported, every build through the
+    pre-flight, no PTX tool, no cache."""
+    code = ("import os, sys; import ts_moe.__main__ as m\n"
+            "rc = m.main(['compile', '--family', 'swiglu_sm90'])\n"
+            "print(os.environ['CUTE_DSL_ARCH'], 'csrc_free_kernels.ptx_dump' in sys.modules)\n"
+            "sys.exit(rc)\n")
     # the arch as the demo's child process gets it: set before ts_moe imports the DSL
     env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
            "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",
@@ -149,31 +151,30 @@ def test_compile_command_builds_each_family_in_its_own_process(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert re.fullmatch(r"  \[ +\d+\.\d s\] SwiGLU: 1 configurations", lines[0])
-    assert re.fullmatch(r"  \[ +\d+\.\d s\] 1 configurations built for sm_90a, each "
-                        r"through the pre-flight \(tma-coordinate, .*\): no violation", lines[1])
+    assert re.fullmatch(r"  \[ +\d+\.\d s\] swiglu_sm90 \(SwiGLU activation and its gradient, "
+                        r"elementwise\): 4 builds", lines[0])
+    assert re.fullmatch(r"  \[ +\d+\.\d s\] 4 builds for sm_90a, each through the pre-flight "
+                        r"\(tma-coordinate, .*\): no violation", lines[1])
     assert lines[2] == "sm_90a False"
     assert list(tmp_path.iterdir()) == []  # nothing cached, the kept PTX and cubin read
 
 
 def test_compile_command_fails_a_build_the_preflight_refuses(tmp_path):
     """A build that breaks a hardware rule fails the build step, naming the rule and the
-    instruction (here the pre-flight is handed a wrong armed byte count)."""
+    instruction (here the pre-flight is handed a setmaxnreg past the register pool)."""
     code = (
-        "import sys, torch; from functools import partial; import ts_moe.__main__ as m\n"
+        "import sys; import ts_moe.__main__ as m\n"
         "from csrc_free_kernels import preflight\n"
         "collect = preflight.collect\n"
         "def broken(d, facts):\n"
         "    return collect(d, facts).replace('setmaxnreg.inc.sync.aligned.u32 \\t240;',\n"
         "                                     'setmaxnreg.inc.sync.aligned.u32 \\t244;')\n"
         "preflight.collect = broken\n"
-        "def families():\n"
-        "    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as g\n"
-        "    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c\n"
-        "    return [('grouped GEMM', [partial(g.compiled_kernel, c.DECODE16, torch.bfloat16,\n"
-        "                                      torch.bfloat16, False)])]\n"
-        "m.kernel_families = families\n"
-        "sys.exit(m.main(['compile']))\n")
+        "from ts_moe import compile_cli\n"
+        "real = compile_cli.builds\n"
+        "compile_cli.builds = lambda arch, only=None: [(f, [b for b in bs if b.name == "
+        "'gemm_decode16']) for f, bs in real(arch, 'gemm_sm90')]\n"
+        "sys.exit(m.main(['compile', '--family', 'gemm_sm90']))\n")
     env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
            "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",
            "CUTE_DSL_DUMP_DIR": str(tmp_path)}
@@ -181,20 +182,19 @@ def test_compile_command_fails_a_build_the_preflight_refuses(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert "pre-flight of the hardware's rules failed" in proc.stderr
-    assert "[budget]" in proc.stderr and "setmaxnreg" in proc.stderr
+    assert "gemm_decode16" in proc.stderr and "setmaxnreg" in proc.stderr
 
 
-def test_kernel_families_name_the_shipped_configurations():
-    families = dict(demo_main.kernel_families())
-    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config as dw
-    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as fp8
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as gemm
+def test_compile_builds_every_family_the_records_declare():
+    """What ``compile`` builds is each family's checked builds, every family on its arch."""
+    from csrc_free_kernels.families import FAMILIES
+    from ts_moe import compile_cli
 
-    assert [b.args[0] for b in families["grouped GEMM"]] == list(gemm.CONFIGS.values())
-    assert len(families["grouped GEMM + SwiGLU"]) == len(gemm.CONFIGS)
-    assert len(families["k-grouped GEMM (weight gradient)"]) == len(dw.CONFIGS)
-    fp8_family = next(v for k, v in families.items() if k.startswith("FP8"))
-    assert len(fp8_family) == 2 * len(fp8.CONFIGS) + 1
+    built = {f.name: [b.name for b in bs] for arch in compile_cli.ARCHES
+             for f, bs in compile_cli.builds(arch)}
+    assert set(built) == {f.name for f in FAMILIES} and all(built.values())
+    assert "route_slots" in built["route_sm90"] and "gemm_decode" in built["gemm_sm90"]
+    assert compile_cli.ARCHES == ("sm_90a", "sm_100a")
 
 
 @pytest.mark.parametrize("tokens", ["0", "-3", "many"])

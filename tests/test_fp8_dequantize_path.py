@@ -7,12 +7,19 @@ stack; and every call it hands torch's FP8 grouped GEMM is one torch accepts."""
 import pytest
 import torch
 from bench import fp8_fallback
-from ts_moe.fp8 import backends, dequantize_path, scaled_ops
-from ts_moe.fp8.paths import DEQUANTIZE, TORCH_SCALED
+from ts_moe.fp8 import backends, dequantize_path
 from ts_moe.fp8.recipes import Pair, Recipe
+from ts_moe.ops import Op
+from ts_moe.ops import scaled as scaled_ops
+from ts_moe.ops.paths import Path
 
-from .helpers import rel_err
+from .helpers import on_path, pairs_on_path, rel_err
 from .test_fp8_ops import PAIRS, problem, ref64
+
+DEQUANTIZE = on_path(Path.DEQUANTIZE, Op.SCALED_GROUPED_GEMM)
+TORCH_SCALED = on_path(Path.TORCH_SCALED, Op.SCALED_GROUPED_GEMM)
+DEQUANTIZE_SWIGLU = pairs_on_path(Path.DEQUANTIZE, Op.SCALED_GROUPED_GEMM_SWIGLU,
+                                  Op.SCALED_GROUPED_GEMM)
 
 RECIPE_PAIRS = {p: Pair.of(*map(Recipe, p)) for p in PAIRS}
 
@@ -30,7 +37,7 @@ def small_chunks(monkeypatch):
 def test_gemm_matches_float64(pair, counts, out_dtype, small_chunks):
     m = sum(counts) + 3  # rows past offs[-1]
     xq, wq, sx, sw, offs = problem(m=m, k=256, n=200, counts=counts, pair=pair)
-    out = scaled_ops.run_gemm((DEQUANTIZE,), xq, wq.mT, sx, sw, offs, out_dtype,
+    out = scaled_ops.run_gemm(DEQUANTIZE, xq, wq.mT, sx, sw, offs, out_dtype,
                               RECIPE_PAIRS[pair])
     ref = ref64(xq, wq, sx, pair[0], sw, pair[1], offs)
     assert out.dtype == out_dtype and out.shape == ref.shape
@@ -49,7 +56,7 @@ def test_swiglu_and_a_index(pair, out_dtype, small_chunks):
     counts = (7, 0, 11, 2)
     xq, wq, sx, sw, offs = problem(m=30, k=256, n=2 * 80, counts=counts, pair=pair)
     index = torch.randint(-3, 33, (sum(counts) + 2,), generator=g).to(torch.int32)
-    out = scaled_ops.run_swiglu((DEQUANTIZE,), xq, wq, sx, sw, offs, out_dtype,
+    out = scaled_ops.run_swiglu(DEQUANTIZE_SWIGLU, xq, wq, sx, sw, offs, out_dtype,
                                 RECIPE_PAIRS[pair], index)
     h = ref64(xq, wq, sx, pair[0], sw, pair[1], offs, a_index=index)
     ref = torch.nn.functional.silu(h[:, :80]) * h[:, 80:]
@@ -145,7 +152,7 @@ def test_torch_path_names_the_recipes(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_grouped_mm", fake)
     xq, wq, sx, sw, offs = problem(m=8, k=256, n=128, counts=(4, 4, 0, 0), pair=PAIRS[1])
-    scaled_ops.run_gemm((TORCH_SCALED,), xq[:1], wq.mT, sx[:1], sw, offs.clamp(max=1),
+    scaled_ops.run_gemm(TORCH_SCALED, xq[:1], wq.mT, sx[:1], sw, offs.clamp(max=1),
                         torch.bfloat16, Pair.ROWWISE)
     ((ra, rb, dtype, a_stride, b_stride),) = calls
     rowwise = torch.nn.functional.ScalingType.RowWise
@@ -172,7 +179,7 @@ def test_the_output_is_allocated_only_for_a_backend_that_writes_it(monkeypatch):
                         lambda a, b, *_, **__: torch.zeros(a.shape[0], b.shape[2],
                                                            dtype=torch.bfloat16), raising=False)
     xq, wq, sx, sw, offs = problem(m=8, k=256, n=128, counts=(4, 4, 0, 0), pair=PAIRS[1])
-    scaled_ops.run_gemm((TORCH_SCALED,), xq, wq.mT, sx, sw, offs, torch.bfloat16, Pair.ROWWISE)
+    scaled_ops.run_gemm(TORCH_SCALED, xq, wq.mT, sx, sw, offs, torch.bfloat16, Pair.ROWWISE)
     assert allocated == []
-    scaled_ops.run_gemm((DEQUANTIZE,), xq, wq.mT, sx, sw, offs, torch.bfloat16, Pair.ROWWISE)
+    scaled_ops.run_gemm(DEQUANTIZE, xq, wq.mT, sx, sw, offs, torch.bfloat16, Pair.ROWWISE)
     assert allocated == [(8, 128, torch.bfloat16)]

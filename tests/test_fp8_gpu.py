@@ -7,8 +7,10 @@ import torch
 
 import ts_moe
 from ts_moe import decode_graphs
-from ts_moe.fp8 import paths, scaled_ops
-from ts_moe.fp8.paths import Fp8Path
+from ts_moe.ops import Op, paths
+from ts_moe.ops import scaled as scaled_ops
+from ts_moe.ops.backend import first_taker
+from ts_moe.ops.paths import Path
 from ts_moe.fp8.recipes import Pair, Recipe
 from ts_moe.fp8.reference import dequantize, quantize_reference
 
@@ -63,9 +65,9 @@ def test_kernel_matches_float64(shape, pair):
     m, k, n, e = shape
     a, b, sa, sb, offs = cuda_problem(m, k, n, e, pair)
     out = torch.empty(m, n, dtype=BF16, device="cuda")
-    taken, _ = paths.gemm_path(paths.paths_for(a), a, b.mT, sa, sb, offs, out, None,
-                               Pair.of(*map(Recipe, pair)))
-    assert taken.path is Fp8Path.KERNEL_SM90
+    taken, _ = first_taker(paths.backends(Op.SCALED_GROUPED_GEMM, paths.device_capability(a)),
+                           a, b.mT, sa, sb, offs, out, None, Pair.of(*map(Recipe, pair)))
+    assert taken is paths.TABLE[Path.KERNEL_SM90][Op.SCALED_GROUPED_GEMM]
     poison_allocator()
     out = ts_moe.scaled_grouped_gemm(a, b.mT, sa, pair[0], sb, pair[1], offs)
     ref = ref64(*_cpu(a, b, sa), pair[0], sb.cpu(), pair[1], offs.cpu())
@@ -91,14 +93,14 @@ def test_kernel_a_index_invalid_offs_and_swiglu(pair):
         assert_rows_close(h.cpu(), torch.nn.functional.silu(ref[:, :256]) * ref[:, 256:])
 
 
-@pytest.mark.parametrize("path", [Fp8Path.TORCH_SCALED, Fp8Path.DEQUANTIZE])
+@pytest.mark.parametrize("path", [Path.TORCH_SCALED, Path.DEQUANTIZE])
 def test_fallback_paths_on_cuda(path):
-    pair = PAIRS[1] if path is Fp8Path.TORCH_SCALED else PAIRS[0]
+    pair = PAIRS[1] if path is Path.TORCH_SCALED else PAIRS[0]
     a, b, sa, sb, offs = cuda_problem(700, 1024, 512, 8, pair)
     a_index = torch.randint(-1, 701, (900,), dtype=torch.int32).cuda()
     offs = (offs.long() * 900 // 700).to(torch.int32)
-    out = scaled_ops.run_gemm((paths.PATH_BACKENDS[path],), a, b.mT, sa, sb, offs, BF16,
-                              Pair.of(*map(Recipe, pair)), a_index)
+    out = scaled_ops.run_gemm((paths.TABLE[path][Op.SCALED_GROUPED_GEMM],), a, b.mT, sa, sb,
+                              offs, BF16, Pair.of(*map(Recipe, pair)), a_index)
     ref = ref64(*_cpu(a, b, sa), pair[0], sb.cpu(), pair[1], offs.cpu(), a_index.cpu())
     assert_rows_close(out.cpu(), ref)
 

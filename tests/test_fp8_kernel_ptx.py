@@ -6,25 +6,27 @@ import re
 
 import pytest
 
-from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_config import CONFIGS, RECIPES
 
+from .kernels.probe_builds import ALL_BUILDS
 from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture
 
-RECIPES = ptx_dump.FP8_RECIPES
-CONFIG_NAMES = ptx_dump.FP8_CONFIGS
+CONFIG_NAMES = tuple(CONFIGS)
 
-# every configuration x recipe x (plain, SwiGLU), bf16 out; the other output dtypes
-# once; and register budgets: the SwiGLU blockwise mainloops (the widest: two weight
-# scales per k-block, two accumulators) built with their MMA warpgroups capped at 168
-# registers (the kernel gives them 232 / 240) must not spill either
-# (``ptx_dump._fp8_builds``): name -> (config, recipe, swiglu, out dtype, register cap)
-SPECS = {n: (b.config[0], *b.config[1].values()) for n, b in ptx_dump.BUILDS.items()
-         if n.startswith("fp8_")}
+# the family's checked builds: every configuration x recipe x (plain, SwiGLU), bf16 out;
+# the other output dtypes once; and (tests/kernels/probe_builds.py) register budgets: the
+# SwiGLU blockwise mainloops (the widest: two weight scales per k-block, two
+# accumulators) built with their MMA warpgroups capped at 168 registers (the kernel
+# gives them 232 / 240) must not spill either.
+# name -> (config, recipe, swiglu, out dtype name, register cap)
+SPECS = {n: (b.spec["config"].name, b.spec["recipe"], b.spec["swiglu"],
+             str(b.spec["out_dtype"]).split(".")[-1], b.spec.get("regs", 0))
+         for n, b in ALL_BUILDS.items() if n.startswith("fp8_")}
 GEMMS = sorted(SPECS)
 # the activation quantizer: each recipe, each input dtype
 QUANT_RECIPES = ("blockwise_1x128", "rowwise", "tensorwise")
-SPECS.update({n: (b.config[0], b.config[1]["dtype"]) for n, b in ptx_dump.BUILDS.items()
-              if n.startswith("quantize_")})
+SPECS.update({n: (b.spec["recipe"], str(b.spec["dtype"]).split(".")[-1])
+              for n, b in ALL_BUILDS.items() if n.startswith("quantize_")})
 
 ptx = ptx_fixture("sm_90a", sorted(SPECS))
 

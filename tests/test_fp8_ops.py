@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ts_moe
-from ts_moe.fp8 import scaled_grouped_gemm_swiglu
+from ts_moe import scaled_grouped_gemm_swiglu
 from ts_moe.fp8.recipes import E4M3, RECIPES, Pair, Recipe
 from ts_moe.fp8.reference import dequantize
 from ts_moe.reference import segment_ends

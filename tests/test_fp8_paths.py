@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import ts_moe
-from ts_moe.fp8 import paths, scaled_ops
-from ts_moe.fp8.paths import Fp8Path
 from ts_moe.fp8.recipes import Pair, Recipe
 from ts_moe.fp8.reference import quantize_reference, scaled_grouped_gemm_reference
-from ts_moe.ops import kernels
+from ts_moe.ops import Op, paths, scaled
+from ts_moe.ops.backend import first_taker
 from ts_moe.ops.kernels import Declined
+from ts_moe.ops.paths import Path
 
 from .test_fp8_ops import PAIRS, assert_rows_close, problem, ref64
 
@@ -39,28 +39,27 @@ def _meta_call(pair, k, n, experts, out_dtype, m=64):
 
 
 @pytest.mark.parametrize("capability, pair, k, n, out_dtype, experts, kernels_on, path", [
-    (None, Pair.BLOCKWISE, 256, 256, BF16, 8, True, Fp8Path.REFERENCE),           # CPU
-    ((9, 0), Pair.BLOCKWISE, 256, 256, BF16, 8, True, Fp8Path.KERNEL_SM90),       # H100/H200
-    ((9, 0), Pair.TENSORWISE, 48, 40, torch.float32, 8, True, Fp8Path.KERNEL_SM90),
-    ((9, 0), Pair.ROWWISE, 40, 256, BF16, 8, True, Fp8Path.DEQUANTIZE),           # K % 16
-    ((9, 0), Pair.ROWWISE, 256, 256, BF16, 8, False, Fp8Path.TORCH_SCALED),       # no kernels
-    ((9, 0), Pair.ROWWISE, 256, 256, torch.float32, 8, False, Fp8Path.DEQUANTIZE),
-    ((9, 0), Pair.ROWWISE, 256, 200, BF16, 8, False, Fp8Path.DEQUANTIZE),         # N % 16
-    ((9, 0), Pair.ROWWISE, 256, 256, BF16, 1024, False, Fp8Path.DEQUANTIZE),      # groups
-    ((9, 0), Pair.BLOCKWISE, 256, 256, BF16, 8, False, Fp8Path.DEQUANTIZE),
-    ((10, 0), Pair.ROWWISE, 256, 256, BF16, 8, True, Fp8Path.DEQUANTIZE),         # B200
-    ((10, 3), Pair.BLOCKWISE, 256, 256, BF16, 8, True, Fp8Path.DEQUANTIZE),       # B300
-    ((8, 9), Pair.TENSORWISE, 256, 256, BF16, 8, True, Fp8Path.DEQUANTIZE),       # L40S
-    ((9, 0), Pair.BLOCKWISE, 256, 256, BF16, 600, True, Fp8Path.DEQUANTIZE),      # > 512
-    ((9, 0), Pair.ROWWISE, 256, 256, BF16, 600, True, Fp8Path.TORCH_SCALED),
+    (None, Pair.BLOCKWISE, 256, 256, BF16, 8, True, Path.REFERENCE),           # CPU
+    ((9, 0), Pair.BLOCKWISE, 256, 256, BF16, 8, True, Path.KERNEL_SM90),       # H100/H200
+    ((9, 0), Pair.TENSORWISE, 48, 40, torch.float32, 8, True, Path.KERNEL_SM90),
+    ((9, 0), Pair.ROWWISE, 40, 256, BF16, 8, True, Path.DEQUANTIZE),           # K % 16
+    ((9, 0), Pair.ROWWISE, 256, 256, BF16, 8, False, Path.TORCH_SCALED),       # no kernels
+    ((9, 0), Pair.ROWWISE, 256, 256, torch.float32, 8, False, Path.DEQUANTIZE),
+    ((9, 0), Pair.ROWWISE, 256, 200, BF16, 8, False, Path.DEQUANTIZE),         # N % 16
+    ((9, 0), Pair.ROWWISE, 256, 256, BF16, 1024, False, Path.DEQUANTIZE),      # groups
+    ((9, 0), Pair.BLOCKWISE, 256, 256, BF16, 8, False, Path.DEQUANTIZE),
+    ((10, 0), Pair.ROWWISE, 256, 256, BF16, 8, True, Path.DEQUANTIZE),         # B200
+    ((10, 3), Pair.BLOCKWISE, 256, 256, BF16, 8, True, Path.DEQUANTIZE),       # B300
+    ((8, 9), Pair.TENSORWISE, 256, 256, BF16, 8, True, Path.DEQUANTIZE),       # L40S
+    ((9, 0), Pair.BLOCKWISE, 256, 256, BF16, 600, True, Path.DEQUANTIZE),      # > 512
+    ((9, 0), Pair.ROWWISE, 256, 256, BF16, 600, True, Path.TORCH_SCALED),
 ])
-def test_path_per_device(monkeypatch, capability, pair, k, n, out_dtype, experts, kernels_on,
-                         path):
-    monkeypatch.setattr(paths, "device_capability", lambda t: capability)
+def test_path_per_device(capability, pair, k, n, out_dtype, experts, kernels_on, path):
     a, b, sa, sb, offs, out = _meta_call(pair, k, n, experts, out_dtype)
     with ts_moe.settings.override(fp8_kernels=kernels_on):
-        taken, config = paths.gemm_path(paths.paths_for(a), a, b, sa, sb, offs, out, None, pair)
-    assert taken.path is path and config
+        taken, config = first_taker(paths.backends(Op.SCALED_GROUPED_GEMM, capability),
+                                    a, b, sa, sb, offs, out, None, pair)
+    assert taken is paths.TABLE[path][Op.SCALED_GROUPED_GEMM] and config
 
 
 def test_a_declined_call_says_why():
@@ -74,10 +73,11 @@ def test_a_declined_call_says_why():
                                 Pair.BLOCKWISE)
     assert "K = 40" in why(L.GROUPED_GEMM, *_meta_call(Pair.ROWWISE, 40, 256, 8, BF16),
                            Pair.ROWWISE)
-    assert "rowwise recipe only" in why(paths.TORCH_SCALED.gemm,
+    torch_scaled = paths.TABLE[Path.TORCH_SCALED][Op.SCALED_GROUPED_GEMM]
+    assert "rowwise recipe only" in why(torch_scaled,
                                         *_meta_call(Pair.BLOCKWISE, 256, 256, 8, BF16),
                                         Pair.BLOCKWISE)
-    assert "bf16 only" in why(paths.TORCH_SCALED.gemm,
+    assert "bf16 only" in why(torch_scaled,
                               *_meta_call(Pair.ROWWISE, 256, 256, 8, torch.float32), Pair.ROWWISE)
     a, gate_up, sa, sb, offs, out = _meta_call(Pair.BLOCKWISE, 256, 2 * 192, 8, BF16)
     reason = L.GROUPED_GEMM_SWIGLU.choose_config(a, gate_up.mT, sa, sb, offs, out[:, :192], None,
@@ -162,11 +162,11 @@ def test_sm90_kernel_path_gets_its_layouts(h200, pair):
 def test_sm90_swiglu_fused_or_apart(h200):
     a, gate_up, sa, sw, offs = problem(n=256)
     pair = PAIRS[0]
-    fused = scaled_ops.scaled_grouped_gemm_swiglu(a, gate_up, sa, pair[0], sw, pair[1], offs)
+    fused = scaled.scaled_grouped_gemm_swiglu(a, gate_up, sa, pair[0], sw, pair[1], offs)
     assert h200.calls[-1]["kind"] == "swiglu" and h200.calls[-1]["b"].shape == (4, 256, 256)
     # I = 64 is not a multiple of 128 (blockwise): the kernel's GEMM to fp32, then apart
     a2, gate_up2, sa2, sw2, offs2 = problem(n=128)
-    apart = scaled_ops.scaled_grouped_gemm_swiglu(a2, gate_up2, sa2, pair[0], sw2, pair[1], offs2)
+    apart = scaled.scaled_grouped_gemm_swiglu(a2, gate_up2, sa2, pair[0], sw2, pair[1], offs2)
     assert h200.calls[-1]["kind"] == "gemm" and h200.calls[-1]["out"].dtype == torch.float32
     ref = ref64(a2, gate_up2, sa2, pair[0], sw2, pair[1], offs2)
     assert_rows_close(apart, torch.nn.functional.silu(ref[:, :64]) * ref[:, 64:])
@@ -238,7 +238,8 @@ def test_launch_modules_have_one_entry_and_check_nothing():
     public = {name for name, f in vars(gemm).items()
               if inspect.isfunction(inspect.unwrap(f)) and f.__module__ == gemm.__name__
               and not name.startswith("_")}
-    assert public == {"launch", "fake_args", "compiled_kernel", "fast_scale_a"}
+    assert public == {"launch", "fake_args", "compiled_kernel", "fast_scale_a", "build",
+                      "builds", "checked"}
     assert not any(name.startswith("scaled_grouped_gemm") for name in vars(gemm))
     for backend in (gemm.GROUPED_GEMM, gemm.GROUPED_GEMM_SWIGLU):
         assert "launch(" in inspect.getsource(type(backend).run)
@@ -281,8 +282,8 @@ def test_torch_scaled_path_semantics(monkeypatch):
     a_index = torch.randint(-3, 48, (40,), dtype=torch.int32)
     for offs in (torch.tensor([9, 9, 25, 31], dtype=torch.int32),
                  torch.tensor([12, 3, 90, -1], dtype=torch.int32)):
-        out = scaled_ops.run_gemm((paths.TORCH_SCALED,), a, w.mT, sa, sw, offs, BF16,
-                                  Pair.ROWWISE, a_index)
+        out = scaled.run_gemm((paths.TABLE[Path.TORCH_SCALED][Op.SCALED_GROUPED_GEMM],),
+                              a, w.mT, sa, sw, offs, BF16, Pair.ROWWISE, a_index)
         assert calls[-1].tolist() == torch.cummax(offs.clamp(0, 40), 0).values.tolist()
         assert_rows_close(out, ref64(a, w, sa, "rowwise", sw, "rowwise", offs, a_index))
         assert (out[int(calls[-1][-1]):] == 0).all()
@@ -297,12 +298,14 @@ def test_dequantize_path_matches_float64(pair, out_dtype):
     a_index = torch.randint(-1, 46, (30,), dtype=torch.int32)
     offs = torch.tensor([5, 5, 20, 27], dtype=torch.int32)
     parsed = Pair.of(*map(Recipe, pair))
-    out = scaled_ops.run_gemm((paths.DEQUANTIZE,), a, w.mT, sa, sw, offs, out_dtype, parsed,
-                              a_index)
+    dequantize = paths.TABLE[Path.DEQUANTIZE]
+    out = scaled.run_gemm((dequantize[Op.SCALED_GROUPED_GEMM],), a, w.mT, sa, sw, offs,
+                          out_dtype, parsed, a_index)
     assert out.dtype == out_dtype and out.shape == (30, 200)
     assert_rows_close(out, ref64(a, w, sa, pair[0], sw, pair[1], offs, a_index))
-    h = scaled_ops.run_swiglu((paths.DEQUANTIZE,), a, w, sa, sw, offs, out_dtype, parsed,
-                              a_index)
+    h = scaled.run_swiglu(((dequantize[Op.SCALED_GROUPED_GEMM_SWIGLU],
+                            dequantize[Op.SCALED_GROUPED_GEMM]),),
+                          a, w, sa, sw, offs, out_dtype, parsed, a_index)
     ref = ref64(a, w, sa, pair[0], sw, pair[1], offs, a_index)
     assert_rows_close(h, torch.nn.functional.silu(ref[:, :100]) * ref[:, 100:])
 
@@ -316,7 +319,7 @@ def test_reference_switch_read_at_each_call(monkeypatch):
     assert paths.device_capability(on_cuda) == (9, 0)
     monkeypatch.setenv("TS_MOE_REFERENCE", "1")
     assert paths.device_capability(on_cuda) is None
-    assert paths.paths_for(on_cuda) == (paths.REFERENCE,)
+    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, None) == (Path.REFERENCE,)
     monkeypatch.setenv("TS_MOE_REFERENCE", "0")
     assert paths.device_capability(on_cuda) == (9, 0)
     with ts_moe.settings.override(reference=True):  # code outranks the variable
@@ -325,24 +328,25 @@ def test_reference_switch_read_at_each_call(monkeypatch):
     with pytest.raises(ValueError, match="TS_MOE_REFERENCE='true'"):
         paths.device_capability(on_cuda)
     monkeypatch.delenv("TS_MOE_REFERENCE")
-    assert paths.paths_for(torch.ones(4, 128)) == (paths.REFERENCE,)  # a CPU tensor
+    assert paths.device_capability(torch.ones(4, 128)) is None  # a CPU tensor
 
 
 def test_the_fp8_kernels_are_opt_in(monkeypatch):
     """Until they pass on a GPU, sm_90 FP8 calls take the kernels only after
     ts_moe.use_fp8_kernels() (bench/notes/2026-12-05-fp8-kernel-first-gpu-run.md)."""
-    monkeypatch.setattr(paths, "device_capability", lambda t: (9, 0))
-    x = torch.empty(1)
     ts_moe.use_fp8_kernels(False)  # the default
     assert not paths.fp8_kernels_enabled()
-    assert paths.paths_for(x) == (paths.TORCH_SCALED, paths.DEQUANTIZE)
+    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0)) == (
+        Path.TORCH_SCALED, Path.DEQUANTIZE, Path.REFERENCE)
+    assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (Path.REFERENCE,)
     ts_moe.use_fp8_kernels()
     try:
-        first = paths.paths_for(x)[0]
-        assert first.path is Fp8Path.KERNEL_SM90
-        assert first.gemm is kernels.sm90_fp8.GROUPED_GEMM
-        assert first.swiglu is kernels.sm90_fp8.GROUPED_GEMM_SWIGLU
-        assert first.quantize is kernels.quantize_fp8_sm90.QUANTIZE
+        for op in (Op.SCALED_GROUPED_GEMM, Op.SCALED_GROUPED_GEMM_SWIGLU, Op.QUANTIZE_FP8):
+            assert paths.paths_for(op, (9, 0))[0] is Path.KERNEL_SM90
+        table = paths.TABLE[Path.KERNEL_SM90]
+        assert table[Op.SCALED_GROUPED_GEMM] is L.GROUPED_GEMM
+        assert table[Op.SCALED_GROUPED_GEMM_SWIGLU] is L.GROUPED_GEMM_SWIGLU
+        assert table[Op.QUANTIZE_FP8] is QL.QUANTIZE
     finally:
         ts_moe.use_fp8_kernels(False)
-    assert paths.paths_for(x)[0] is paths.TORCH_SCALED
+    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0))[0] is Path.TORCH_SCALED

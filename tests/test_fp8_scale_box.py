@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_config import CONFIGS
 
 from .test_fp8_scale_maps import _check, _entry, _kernel, _quantized, _scales, maps  # noqa: F401
 
@@ -57,7 +57,7 @@ def _random_offs(rng):
     return offs, rows + rng.choice([0, 0, 5])  # sometimes rows past offs[-1]
 
 
-@pytest.mark.parametrize("name", ptx_dump.FP8_CONFIGS)
+@pytest.mark.parametrize("name", tuple(CONFIGS))
 def test_scale_box_start_is_aligned_for_every_scheduled_tile(name):
     kernel = _kernel(name, False)
     cfg = kernel.cfg

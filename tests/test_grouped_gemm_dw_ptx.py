@@ -28,8 +28,10 @@ ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def _build(name):
-    config, kw = ptx_dump.BUILDS[name].config
-    return dwc().CONFIGS[config], kw
+    """(configuration, {"dtype": ..., "out": ...}) of build ``name``, dtypes by name."""
+    spec = ptx_dump.BUILDS[name].spec
+    return spec["config"], {"dtype": str(spec["ab_dtype"]).split(".")[-1],
+                            "out": str(spec["c_dtype"]).split(".")[-1]}
 
 
 def test_every_configuration_is_built(ptx):

@@ -24,8 +24,8 @@ MODELS = {  # E, H, I, top-k
 
 
 def gg():
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch
-    return grouped_gemm_sm90_launch
+    from . import kernel_calls
+    return kernel_calls
 
 
 def ggc():
@@ -83,11 +83,9 @@ def test_model_shapes(model, gemm, tokens):
 
 CONFIG_NAMES = ["decode16", "decode16_n64", "decode", "decode_p2", "mid", "prefill", "prefill_c2",
                 "prefill_p2"]
-# raster bands of two m-tiles, so that the small cases below span several bands;
-# ":sw": the opt-in store-warp kernel (csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp)
+# raster bands of two m-tiles, so that the small cases below span several bands
 VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
-            "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2),
-            **{f"{c}:sw": {} for c in ("mid", "prefill", "prefill_c2", "prefill_p2")}}
+            "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2)}
 
 
 def config_named(name):
@@ -96,14 +94,8 @@ def config_named(name):
 
 
 def launch_kw(name, swiglu=False):
-    """The launch keywords of a CONFIG_NAMES or VARIANTS entry: its configuration,
-    and for ":sw" the store-warp kernel class."""
-    kw = {"config": config_named(name)}
-    if name.endswith(":sw"):
-        from csrc_free_kernels.hopper import grouped_gemm_sm90_store_warp as sw
-        kw["kernel_cls"] = (sw.GroupedGemmSwigluStoreWarpSm90 if swiglu
-                            else sw.GroupedGemmStoreWarpSm90)
-    return kw
+    """The launch keywords of a CONFIG_NAMES or VARIANTS entry: its configuration."""
+    return {"config": config_named(name)}
 
 
 @pytest.mark.parametrize("config", CONFIG_NAMES + list(VARIANTS))
@@ -269,7 +261,7 @@ def test_compute_sanitizer(tool):
     assert "route kernels ok" in proc.stdout  # the decode block's small kernels too
 
 
-@pytest.mark.parametrize("config", CONFIG_NAMES + ["mid:sw", "prefill:sw", "prefill_p2:sw"])
+@pytest.mark.parametrize("config", CONFIG_NAMES)
 def test_swiglu_configs(config):
     """The fused gate/up + SwiGLU kernel in every configuration, ragged, poisoned output."""
     from ts_moe.reference import grouped_gemm_swiglu_reference
@@ -287,10 +279,9 @@ def test_swiglu_configs(config):
     assert (out[952:] == 0).all()
 
 
-@pytest.mark.parametrize("config", ["prefill", "prefill:sw"])
+@pytest.mark.parametrize("config", ["prefill"])
 def test_long_walks(config):
-    """Many tiles per CTA, each with many more k-tiles than the ring has stages;
-    with the store warp, each staged tile waits for the one before to be stored."""
+    """Many tiles per CTA, each with many more k-tiles than the ring has stages."""
     kw = launch_kw(config)
     check(*make(4096, 2048, 4096, 8), **kw)
     check(*make(4096, 2048, 4096, 8, counts=[1000, 0, 37, 2000, 0, 900, 159, 0]), **kw)

@@ -5,30 +5,24 @@ import re
 
 import pytest
 
-from csrc_free_kernels import ptx_dump
-
+from .kernels.probe_builds import ALL_BUILDS
 from .ptxas import assert_pdl_entry, assert_pdl_prefetch_entry, ptx_fixture
 
-BUILDS = [n for n in ptx_dump.BUILDS
+BUILDS = [n for n in ALL_BUILDS
           if n.startswith(("gemm", "swiglu")) and not n.startswith("swiglu_ew_")]  # GEMMs
 ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def _config(name):
     """The TileConfig that build ``name`` compiles."""
-    import dataclasses
-
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
-
-    config, overrides = ptx_dump.BUILDS[name].config
-    return dataclasses.replace(c.CONFIGS[config], **overrides)
+    return ALL_BUILDS[name].spec["config"]
 
 
 def test_every_configuration_is_built(ptx):
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 
     assert set(BUILDS) <= set(ptx)
-    built = {_config(n).name for n in BUILDS}
+    built = {_config(n).name for n in BUILDS}  # the probe without bands keeps its name
     assert built == set(c.CONFIGS)
     assert any(n.startswith("swiglu") for n in BUILDS)
 
@@ -48,27 +42,22 @@ def test_waits_for_the_stream_before_global_memory(ptx, name):
 def _kernel_cls(name):
     """The kernel class that build ``name`` compiles."""
     from csrc_free_kernels.hopper import grouped_gemm_sm90 as g
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_store_warp as sw
 
-    build = ptx_dump.BUILDS[name]
-    if build.store_warp:
-        return sw.GroupedGemmSwigluStoreWarpSm90 if build.swiglu else sw.GroupedGemmStoreWarpSm90
-    return g.GroupedGemmSwigluSm90 if build.swiglu else g.GroupedGemmSm90
+    return g.GroupedGemmSwigluSm90 if ALL_BUILDS[name].spec["swiglu"] else g.GroupedGemmSm90
 
 
 def _prefetches(name):
     """Whether build ``name`` streams weights before its wait (requested and taken)."""
-    build = ptx_dump.BUILDS[name]
-    return _kernel_cls(name)(_config(name),
-                             prefetch_weights=build.prefetch_weights).prefetch_weights
+    return ALL_BUILDS[name].spec["prefetch_weights"]
 
 
 def test_prefetch_builds_exist():
     from csrc_free_kernels.common import pdl
 
-    requested = [n for n in BUILDS if ptx_dump.BUILDS[n].prefetch_weights]
-    assert len(requested) >= 4
-    assert all(_prefetches(n) == pdl.ENABLED for n in requested)
+    requested = [n for n in BUILDS if n.endswith("_prefetch")]
+    assert len(requested) >= 4 and pdl.ENABLED
+    assert all(_prefetches(n) for n in requested)
+    assert not any(_prefetches(n) for n in BUILDS if n not in requested)
 
 
 def test_prefetch_needs_no_cluster():
@@ -117,31 +106,13 @@ def test_kernel_ptx(ptx, name):
     if name.startswith("swiglu"):
         assert "ex2.approx" in text  # silu in the epilogue
     barriers = set(re.findall(r"bar\.(?:sync|arrive)\s+(\d+), \d+;", text))
-    if ptx_dump.BUILDS[name].store_warp:
-        from csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp import StoreWarpBarrier
+    from csrc_free_kernels.hopper.grouped_gemm_sm90 import Barrier
 
-        # the tile staged whole; the store warp stores it a row per bulk copy
-        # (lane i: rows i, i + 32, ...), waiting on the staged barrier and giving
-        # the buffer back on the other (288 threads: the tile's 256 and its 32)
-        assert "st.global" not in text
-        assert "stmatrix" in text and "fence.proxy.async.shared::cta" in text
-        copies = re.findall(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group", text)
-        assert len(copies) == cfg.tile_m // 32
-        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", text)  # the buffer
-        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", text)  # the writes, at exit
-        for op in ("sync", "arrive"):
-            for barrier in StoreWarpBarrier:
-                assert re.search(rf"bar\.{op}\s+{int(barrier)}, 288;", text), (op, barrier)
-        assert barriers == {str(int(b)) for b in StoreWarpBarrier}
-    else:
-        from csrc_free_kernels.hopper.grouped_gemm_sm90 import Barrier
-
-        assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
-        assert "stmatrix" in text or "f32_out" in name
-        # the epilogue's barrier, among the tile's MMA threads, and no other
-        assert barriers == {str(int(Barrier.EPILOGUE))}
-        assert re.search(rf"bar\.sync\s+{int(Barrier.EPILOGUE)}, {128 * cfg.mma_warpgroups};",
-                         text)
+    assert "st.global.v4" in text  # 16-byte predicated stores from shared memory
+    assert "stmatrix" in text or "f32_out" in name
+    # the epilogue's barrier, among the tile's MMA threads, and no other
+    assert barriers == {str(int(Barrier.EPILOGUE))}
+    assert re.search(rf"bar\.sync\s+{int(Barrier.EPILOGUE)}, {128 * cfg.mma_warpgroups};", text)
 
 
 @pytest.mark.parametrize("shape, name", [
@@ -192,19 +163,3 @@ def test_unsplittable_weight_tile_is_refused():
     with pytest.raises(ValueError, match="32 columns, must be a multiple of 64"):
         kernel._setup(cutlass.BFloat16, cutlass.BFloat16, LayoutEnum.ROW_MAJOR,
                       LayoutEnum.COL_MAJOR, LayoutEnum.ROW_MAJOR)
-
-
-def test_store_warp_configurations_are_checked():
-    import cutlass
-    from cutlass.tensor_utils import LayoutEnum
-
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
-    from csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp import GroupedGemmStoreWarpSm90
-
-    for cfg in (c.DECODE, c.DECODE16, c.DECODE_P2):
-        with pytest.raises(ValueError, match="not 64-row tiles"):
-            GroupedGemmStoreWarpSm90(cfg)
-    kernel = GroupedGemmStoreWarpSm90(c.PREFILL)
-    with pytest.raises(ValueError, match="16-bit row-major output"):  # fp32: 128 KB a tile
-        kernel._setup(cutlass.BFloat16, cutlass.Float32, LayoutEnum.ROW_MAJOR,
-                      LayoutEnum.ROW_MAJOR, LayoutEnum.ROW_MAJOR)

@@ -19,10 +19,10 @@ def test_every_configuration_is_built(ptx):
     from csrc_free_kernels.sm100 import grouped_gemm_sm100_config as g
 
     assert set(BUILDS) <= set(ptx)
-    built = {ptx_dump.BUILDS[n].config[0] for n in BUILDS}
+    built = {ptx_dump.BUILDS[n].spec["config"].name for n in BUILDS}
     assert built == set(g.CONFIGS)
-    assert any(ptx_dump.BUILDS[n].config[1]["swiglu"] for n in BUILDS)
-    assert any(not ptx_dump.BUILDS[n].config[1]["gather"] for n in BUILDS)
+    assert any(ptx_dump.BUILDS[n].spec["swiglu"] for n in BUILDS)
+    assert any(not ptx_dump.BUILDS[n].spec["gather"] for n in BUILDS)
 
 
 @pytest.mark.parametrize("name", BUILDS)

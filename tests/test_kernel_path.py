@@ -67,12 +67,8 @@ def kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(route_sm90_launch, "_rowsum_kernel", rowsum_kernel)
     monkeypatch.setattr(route_sm90_launch, "_route_kernel", fake_route_kernel(launches))
     monkeypatch.setattr(swiglu_sm90_launch, "compiled_kernel", activation_kernel)
-    sm90 = paths.PATH_BACKENDS[paths.Path.KERNEL_SM90]
-    monkeypatch.setattr(paths, "cuda_path", lambda *args: (paths.Path.KERNEL_SM90, sm90))
-    monkeypatch.setattr(paths, "device_backends", lambda t: paths.SM90_DEVICE)
-    # what an H200 takes without the kernels: torch's grouped_mm in bf16
-    monkeypatch.setattr(paths, "without_kernels",
-                        lambda *args: paths.PATH_BACKENDS[paths.Path.TORCH_GROUPED_MM])
+    # CPU tensors take an H200's paths: the kernels, then torch's grouped_mm in bf16
+    monkeypatch.setattr(paths, "device_capability", lambda t: (9, 0))
     return launches
 
 
@@ -153,7 +149,7 @@ def test_swiglu_fused_where_the_tiles_fit_else_gemm_and_activation(kernels_on_cp
         names = [launch[0] for launch in kernels_on_cpu]
         gathered = ["gather"] if a_index is not None else []
         assert names == gathered + (["swiglu"] if fused else ["gemm"])
-        assert (swiglu_config(4, 2 * inter, 64, h.shape[0]) is not None) is fused
+        assert bool(swiglu_config(4, 2 * inter, 64, h.shape[0])) is fused
         assert kernels_on_cpu[-1][2] is (a_index is not None)  # prefetch after the gather
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import ts_moe
-from ts_moe.ops import Path, cuda_path
+from ts_moe.ops import Op, Path, paths
 
 from .helpers import rel_err
 from .test_ops_semantics import _aligned_buffers, _loop, _offs, _outcome
@@ -115,11 +115,15 @@ def test_swiglu_any_intermediate_size(inter):
 
 
 def test_paths_on_this_gpu():
-    index = torch.cuda.current_device()
-    assert cuda_path(index, BF16)[0] is Path.KERNEL_SM90
-    assert cuda_path(index, torch.float16, torch.float32)[0] is Path.KERNEL_SM90
-    assert cuda_path(index, torch.float32)[0] is Path.TORCH_GROUPED_MM
-    assert cuda_path(index, BF16, None, 600)[0] is Path.TORCH_GROUPED_MM
+    capability = torch.cuda.get_device_capability(torch.cuda.current_device())
+
+    def first(*args):
+        return paths.paths_for(Op.GROUPED_GEMM, capability, *args)[0]
+
+    assert first(BF16) is Path.KERNEL_SM90
+    assert first(torch.float16, torch.float32) is Path.KERNEL_SM90
+    assert first(torch.float32) is Path.TORCH_GROUPED_MM
+    assert first(BF16, None, 600) is Path.TORCH_GROUPED_MM
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

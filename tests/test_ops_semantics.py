@@ -340,52 +340,53 @@ class _Recording:
         return out.fill_(7)
 
 
-def test_use_sm100_kernel_switches_the_path(monkeypatch):
-    from ts_moe.ops import kernels, paths
+def test_use_sm100_kernel_switches_the_path():
+    from ts_moe.ops import Op, paths
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
-    paths._cuda_path.cache_clear()
+    first = lambda op: paths.paths_for(op, (10, 0), BF16)[0]  # noqa: E731
     try:
-        assert paths.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
+        assert first(Op.GROUPED_GEMM) is Path.TORCH_GROUPED_MM
         ts_moe.use_sm100_kernel()
-        path, backends = paths.cuda_path(0, BF16)
-        assert path is Path.KERNEL_SM100
-        assert backends.gemm is kernels.sm100.GROUPED_GEMM and backends.gemm.gathers
-        assert backends.swiglu is kernels.sm100.GROUPED_GEMM_SWIGLU
-        assert backends.gemm_k.choose_config() is None  # no k-grouped sm_100 kernel
+        assert first(Op.GROUPED_GEMM) is Path.KERNEL_SM100
+        assert first(Op.GROUPED_GEMM_SWIGLU) is Path.KERNEL_SM100
+        kernel = paths.TABLE[Path.KERNEL_SM100]
+        assert kernel[Op.GROUPED_GEMM].gathers
+        assert Op.GROUPED_GEMM_K not in kernel  # no k-grouped sm_100 kernel
+        assert first(Op.GROUPED_GEMM_K) is Path.TORCH_GROUPED_MM
         ts_moe.use_sm100_kernel(False)
-        assert paths.cuda_path(0, BF16)[0] is Path.TORCH_GROUPED_MM
+        assert first(Op.GROUPED_GEMM) is Path.TORCH_GROUPED_MM
     finally:
         ts_moe.use_sm100_kernel(False)
-        paths._cuda_path.cache_clear()
 
 
 @pytest.fixture
 def sm100_stand_ins(monkeypatch):
-    """The sm_100 path's backends recording on the CPU; a declined call takes what
-    a B200 without the kernels takes (torch's grouped_mm in bf16, else the reference)."""
-    from ts_moe.ops import kernels, paths
-    from ts_moe.ops.backend import NoKernel
+    """The sm_100 path's backends recording on the CPU, the kernel opted in; a declined
+    call takes what a B200 without the kernels takes (torch's grouped_mm in bf16, else
+    the reference).  Yields the capability the ops' runs take."""
+    from ts_moe.ops import Op, paths
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
-    paths.without_kernels.cache_clear()
-    gemm, swiglu = _Recording(kernels.sm100.GROUPED_GEMM), _Recording(kernels.sm100.GROUPED_GEMM_SWIGLU)
-    yield paths.GemmBackends(gemm, NoKernel(), swiglu), gemm, swiglu
-    paths.without_kernels.cache_clear()
+    table = paths.TABLE[Path.KERNEL_SM100]
+    gemm = _Recording(table[Op.GROUPED_GEMM])
+    swiglu = _Recording(table[Op.GROUPED_GEMM_SWIGLU])
+    monkeypatch.setitem(table, Op.GROUPED_GEMM, gemm)
+    monkeypatch.setitem(table, Op.GROUPED_GEMM_SWIGLU, swiglu)
+    with ts_moe.settings.override(sm100_kernel=True):
+        yield (10, 0), gemm, swiglu
 
 
 def test_sm100_path_passes_the_gather_to_the_kernel(sm100_stand_ins):
     from ts_moe.ops import gemm, swiglu
 
-    backends, gemm_kernel, swiglu_kernel = sm100_stand_ins
+    capability, gemm_kernel, swiglu_kernel = sm100_stand_ins
     a, b, offs = torch.randn(40, 64).to(BF16), torch.randn(3, 64, 24).to(BF16), _offs([9, 0, 20])
     a_index = torch.randint(0, 40, (33,), dtype=torch.int32)
-    out = gemm.run(backends, a, b, offs, None, a_index)
+    out = gemm.run(capability, a, b, offs, None, a_index)
     (call,) = gemm_kernel.calls
     assert call["a_index"] is a_index and call["out"].shape == (33, 24)
     assert call["config"].name == "n128" and (out == 7).all()
     gate_up = torch.randn(3, 256, 64).to(BF16)  # I = 128: the fused kernel's tiles fit
-    h = swiglu.run(backends, a, gate_up, offs, a_index)
+    h = swiglu.run(capability, a, gate_up, offs, a_index)
     (call,) = swiglu_kernel.calls
     assert call["b"].shape == (3, 256, 64) and call["b"].stride(2) == 1
     assert call["a_index"] is a_index and h.shape == (33, 128) and (h == 7).all()
@@ -396,18 +397,18 @@ def test_sm100_path_runs_what_its_kernel_declines_elsewhere(sm100_stand_ins):
     grouped_mm does not take): the same results, without the kernel."""
     from ts_moe.ops import gemm, swiglu
 
-    backends, gemm_kernel, swiglu_kernel = sm100_stand_ins
+    capability, gemm_kernel, swiglu_kernel = sm100_stand_ins
     offs = _offs([9, 0, 20])
     a_index = torch.randint(0, 40, (33,), dtype=torch.int32)
     odd_k, b60 = torch.randn(40, 72).to(BF16)[:, :60], torch.randn(3, 60, 24).to(BF16)
-    got = gemm.run(backends, odd_k, b60, offs, None, a_index)
+    got = gemm.run(capability, odd_k, b60, offs, None, a_index)
     assert rel_err(got, _gathered_loop(odd_k, b60, offs, a_index)) < 1e-2
-    half = gemm.run(backends, odd_k.half(), b60.half(), offs, None, a_index)
+    half = gemm.run(capability, odd_k.half(), b60.half(), offs, None, a_index)
     assert rel_err(half, _gathered_loop(odd_k, b60, offs, a_index)) < 1e-2
     assert gemm_kernel.calls == []
     a = torch.randn(40, 64).to(BF16)
     small_i = torch.randn(3, 96, 64).to(BF16)  # I = 48: the GEMM to fp32, then the activation
-    h = swiglu.run(backends, a, small_i, offs, a_index)
+    h = swiglu.run(capability, a, small_i, offs, a_index)
     assert swiglu_kernel.calls == []
     (call,) = gemm_kernel.calls  # the GEMM to h took the (recording) sm_100 kernel
     assert call["out"].dtype == torch.float32 and call["a_index"] is a_index

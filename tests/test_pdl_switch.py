@@ -8,16 +8,15 @@ from .ptxas import run_for_arch
 
 SCRIPT = """
 import json, os, pathlib, sys
-import cutlass.cute as cute
 from csrc_free_kernels import ptx_dump
 from csrc_free_kernels.common import pdl
+from csrc_free_kernels.common.compile import compile_build
 
 dump_dir = pathlib.Path(os.environ["CUTE_DSL_DUMP_DIR"])
 seen = {}
 for value in ("0", "1", "0"):
     os.environ["TS_MOE_PDL"] = value
-    kernel, args = ptx_dump.BUILDS["router_logits"]()
-    cute.compile(kernel, *args)
+    compile_build(ptx_dump.BUILDS["router_logits"])
     ptx = max(dump_dir.glob("*.ptx"), key=lambda p: p.stat().st_mtime_ns).read_text()
     seen.setdefault(value, []).append(
         [pdl.ENABLED, "griddepcontrol.wait;" in ptx, "griddepcontrol.launch_dependents;" in ptx])

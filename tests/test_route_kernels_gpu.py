@@ -22,6 +22,11 @@ def rk():
     return route_sm90_launch
 
 
+def kc():
+    from . import kernel_calls
+    return kernel_calls
+
+
 def rtr():
     from csrc_free_kernels.routing import router_sm90_launch
     return router_sm90_launch
@@ -37,7 +42,7 @@ def test_route_slots_matches_torch(tokens, experts, top_k, dtype):
     torch.manual_seed(tokens * 1000 + experts)
     logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
     assert rk().fits(tokens * top_k, experts)
-    w, ex, tok, offs, inv = rk().route_slots(logits, top_k)
+    w, ex, tok, offs, inv = kc().route_slots(logits, top_k)
     w_ref, ex_ref = reference.route(logits, top_k)
     s_ref = reference.sort_slots(ex_ref, experts)
     assert torch.equal(ex, ex_ref)  # bf16 ties too: the lower expert first in both
@@ -50,7 +55,7 @@ def test_route_slots_ties_and_infinities():
     logits = torch.zeros(4, 8, device="cuda", dtype=torch.bfloat16)
     logits[1, 5] = float("-inf")
     logits[2] = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.bfloat16)
-    w, ex, *_ = rk().route_slots(logits, 3)
+    w, ex, *_ = kc().route_slots(logits, 3)
     w_ref, ex_ref = reference.route(logits, 3)
     assert torch.equal(ex, ex_ref)
     assert torch.equal(ex[0], torch.tensor([0, 1, 2], device="cuda"))
@@ -69,7 +74,7 @@ def test_route_slots_many_ties(experts, top_k, dtype):
     logits = torch.randint(-2, 3, (tokens, experts), device="cuda").to(dtype)
     logits[logits == 0] = torch.where(torch.rand_like(logits[logits == 0].float()) < 0.5,
                                       -0.0, 0.0).to(dtype)
-    w, ex, tok, offs, inv = rk().route_slots(logits, top_k)
+    w, ex, tok, offs, inv = kc().route_slots(logits, top_k)
     w_ref, ex_ref = reference.route(logits, top_k)
     assert torch.equal(ex, ex_ref)
     assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
@@ -95,12 +100,13 @@ def test_route_topk_is_route_slots_bit_for_bit(tokens, experts, top_k, dtype, ti
         logits = torch.randn(tokens, experts, device="cuda", dtype=dtype)
     w = torch.full((tokens, top_k), float("nan"), device="cuda")
     ex = torch.full((tokens, top_k), -1, dtype=torch.int64, device="cuda")
-    assert rtr().route_topk(logits, top_k, w, ex)[0] is w
+    got_w, got_ex = kc().route_topk(logits, top_k)
+    w.copy_(got_w), ex.copy_(got_ex)
     w_ref, ex_ref = reference.route(logits, top_k)
     assert torch.equal(ex, ex_ref)
     assert torch.allclose(w, w_ref, rtol=2e-6, atol=1e-7), (w - w_ref).abs().max()
     if rk().fits(tokens * top_k, experts):
-        w1, ex1, *_ = rk().route_slots(logits, top_k)
+        w1, ex1, *_ = kc().route_slots(logits, top_k)
         assert torch.equal(w, w1) and torch.equal(ex, ex1)
 
 
@@ -148,7 +154,7 @@ def test_route_op_split_is_the_one_cta_result():
 def test_sort_slots_matches_torch(dtype, tokens, experts, top_k):
     ids = torch.randint(0, experts + 3, (tokens, top_k), device="cuda", dtype=dtype)
     ids[0, 0] = experts + 7  # sentinels (expert parallel): after offs[-1]
-    got = rk().sort_slots(ids, experts)
+    got = kc().sort_slots(ids, experts)
     ref = reference.sort_slots(ids, experts)
     for g, r in zip(got, ref):
         assert torch.equal(g, r)
@@ -166,7 +172,7 @@ def test_sort_slots_extremes(fill):
         ids = torch.randint(-3, experts, (tokens, top_k), device="cuda")
     else:
         ids = torch.arange(tokens * top_k, 0, -1, device="cuda").reshape(tokens, top_k) % 70
-    got = rk().sort_slots(ids, experts)
+    got = kc().sort_slots(ids, experts)
     ref = reference.sort_slots(ids, experts)
     for g, r in zip(got, ref):
         assert torch.equal(g, r)
@@ -179,7 +185,7 @@ def test_combine_matches_fp32_reference(tokens, top_k, hidden):
     w = torch.rand(tokens, top_k, device="cuda")
     inv = torch.randperm(tokens * top_k, device="cuda")
     out = torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
-    rk().weighted_row_sum(y, inv, w, out)
+    out.copy_(kc().weighted_row_sum(y, inv, w))
     ref = (y.float()[inv].view(tokens, top_k, hidden) * w.unsqueeze(-1)).sum(1)
     assert rel_err(out, ref) < 1e-2
     per_row = ((out.double() - ref.double()).norm(dim=1) / ref.double().norm(dim=1))
@@ -191,7 +197,7 @@ def test_gather_rows_zero_rows_out_of_range():
     a = torch.randn(10, 64, device="cuda", dtype=torch.bfloat16)
     idx = torch.tensor([3, -1, 9, 10, 0, 2**31 - 1], device="cuda", dtype=torch.int32)
     out = torch.full((6, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
-    rk().weighted_row_sum(a, idx, None, out)
+    out.copy_(kc().weighted_row_sum(a, idx, None))
     assert torch.equal(out[0], a[3]) and torch.equal(out[2], a[9]) and torch.equal(out[4], a[0])
     assert (out[[1, 3, 5]] == 0).all()
 
@@ -269,10 +275,9 @@ def test_router_logits_matches_float64(tokens, experts, hidden, dtype):
     of the exact value; two calls bit-identical (fixed summation order)."""
     x, w = _router_inputs(tokens, experts, hidden, dtype, seed=tokens * 1000 + experts)
     out = torch.full((tokens, experts), float("nan"), device="cuda", dtype=dtype)
-    got = rtr().router_logits(x, w, out)
-    assert got is out
+    got = out.copy_(kc().router_logits(x, w))
     _assert_router_close(got, x, w)
-    assert torch.equal(rtr().router_logits(x, w), got)
+    assert torch.equal(kc().router_logits(x, w), got)
 
 
 def test_router_logits_strided_rows_and_fresh_data():
@@ -282,7 +287,7 @@ def test_router_logits_strided_rows_and_fresh_data():
         x_buf, w_buf = _router_inputs(6, 40, 1024 + 24, torch.bfloat16, seed=seed)
         x, w = x_buf[:, 8:1032], w_buf[:, 16:1040]
         assert x.stride(0) == 1048 and x.data_ptr() % 16 == 0
-        _assert_router_close(rtr().router_logits(x, w), x, w)
+        _assert_router_close(kc().router_logits(x, w), x, w)
 
 
 def test_router_logits_op_takes_the_kernel_only_where_it_applies():
@@ -293,13 +298,13 @@ def test_router_logits_op_takes_the_kernel_only_where_it_applies():
     x, w = _router_inputs(16, 128, 2048, torch.bfloat16, seed=7)
     previous = ops.use_router_kernel(True)
     try:
-        assert torch.equal(ops.router_logits(x, w), rtr().router_logits(x, w))
+        assert torch.equal(ops.router_logits(x, w), kc().router_logits(x, w))
         xl, wl = _router_inputs(128, 128, 2048, torch.bfloat16, seed=8)
         assert rtr().router_read_bytes(128, 128, 2048) > rtr().ROUTER_KERNEL_MAX_READ
         assert torch.equal(ops.router_logits(xl, wl), torch.nn.functional.linear(xl, wl))
         buf = torch.randn(3, 2056, device="cuda", dtype=torch.bfloat16)
         odd = buf[:, 1:2049]  # 2-byte offset: copied to 16-byte rows, then the kernel
-        assert torch.equal(ops.router_logits(odd, w), rtr().router_logits(odd.contiguous(), w))
+        assert torch.equal(ops.router_logits(odd, w), kc().router_logits(odd.contiguous(), w))
         w_odd = torch.randn(128, 2056, device="cuda", dtype=torch.bfloat16)[:, 1:2049]
         assert torch.equal(ops.router_logits(x, w_odd), torch.nn.functional.linear(x, w_odd))
         xf, wf = x.float(), w.float()
@@ -308,7 +313,7 @@ def test_router_logits_op_takes_the_kernel_only_where_it_applies():
         out = ops.router_logits(xg, w)
         assert out.grad_fn is not None
         compiled = torch.compile(ops.router_logits, fullgraph=True)(x, w)
-        assert torch.equal(compiled, rtr().router_logits(x, w))
+        assert torch.equal(compiled, kc().router_logits(x, w))
     finally:
         ops.use_router_kernel(previous)
     assert torch.equal(ops.router_logits(x, w), torch.nn.functional.linear(x, w))
@@ -340,7 +345,7 @@ def test_block_with_the_router_kernel(tokens, fresh_graphs):
                      if e.device_type == torch.autograd.DeviceType.CUDA]
             assert len(names) == 6, names
             assert sum("RouterLogits" in n for n in names) == 1, names
-            assert torch.equal(logits, rtr().router_logits(x, moe.router))
+            assert torch.equal(logits, kc().router_logits(x, moe.router))
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = moe(x)

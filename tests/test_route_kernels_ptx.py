@@ -65,7 +65,7 @@ def test_topk_kernel_is_the_routing_phase_alone(ptx):
     reduction a round; fp32: two), no shared memory, no barrier, no atomics;
     each lane stores the weights and experts of its rounds."""
     for name, per_lane, reductions in (("route_topk", 8, {"max": 2, "min": 0}),
-                                       ("route_topk_f32", 4, {"max": 2, "min": 1})):
+                                       ("route_topk_f32_e128", 4, {"max": 2, "min": 1})):
         text = ptx[name]
         assert text.count("redux.sync.max") == reductions["max"], name
         assert text.count("redux.sync.min") == reductions["min"], name
@@ -101,16 +101,16 @@ def test_router_kernel_taken_for_small_batches_only():
     assert taken(8, 256, 7168) and not taken(16, 256, 7168)         # DeepSeek-V3
 
 
-def test_router_kernel_entry_refuses_what_it_cannot_take():
-    """The module entry checks the batch and H on the host before any launch."""
+def test_router_kernel_declines_what_it_cannot_take():
+    """The backend declines, saying why, a batch or an H its kernel cannot take."""
     from csrc_free_kernels.routing import router_sm90_launch as r
 
     w = torch.randn(8, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="1 to 524280 tokens"):
-        r.router_logits(torch.randn(0, 64, dtype=torch.bfloat16), w)
-    with pytest.raises(ValueError, match="a multiple of 8"):
-        r.router_logits(torch.randn(2, 60, dtype=torch.bfloat16),
-                        torch.randn(8, 60, dtype=torch.bfloat16))
+    declined = r.ROUTER_LOGITS.choose_config(torch.randn(0, 64, dtype=torch.bfloat16), w)
+    assert not declined and "1 to 524280 tokens" in declined.reason
+    declined = r.ROUTER_LOGITS.choose_config(torch.randn(2, 60, dtype=torch.bfloat16),
+                                             torch.randn(8, 60, dtype=torch.bfloat16))
+    assert not declined and "a multiple of 8" in declined.reason
 
 
 def test_lane_widths():
@@ -222,7 +222,7 @@ def sm90_kernels_on_cpu(monkeypatch):
     monkeypatch.setattr(router_sm90_launch, "_router_kernel", router_kernel)
     monkeypatch.setattr(router_sm90_launch, "_topk_kernel", topk_kernel)
     monkeypatch.setattr(route_sm90_launch, "_route_kernel", fake_route_kernel(launches))
-    monkeypatch.setattr(paths, "device_backends", lambda t: paths.SM90_DEVICE)
+    monkeypatch.setattr(paths, "device_capability", lambda t: (9, 0))
     previous = ops.use_router_kernel(True)
     yield launches
     ops.use_router_kernel(previous)
@@ -368,29 +368,30 @@ def test_small_kernels_only_where_the_sm90_kernels_run(monkeypatch):
     from csrc_free_kernels.routing import route_sm90_launch
 
     class CudaTensor:  # what the choice reads of a tensor on cuda:0
-        is_cuda = True
+        device = torch.device("cuda", 0)
 
         def get_device(self):
             return 0
 
-    monkeypatch.setattr(paths, "cuda_path", lambda index, dtype: (paths.Path.KERNEL_SM90, None))
-    assert paths.device_backends(CudaTensor()).sort_slots is route_sm90_launch.SORT_SLOTS
-    assert paths.device_backends(torch.ones(1)) is paths.REFERENCE_DEVICE
-    monkeypatch.setattr(paths, "cuda_path",
-                        lambda index, dtype: (paths.Path.TORCH_GROUPED_MM, None))
-    assert paths.device_backends(CudaTensor()) is paths.REFERENCE_DEVICE
+    reference = paths.TABLE[paths.Path.REFERENCE][paths.Op.SORT_SLOTS]
+    monkeypatch.setattr(paths, "_capability", lambda index: (9, 0))
+    assert paths.device_backends(paths.Op.SORT_SLOTS, CudaTensor()) == (
+        route_sm90_launch.SORT_SLOTS, reference)
+    assert paths.device_backends(paths.Op.SORT_SLOTS, torch.ones(1)) == (reference,)
+    monkeypatch.setattr(paths, "_capability", lambda index: (10, 0))  # a B200: torch's GEMMs
+    assert paths.device_backends(paths.Op.SORT_SLOTS, CudaTensor()) == (reference,)
 
 
-def test_kernel_entries_refuse_batches_past_their_tables():
-    """The module's own entries check the capacity before anything launches
-    (a batch of 2,560 slots once ran past the tables: an illegal address)."""
+def test_kernels_decline_batches_past_their_tables():
+    """The backends decline, saying why, a batch past the one CTA's tables (a batch of
+    2,560 slots once ran past them: an illegal address); the op refuses a top_k past E."""
     from csrc_free_kernels.routing import route_sm90_launch as r
 
-    with pytest.raises(ValueError, match="1 to 1024 slots"):
-        r.route_slots(torch.zeros(64, 64, dtype=torch.bfloat16), 40)
-    with pytest.raises(ValueError, match="257 experts"):
-        r.sort_slots(torch.zeros(4, 2, dtype=torch.int64), 257)
-    with pytest.raises(ValueError, match="got 0 slots"):
-        r.sort_slots(torch.zeros(0, 2, dtype=torch.int64), 8)
-    with pytest.raises(ValueError, match=r"top_k must be in \[1, 8\]"):
-        r.route_slots(torch.zeros(1, 8, dtype=torch.bfloat16), 9)
+    declined = r.ROUTE_SLOTS.choose_config(torch.zeros(64, 64, dtype=torch.bfloat16), 40)
+    assert not declined and "1 to 1024 slots" in declined.reason
+    declined = r.SORT_SLOTS.choose_config(torch.zeros(4, 2, dtype=torch.int64), 257)
+    assert not declined and "257 experts" in declined.reason
+    declined = r.SORT_SLOTS.choose_config(torch.zeros(0, 2, dtype=torch.int64), 8)
+    assert not declined and "0 slots" in declined.reason
+    with pytest.raises(ValueError, match=r"top_k"):
+        ops.route_slots(torch.zeros(1, 8, dtype=torch.bfloat16), 9)

@@ -17,7 +17,6 @@ from csrc_free_kernels.common import kernel_cache, pdl
 from csrc_free_kernels.common import settings as kernel_settings
 from ts_moe import ops
 from ts_moe.decode_graphs import DecodeGraphs
-from ts_moe.fp8 import paths as fp8_paths
 from ts_moe.ops import paths
 from ts_moe.settings import SETTINGS, Settings
 
@@ -142,25 +141,36 @@ def test_the_public_switches_are_setters_of_the_settings():
     ts_moe.use_sm100_kernel(False)
     assert ts_moe.settings.sm100_kernel is False
     ts_moe.use_fp8_kernels()
-    assert ts_moe.settings.fp8_kernels is True and fp8_paths.fp8_kernels_enabled()
+    assert ts_moe.settings.fp8_kernels is True and ts_moe.fp8_kernels_enabled()
     ts_moe.settings.fp8_kernels = False
-    assert not fp8_paths.fp8_kernels_enabled()
+    assert not ts_moe.fp8_kernels_enabled()
 
 
 def test_the_paths_read_the_settings_at_each_call(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
-    paths._cuda_path.cache_clear()
+    paths._capability.cache_clear()
+
+    class CudaTensor:  # what the paths read of a tensor on CUDA device 0
+        device = torch.device("cuda", 0)
+
+        def get_device(self):
+            return 0
+
+    cuda = CudaTensor()
     try:
         bf16 = torch.bfloat16
-        assert paths.cuda_path(0, bf16)[0] is paths.Path.TORCH_GROUPED_MM
+        first = lambda: paths.backends(paths.Op.GROUPED_GEMM, paths.device_capability(cuda),
+                                       bf16)[0]
+        table = paths.TABLE
+        assert first() is table[paths.Path.TORCH_GROUPED_MM][paths.Op.GROUPED_GEMM]
         ts_moe.settings.sm100_kernel = True
-        assert paths.cuda_path(0, bf16)[0] is paths.Path.KERNEL_SM100
+        assert first() is table[paths.Path.KERNEL_SM100][paths.Op.GROUPED_GEMM]
         monkeypatch.setenv("TS_MOE_REFERENCE", "1")
-        assert paths.cuda_path(0, bf16) == (paths.Path.REFERENCE, paths.REFERENCE_GEMMS)
+        assert first() is table[paths.Path.REFERENCE][paths.Op.GROUPED_GEMM]
         monkeypatch.setenv("TS_MOE_REFERENCE", "0")
-        assert paths.cuda_path(0, bf16)[0] is paths.Path.KERNEL_SM100
+        assert first() is table[paths.Path.KERNEL_SM100][paths.Op.GROUPED_GEMM]
     finally:
-        paths._cuda_path.cache_clear()
+        paths._capability.cache_clear()
 
 
 def test_decode_graphs_read_the_setting_and_their_own_switch_outranks_it(monkeypatch):

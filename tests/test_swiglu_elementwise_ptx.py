@@ -31,7 +31,7 @@ ptx = ptx_fixture("sm_90a", BUILDS)
 
 def test_every_variant_is_built(ptx):
     assert set(BUILDS) <= set(ptx)
-    kinds = {(b.config["backward"], b.config["dtype"])
+    kinds = {(b.spec["backward"], str(b.spec["dtype"]).split(".")[-1])
              for b in (ptx_dump.BUILDS[n] for n in BUILDS)}
     assert kinds == {(f, d) for f in (False, True) for d in ("bfloat16", "float16")}
 
@@ -39,7 +39,7 @@ def test_every_variant_is_built(ptx):
 @pytest.mark.parametrize("name", BUILDS)
 def test_kernel_ptx(ptx, name):
     text = ptx[name]
-    backward = ptx_dump.BUILDS[name].config["backward"]
+    backward = ptx_dump.BUILDS[name].spec["backward"]
     k = sw().SwigluElementwise(backward)
     assert len(re.findall(r"\.entry\s", text)) == 1
     # every global access a 16-byte vector: g, u (and dy) in, out (or dg, du) out

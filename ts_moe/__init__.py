@@ -20,13 +20,14 @@ from . import reference
 from .settings import settings
 
 settings.check_environment()  # a bad TS_MOE_* variable fails here, on every device
-from .ops import (combine, grouped_gemm, grouped_gemm_swiglu, permute, route, route_slots,
-                  sort_slots, use_router_kernel, use_sm100_kernel)
+from .ops import (combine, fp8_kernels_enabled, grouped_gemm, grouped_gemm_swiglu, permute,
+                  quantize_fp8, route, route_slots, scaled_grouped_gemm,
+                  scaled_grouped_gemm_swiglu, sort_slots, use_fp8_kernels, use_router_kernel,
+                  use_sm100_kernel)
 from .reference import grouped_gemm_reference, grouped_gemm_swiglu_reference, segment_ends
 from .moe import MoE, experts_forward, moe_forward
-from .loaders import load_mixtral_experts
-from .tiny import make_tiny_mixtral, make_tiny_moe_checkpoint
-from .fp8 import quantize_fp8, scaled_grouped_gemm, use_fp8_kernels
+from .loaders import load_fp8_experts, load_mixtral_experts
+from .tiny import make_tiny_fp8_checkpoint, make_tiny_mixtral, make_tiny_moe_checkpoint
 
 __all__ = [
     "settings",
@@ -48,7 +49,12 @@ __all__ = [
     "moe_forward",
     "experts_forward",
     "load_mixtral_experts",
+    "load_fp8_experts",
     "make_tiny_mixtral",
     "make_tiny_moe_checkpoint",
-    "scaled_grouped_gemm", "quantize_fp8",
+    "make_tiny_fp8_checkpoint",
+    "scaled_grouped_gemm",
+    "scaled_grouped_gemm_swiglu",
+    "quantize_fp8",
+    "fp8_kernels_enabled",
 ]

@@ -2,7 +2,7 @@
 
     python -m ts_moe demo              # the MoE layer end to end; ends in PASS or FAIL
     python -m ts_moe demo --verbose    # ... with each kernel build's PTX statistics
-    python -m ts_moe compile           # build the sm_90a kernels here, no GPU needed
+    python -m ts_moe compile           # build every kernel family here, no GPU needed
     python -m ts_moe info              # each kernel family's status and path here; the settings
     python -m ts_moe cache             # the compiled-kernel cache (--clear empties it)
 
@@ -15,10 +15,11 @@
 2. runs a Mixtral-shaped layer (Mixtral-8x7B's E=8, top-2 and H:I ratio,
    scaled down) and checks it against the fp32 per-token reference;
 3. on an sm_90 GPU that is the CuTeDSL kernel path, timed; elsewhere it says
-   so, runs the reference path, then builds the kernels for sm_90a (``compile``,
-   in a process of its own: the DSL takes its target arch at import), a line
-   per kernel family, each build through the pre-flight of the hardware's rules
-   (``csrc_free_kernels.preflight.rules``: a build that would fault on the GPU fails here);
+   so, runs the reference path, then builds every kernel family for its arch
+   (``compile``, :mod:`ts_moe.compile_cli`: a process per arch, as the DSL takes its
+   target arch at import), a line per family, each build through the pre-flight of
+   the hardware's rules (``csrc_free_kernels.preflight``: a build that would fault on
+   the GPU fails here);
 4. ends in ``PASS``, or ``FAIL`` with the error and the tolerance, then says
    what to run next.
 
@@ -26,27 +27,20 @@ Each subcommand is an entry of :data:`COMMANDS`: its help, its arguments, its ru
 """
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 
 import torch
 
-from . import cache_cli, info_cli
-from . import MoE, load_mixtral_experts, make_tiny_moe_checkpoint
+from . import MoE, cache_cli, compile_cli, info_cli, load_mixtral_experts, make_tiny_moe_checkpoint
 from .moe import moe_forward, moe_forward_reference
-from .ops import Path as KernelPath, cuda_path
-from .settings import settings
+from .ops import Path as KernelPath
+from .ops import kernel_arch
 
 TOLERANCE = 2e-2  # bf16 layer against the fp32 reference
-ARCH = "sm_90a"
-KEEP = "ptx,cubin"  # what the DSL keeps of each build for the pre-flight
 NEXT_STEPS = (
     ("python -m pytest -q", "the tests (about 7 min on 2 CPU cores; "
                             "pip install -e '.[dev,hf]' first)"),
@@ -75,135 +69,6 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-# ------------------------------------------------------------------ compile
-
-def kernel_families() -> list[tuple[str, list[Callable[[], object]]]]:
-    """The kernel families the layer runs on sm_90, each as thunks that compile one
-    configuration through the path the op takes (bf16; the layer's K-major weights)."""
-    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_config as dw_configs
-    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch as dw
-    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as fp8_configs
-    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as fp8
-    from csrc_free_kernels.hopper import grouped_gemm_sm90 as gemm_classes
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as gemm_configs
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as gemm
-    from csrc_free_kernels.fp8 import quantize_fp8_sm90_launch as quantize
-    from csrc_free_kernels.hopper import swiglu_sm90_launch as act
-
-    bf16 = torch.bfloat16
-    return [
-        ("grouped GEMM", [partial(gemm.compiled_kernel, c, bf16, bf16, False)
-                          for c in gemm_configs.CONFIGS.values()]),
-        ("grouped GEMM + SwiGLU", [partial(gemm.compiled_kernel, c, bf16, bf16, False,
-                                           gemm_classes.GroupedGemmSwigluSm90)
-                                   for c in gemm_configs.CONFIGS.values()]),
-        ("k-grouped GEMM (weight gradient)", [partial(dw.compiled_kernel, c, bf16, bf16)
-                                              for c in dw_configs.CONFIGS.values()]),
-        ("SwiGLU activation and its gradient", [partial(act.compiled_kernel, bf16, backward)
-                                                for backward in (False, True)]),
-        ("FP8 grouped GEMM, blockwise (plain and SwiGLU), and the quantizer",
-         [partial(fp8.compiled_kernel, c, "blockwise", bf16, swiglu)
-          for c in fp8_configs.CONFIGS.values() for swiglu in (False, True)]
-         + [partial(quantize.compiled_kernel, "blockwise_1x128", bf16)]),
-    ]
-
-
-def compile_kernels() -> int:
-    """Compile every family for :data:`ARCH` in this process, a line per family, and run
-    the pre-flight of the hardware's rules on each build (``csrc_free_kernels.preflight.rules``)
-    from the PTX and cubin the DSL keeps; a violation fails the build step."""
-    dump_dir = os.environ.get("CUTE_DSL_DUMP_DIR")
-    if (os.environ.get("CUTE_DSL_ARCH") != ARCH or not dump_dir
-            or os.environ.get("CUTE_DSL_KEEP") != KEEP):
-        # the DSL reads these once, when imported (with ts_moe's ops): a fresh process
-        with tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
-            return subprocess.call([sys.executable, "-m", "ts_moe", "compile"],
-                                   env=_child_env(scratch))
-    from csrc_free_kernels import preflight
-
-    settings.disk_cache = False  # build only: nothing written to the cache
-    start = time.perf_counter()
-    built = 0
-    for name, builds in kernel_families():
-        _say(f"  [{time.perf_counter() - start:5.1f} s] {name}: {len(builds)} configurations")
-        for build in builds:
-            what = getattr(build.args[0], "name", build.args[0]) if build.args else ""
-            try:
-                with preflight.recording() as facts:
-                    build()
-                found = preflight.check(f"{name} {what}",
-                                        preflight.collect(dump_dir, facts), facts)
-            except Exception as exc:  # say which build, then fail
-                print(f"{name} {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                return 1
-            if found:
-                print("the pre-flight of the hardware's rules failed:", file=sys.stderr)
-                for violation in found:
-                    print(violation, file=sys.stderr)
-                return 1
-        built += len(builds)
-    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} configurations built for {ARCH}, "
-         f"each through the pre-flight ({', '.join(preflight.RULES)}): no violation")
-    return 0
-
-
-def _root() -> str:
-    """The directory this ts_moe package is in: the child imports the same code."""
-    return str(Path(__file__).resolve().parent.parent)
-
-
-def _child_env(dump_dir: str) -> dict:
-    """This environment, the DSL's arch and its PTX and cubin kept in ``dump_dir`` for
-    the pre-flight (read when ``cutlass`` is imported, which ``import ts_moe`` does), and
-    this checkout first on the path."""
-    return dict(os.environ, CUTE_DSL_ARCH=ARCH, CUTE_DSL_KEEP=KEEP, CUTE_DSL_DUMP_DIR=dump_dir,
-                PYTHONPATH=os.pathsep.join([_root(),
-                                            *filter(None, [os.environ.get("PYTHONPATH")])]))
-
-
-def build_in_child(args=("-m", "ts_moe", "compile")) -> str | None:
-    """``python -m ts_moe compile`` in a fresh process, its lines shown as they come;
-    None on success, else what went wrong."""
-    with tempfile.TemporaryFile("w+") as stderr, \
-            tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
-        # stderr a file: a full pipe would block the child
-        proc = subprocess.Popen([sys.executable, *args], env=_child_env(scratch),
-                                stdout=subprocess.PIPE, stderr=stderr, text=True)
-        for line in proc.stdout:
-            _say(line.rstrip("\n"))
-        if proc.wait() == 0:
-            return None
-        stderr.seek(0)
-        err = stderr.read()
-    tail = "\n".join(err.strip().splitlines()[-15:])
-    return f"the {ARCH} build failed (exit status {proc.returncode}):\n{tail}"
-
-
-def build_with_ptx_stats() -> str | None:
-    """``--verbose``: each family built with its PTX kept, and each build's statistics."""
-    from csrc_free_kernels import ptx_dump
-
-    families = (("grouped GEMM", "gemm_"), ("grouped GEMM + SwiGLU", "swiglu_"),
-                ("k-grouped GEMM (weight gradient)", "dw_"))
-    start = time.perf_counter()
-    for family, prefix in families:
-        names = [n for n in ptx_dump.BUILDS
-                 if n.startswith(prefix) and not n.startswith("swiglu_ew")]
-        _say(f"  [{time.perf_counter() - start:5.1f} s] {family}: {len(names)} builds, PTX kept")
-        with tempfile.TemporaryDirectory() as d:
-            try:
-                ptx = ptx_dump.dump(ARCH, names, d)
-            except RuntimeError as exc:
-                return str(exc)
-            for name in names:
-                text = ptx[name]
-                _say(f"      {name:30s} {text.count('wgmma.mma_async'):2d} wgmma, "
-                     f"{text.count('cp.async.bulk.tensor'):d} TMA loads, "
-                     f"{text.count('expect_tx')} expect_tx, {len(text) // 1024} KB PTX")
-    _say(f"  [{time.perf_counter() - start:5.1f} s] built for {ARCH}")
-    return None
-
-
 # ------------------------------------------------------------------ demo
 
 def _verdict(ok: bool, text: str) -> int:
@@ -222,13 +87,13 @@ def demo(tokens: int, build: bool, verbose: bool = False) -> int:
         device = "cuda"
         index = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
-        path = cuda_path(index, torch.bfloat16)[0]
+        kernels = kernel_arch(index) == "sm_90a"
         _say(f"{torch.cuda.get_device_name(index)} (sm_{major}{minor}): bf16 grouped GEMMs "
-             f"run on the {path.value}.")
+             f"run on the "
+             f"{KernelPath.KERNEL_SM90.value if kernels else 'path without ts_moe kernels'}.")
     else:
-        device, path = "cpu", KernelPath.REFERENCE
+        device, kernels = "cpu", False
         _say("No CUDA GPU found: running the plain-torch reference path on the CPU.")
-    kernels = path is KernelPath.KERNEL_SM90
 
     with tempfile.TemporaryDirectory() as ckpt:
         make_tiny_moe_checkpoint(ckpt, layers=2, hidden=64, intermediate=128, experts=4, top_k=2)
@@ -266,11 +131,13 @@ def demo(tokens: int, build: bool, verbose: bool = False) -> int:
 
     built = ""
     if build and not kernels:
-        _say(f"building the {ARCH} kernels (no GPU needed; about a minute on 2 CPU cores):")
-        failed = build_with_ptx_stats() if verbose else build_in_child()
+        arches = ", ".join(compile_cli.ARCHES)
+        _say(f"building every kernel family for {arches} (no GPU needed; a few minutes on 2 "
+             f"CPU cores):")
+        failed = compile_cli.build_with_ptx_stats() if verbose else compile_cli.build_in_child()
         if failed:
             return _verdict(False, failed)
-        built = f" and the {ARCH} kernels build"
+        built = f" and every kernel family builds for {arches}"
     return _verdict(True, f"the layer matches the fp32 reference ({err:.2e} < {TOLERANCE:.0e})"
                           f"{built} ({time.perf_counter() - start:.0f} s)")
 
@@ -288,7 +155,7 @@ def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=_positive_int, default=64,
                    help="tokens through the Mixtral-shaped layer (default 64)")
     p.add_argument("--no-compile", action="store_true",
-                   help=f"skip building the {ARCH} kernels on a machine without an sm_90 GPU")
+                   help="skip building the kernels on a machine without an sm_90 GPU")
     p.add_argument("--verbose", action="store_true",
                    help="build with the PTX kept and show each build's statistics")
 
@@ -297,9 +164,10 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("run the MoE layer end to end (CPU or GPU); ends in PASS or FAIL",
                     _demo_arguments,
                     lambda args: demo(args.tokens, not args.no_compile, args.verbose)),
-    "compile": Command(f"build every {ARCH} kernel configuration the layer runs, without a "
-                       f"GPU (nothing is cached)",
-                       lambda p: None, lambda args: compile_kernels()),
+    "compile": Command("build every kernel family for its arch without a GPU, each build "
+                       "through the pre-flight (nothing is cached)",
+                       compile_cli.add_arguments,
+                       lambda args: compile_cli.run(args.arch, args.family)),
     "cache": Command("show the compiled-kernel cache (--clear empties it)",
                      cache_cli.add_arguments, lambda args: cache_cli.run(args.clear)),
     "info": Command("each kernel family's status, whether it imported and the path this "

@@ -35,9 +35,9 @@ training is not supported).
 import torch
 
 from .checks import DTYPES
-from .fp8.quantize import quantize_fp8
 from .fp8.recipes import BLOCK, E4M3, WEIGHT_RECIPES, Recipe
-from .fp8.scaled_ops import scaled_grouped_gemm, scaled_grouped_gemm_swiglu
+from .ops.quantize import quantize_fp8
+from .ops.scaled import scaled_grouped_gemm, scaled_grouped_gemm_swiglu
 from .ops import grouped_gemm, grouped_gemm_swiglu
 from .reference import SlotOrder, swiglu
 

@@ -1,76 +1,46 @@
-"""``python -m ts_moe info`` (``ts-moe info``): each kernel family's status
-(:mod:`ts_moe.ops.kernel_status`) beside whether it imported and the path its
-ops take on this machine's GPU (on a machine without one: the reference), then
-every setting of ``ts_moe.settings`` and where its value comes from."""
+"""``python -m ts_moe info`` (``ts-moe info``): each kernel family's record
+(``csrc_free_kernels.families``) beside whether it loaded and the path its ops take
+on this machine's GPU (on a machine without one: the reference), then every setting
+of ``ts_moe.settings`` and where its value comes from."""
 
 import sys
 
 import torch
 
-from .fp8.paths import Fp8Path
-from .ops import kernel_status as status
 from .ops import kernels, paths
+from .ops.kernels import Family
 from .settings import settings
-
-_BF16_KERNEL = {status.GEMM_SM90.name: paths.Path.KERNEL_SM90,
-                status.GEMM_DW_SM90.name: paths.Path.KERNEL_SM90,
-                status.GEMM_SM100.name: paths.Path.KERNEL_SM100}
-_CAPABILITY = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
-_DEVICE_FAMILIES = {status.ROUTE_SM90.name, status.SWIGLU_SM90.name, status.ROUTER_SM90.name}
-_FP8_FAMILIES = {status.GEMM_FP8_SM90.name, status.QUANTIZE_FP8_SM90.name}
 
 
 def add_arguments(parser) -> None:
     """No arguments."""
 
 
-def _bf16_path(capability) -> paths.Path:
-    """The bf16 GEMMs' path on a device of ``capability`` with the settings as they are."""
-    return paths.choose_path(capability, torch.bfloat16, None, 8,
-                             kernels_available=capability in paths.KERNEL_MAX_EXPERTS,
-                             has_torch_grouped_mm=hasattr(torch, "_grouped_mm"),
-                             sm100_opt_in=settings.sm100_kernel)
-
-
-def family_path(family: status.FamilyStatus, capability: tuple[int, int] | None) -> str:
+def family_path(family: Family, capability: tuple[int, int] | None) -> str:
     """What runs ``family``'s calls on a device of ``capability`` (None: the CPU): "its
-    kernels", or what takes them instead and why."""
+    kernels", or what takes them instead and why, read from the path table (bf16
+    operands, the settings as they are)."""
     if not family.in_ops:
         return "none: no path of the ops takes it"
     if capability is None or settings.reference:
         why = "no CUDA GPU" if capability is None else "ts_moe.settings.reference is on"
-        return f"the plain-torch reference ({why})"
-    if _CAPABILITY[family.arch] != capability:
-        major, minor = _CAPABILITY[family.arch]
+        return f"{paths.Path.REFERENCE.value} ({why})"
+    own = paths.KERNEL_PATHS[family.arch]
+    if paths.CAPABILITY[own] != capability:
+        major, minor = paths.CAPABILITY[own]
         return f"none: {family.arch} kernels, for capability {major}.{minor} only"
-    off = []
-    if family.name not in kernels.AVAILABLE:
-        off.append("its import failed")
+    op = family.serves[0]
+    taken = paths.paths_for(op, capability, torch.bfloat16, None, 8)[0]
+    if taken is own and paths.PROVIDER.get((own, op)) is family:
+        return "its kernels"
+    why = []
+    if family.name not in kernels.LOADED:
+        why.append("its import failed")
     if family.setting and not getattr(settings, family.setting):
-        off.append(f"ts_moe.settings.{family.setting} is off")
-    bf16 = _bf16_path(capability)
-    if family.name in _BF16_KERNEL:
-        if bf16 is _BF16_KERNEL[family.name]:
-            if not off:
-                return "its kernels"
-            bf16 = paths.choose_path(capability, torch.bfloat16, None, 8, kernels_available=False,
-                                     has_torch_grouped_mm=hasattr(torch, "_grouped_mm"))
-        return bf16.value + (f" ({'; '.join(off)})" if off else "")
-    if family.name in _DEVICE_FAMILIES:
-        if bf16 is not paths.Path.KERNEL_SM90:
-            return "the plain-torch reference, on the device (the bf16 GEMMs take no kernel)"
-        if not off:
-            return "its kernels"
-        instead = "F.linear and the one-CTA routing" if family is status.ROUTER_SM90 else \
-            "the plain-torch reference, on the device"
-        return f"{instead} ({'; '.join(off)})"
-    if family.name in _FP8_FAMILIES:
-        if not off:
-            return "its kernels"
-        instead = ("the plain-torch reference, on the device" if family is status.QUANTIZE_FP8_SM90
-                   else f"{Fp8Path.TORCH_SCALED.value}, or {Fp8Path.DEQUANTIZE.value}")
-        return f"{instead} ({'; '.join(off)})"
-    raise NotImplementedError(f"no path rule for the kernel family {family.name!r}")
+        why.append(f"ts_moe.settings.{family.setting} is off")
+    if not why and op in paths.DEVICE_OPS:
+        why.append("the bf16 GEMMs take no kernel here")
+    return taken.value + (f" ({'; '.join(why)})" if why else "")
 
 
 def device() -> tuple[str, tuple[int, int] | None]:
@@ -84,16 +54,15 @@ def device() -> tuple[str, tuple[int, int] | None]:
 
 def lines(description: str, capability: tuple[int, int] | None) -> list[str]:
     rows = [("family", "status", "imported", "turned on", "path on this machine")]
-    for f in status.STATUS:
-        imported = ("not by the ops" if not f.in_ops else
-                    "yes" if f.name in kernels.AVAILABLE else "no")
+    for f in kernels.FAMILIES:
+        imported = "yes" if f.name in kernels.LOADED else "no"
         rows.append((f.name, f.proof.value, imported, f.switch, family_path(f, capability)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     out = [f"device: {description}", ""]
     out += ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
     out += ["", "families:"]
-    for f in status.STATUS:
-        out.append(f"  {f.name}: {f.title} ({f.arch}; csrc_free_kernels.{f.module})")
+    for f in kernels.FAMILIES:
+        out.append(f"  {f.name}: {f.title} ({f.arch}; {f.load.__module__})")
         if f.run:
             out.append(f"      run: {f.run}")
         out.append(f"      evidence: {f.evidence}")

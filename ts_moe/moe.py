@@ -214,15 +214,25 @@ class MoE(nn.Module):
         """``nn.Linear``'s default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), per matrix."""
         init_linear_(self.router, self.gate_up_proj, self.down_proj)
 
+    def experts(self) -> ExpertWeights:
+        """The experts' value the forward runs on (:mod:`ts_moe.experts`), built once from
+        the expert parameters and the recipe and kept while they stay the same objects (a
+        parameter assigned anew, or a new recipe, builds it again; ``.to()`` and
+        ``load_state_dict`` change the parameters' data, not the objects)."""
+        parts = (self.gate_up_proj, self.down_proj, getattr(self, "gate_up_proj_scale", None),
+                 getattr(self, "down_proj_scale", None), getattr(self, "scale_recipe", None))
+        kept = self.__dict__.get("_experts")
+        if kept is None or len(kept[0]) != len(parts) or any(
+                a is not b for a, b in zip(kept[0], parts)):
+            kept = self.__dict__["_experts"] = (parts, expert_weights(*parts))
+        return kept[1]
+
     def forward(self, x: torch.Tensor, return_router_logits: bool = False):
         """(..., H) -> (..., H); with ``return_router_logits`` also the logits (T, E)."""
-        return moe_forward(x, self.router, self.gate_up_proj, self.down_proj, self.top_k,
-                           fused=self.fused, return_router_logits=return_router_logits,
-                           decode_graphs=getattr(self, "decode_graphs", True),  # older pickles
-                           gate_up_scale=getattr(self, "gate_up_proj_scale", None),  # FP8
-                           down_scale=getattr(self, "down_proj_scale", None),
-                           scale_recipe=getattr(self, "scale_recipe", None),
-                           renormalize=getattr(self, "renormalize", True))
+        return run_block(x, self.router, self.experts(), self.top_k, fused=self.fused,
+                         return_router_logits=return_router_logits,
+                         decode_graphs=getattr(self, "decode_graphs", True),  # older pickles
+                         renormalize=getattr(self, "renormalize", True))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
@@ -235,7 +245,7 @@ class MoE(nn.Module):
         """A MoE on existing tensors (no copy), e.g. a layer of :func:`ts_moe.load_mixtral_experts`.
 
         weights: ``{"router": (E, H), "gate_up_proj": (E, 2I, H), "down_proj": (E, H, I)}``;
-        FP8 experts (e.g. from :func:`ts_moe.fp8.load_fp8_experts`) also
+        FP8 experts (e.g. from :func:`ts_moe.load_fp8_experts`) also
         ``"gate_up_proj_scale"``, ``"down_proj_scale"`` and ``"scale_recipe"``
         (:mod:`ts_moe.experts`): the module keeps the scales as parameters of those
         names and the recipe as its ``scale_recipe``.  The parameters do not require
@@ -266,13 +276,14 @@ class MoE(nn.Module):
         for name, tensor in {"router": router, **experts.parameters()}.items():
             setattr(moe, name, nn.Parameter(tensor, requires_grad=False))
         moe.scale_recipe = experts.scale_recipe
+        moe.experts()  # the value, built at load time
         return moe
 
     @classmethod
     def from_pretrained(cls, path, layer: int, *, device=None, fused: bool = True) -> "MoE":
         """Layer ``layer`` of the local checkpoint directory ``path``: a Mixtral or a
         Qwen3-MoE one, bf16 (:func:`ts_moe.load_mixtral_experts`) or FP8
-        (:func:`ts_moe.fp8.load_fp8_experts`).  Top-k and the routing from config.json
+        (:func:`ts_moe.load_fp8_experts`).  Top-k and the routing from config.json
         (:func:`ts_moe.pretrained.block_settings`: Qwen-MoE's ``norm_topk_prob``
         honoured, a model type whose block the layer does not reproduce refused).
         ``device``: as :func:`ts_moe.load_mixtral_experts` (None: CUDA when there

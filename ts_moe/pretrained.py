@@ -57,7 +57,7 @@ def _refusal(config_file, model_type, caller: str) -> ValueError:
         f"{config_file}: model_type {model_type!r}: {lacks}; {caller} reproduces the sparse "
         f"MoE blocks of {', '.join(SERVED[:-1])} and {SERVED[-1]} without a shared expert "
         f"only. Load the experts alone (ts_moe.load_mixtral_experts, "
-        f"ts_moe.fp8.load_fp8_experts) and run ts_moe.experts_forward with the "
+        f"ts_moe.load_fp8_experts) and run ts_moe.experts_forward with the "
         f"model's own routing")
 
 

@@ -20,10 +20,6 @@ setting; the README's table of settings is generated from :data:`SETTINGS`.
 
 ``ts_moe.settings`` is the object, not this module (``import ts_moe.settings as
 x`` binds the object too); the class is ``from ts_moe.settings import Settings``.
-
-The store-warp epilogue (``csrc_free_kernels.hopper.grouped_gemm_sm90_store_warp``)
-has no setting: no path of the ops takes it; the benchmark harness runs it as
-``ts_moe:store_warp=1``.
 """
 
 from csrc_free_kernels.common import settings as _kernels

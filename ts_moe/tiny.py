@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .fp8.quantize import quantize_fp8
+from .ops.quantize import quantize_fp8
 from .loaders import Fp8Scheme
 
 

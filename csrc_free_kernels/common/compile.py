@@ -83,6 +83,16 @@ def fake_stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def _compile(kernel, args):
+    return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+
+
+def compile_build(build):
+    """Compile a :class:`.family.Build` exactly as a call does (no cache): the PTX
+    tests and the pre-flight read what ships."""
+    return _compile(*build.make())
+
+
 def get_compiled(key: tuple, build):
     """The compiled function for ``key``; ``build()`` returns ``(kernel, fake_args)``.
 
@@ -108,8 +118,7 @@ def get_compiled(key: tuple, build):
                 lambda path: cute.runtime.load_module(path, enable_tvm_ffi=True)[name])
             if fn is None:
                 how = "compiled"
-                kernel, args = build()
-                fn = cute.compile(kernel, *args, options="--enable-tvm-ffi")
+                fn = _compile(*build())
                 if directory is not None:
                     kernel_cache.store(directory, name, lambda path: fn.export_to_c(
                         object_file_path=path, function_name=name))

@@ -75,12 +75,14 @@ class Build:
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """What a family's launch module serves once imported: a backend per op family,
-    its build space (every build a call can reach, then the named extras its tests
-    read), and the most experts its kernels take (None: no expert dimension)."""
+    """What a family's launch module serves once imported: a backend per op family;
+    its build space, every build a call can reach (``builds``), and which of them the
+    PTX tests and the pre-flight compile on the CPU (``checked``); the most experts its
+    kernels take (None: no expert dimension)."""
 
     backends: Mapping[Op, object]
     builds: Callable[[], Iterable[Build]]
+    checked: Callable[[Build], bool] = lambda build: True
     max_experts: int | None = None
 
 

@@ -9,9 +9,11 @@ SwiGLU subclass) on the current stream.
   :class:`~.kernel_config.Declined` naming the limit the call meets (more than
   :data:`MAX_EXPERTS` experts, K not a multiple of 16, an I the fused kernel's tiles do
   not cover); ``run`` is :func:`launch` with that configuration;
-- :func:`launch`: the one entry point (the backends', and the GPU tests', benchmarks' and
-  diagnosis's): the compiled kernel launched once, on arguments the op layer validated,
-  with a configuration ``choose_config`` took.  It checks nothing.
+- :func:`launch`: what the backends' ``run`` calls: the compiled kernel launched once,
+  on arguments the op layer validated, with a configuration ``choose_config`` took.  It
+  checks nothing;
+- :func:`build`, :func:`builds`: one compile, and every one a call can reach;
+  :func:`checked`: those the PTX tests and the pre-flight compile; :data:`KERNELS`.
 
 The scale recipes arrive as a plain name, ``"blockwise"``, ``"rowwise"`` or
 ``"tensorwise"`` (``grouped_gemm_fp8_sm90_config.RECIPES``): the kernels know nothing
@@ -56,17 +58,19 @@ Nothing here reads a device value on the host: no sync; all launches on the curr
 """
 
 import functools
+import itertools
 
 import cutlass
 import cutlass.cute as cute
 import torch
 
 from ..common import compile as kcompile
-from .grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90, GroupedGemmFp8SwigluSm90
-from .grouped_gemm_fp8_sm90_config import (SCALE_BLOCK, TileConfig, choose_config,
-                                           swiglu_supported)
-from ..hopper.grouped_gemm_sm90_config import MAX_EXPERTS
+from ..common.family import Build, Kernels, Op
 from ..common.kernel_config import Declined
+from ..hopper.grouped_gemm_sm90_config import MAX_EXPERTS
+from .grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90, GroupedGemmFp8SwigluSm90
+from .grouped_gemm_fp8_sm90_config import (CONFIGS, RECIPES, SCALE_BLOCK, TileConfig,
+                                           choose_config, swiglu_supported)
 from .quantize_fp8_sm90_launch import one_row_view
 
 ALIGN = 16  # bytes: the kernel's row strides and pointers
@@ -96,20 +100,47 @@ def fake_args(recipe: str, c_dtype, swiglu: bool = False) -> tuple:
     return a, b, c, offs, sfa, sfb
 
 
+def build(config: TileConfig, recipe: str, out_dtype=torch.bfloat16,
+          swiglu: bool = False) -> Build:
+    """The build of a call: ``<config>_<recipe>``, with ``_swiglu`` and the output type
+    where it is not bf16 (``_float16``, ``_float32``)."""
+    cls = GroupedGemmFp8SwigluSm90 if swiglu else GroupedGemmFp8Sm90
+    recipe = str(recipe)
+    key = (cls.__name__, config, recipe, str(out_dtype), "sm_90a")
+    name = (f"{config.name}_{recipe}" + ("_swiglu" if swiglu else "")
+            + ("" if out_dtype == torch.bfloat16 else "_" + str(out_dtype).split(".")[-1]))
+
+    def make():
+        return cls(config, recipe), (*fake_args(recipe, _OUT_DTYPES[out_dtype], swiglu),
+                                     cutlass.Int32(1), kcompile.fake_stream())
+
+    return Build(name, key, make, {"config": config, "recipe": recipe,
+                                   "out_dtype": out_dtype, "swiglu": swiglu})
+
+
+def builds():
+    """Every build a call can reach: each configuration x recipe x (plain, SwiGLU) x
+    output type."""
+    for config, recipe, swiglu, out in itertools.product(
+            CONFIGS.values(), RECIPES, (False, True), tuple(_OUT_DTYPES)):
+        yield build(config, recipe, out, swiglu)
+
+
+def checked(b: Build) -> bool:
+    """Every configuration x recipe x (plain, SwiGLU) with bf16 output; the other
+    output types once (``fp8_mid``, blockwise)."""
+    s = b.spec
+    return s["out_dtype"] == torch.bfloat16 or (
+        s["config"].name == "fp8_mid" and s["recipe"] == "blockwise" and not s["swiglu"])
+
+
 @functools.cache
 def compiled_kernel(config: TileConfig, recipe: str, out_dtype: torch.dtype,
                     swiglu: bool = False):
     """The compiled kernel of one configuration, recipe (its plain name), output dtype
     (memoized)."""
-    cls = GroupedGemmFp8SwigluSm90 if swiglu else GroupedGemmFp8Sm90
-    recipe = str(recipe)
-    key = (cls.__name__, config, recipe, str(out_dtype), "sm_90a")
-
-    def build():
-        return cls(config, recipe), (*fake_args(recipe, _OUT_DTYPES[out_dtype], swiglu),
-                                     cutlass.Int32(1), kcompile.fake_stream())
-
-    return kcompile.get_compiled(key, build)
+    b = build(config, recipe, out_dtype, swiglu)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 @functools.cache
@@ -247,3 +278,8 @@ class ScaledGroupedGemmSwigluBackend:
 
 GROUPED_GEMM = ScaledGroupedGemmBackend()
 GROUPED_GEMM_SWIGLU = ScaledGroupedGemmSwigluBackend()
+
+
+KERNELS = Kernels(backends={Op.SCALED_GROUPED_GEMM: GROUPED_GEMM,
+                            Op.SCALED_GROUPED_GEMM_SWIGLU: GROUPED_GEMM_SWIGLU},
+                  builds=builds, checked=checked, max_experts=MAX_EXPERTS)

@@ -8,7 +8,9 @@
 - :func:`quantize`: the one entry point, on arguments the op layer validated and this
   backend took: it allocates the outputs in the GEMM's layouts and launches
   :class:`~csrc_free_kernels.fp8.quantize_fp8_sm90.QuantizeFp8Sm90` on the current stream,
-  with no host sync.  It checks nothing.
+  with no host sync.  It checks nothing;
+- :func:`build`, :func:`builds`: one compile, and every one a call can reach (each
+  recipe x input type, all checked on the CPU); :data:`KERNELS`.
 
 The recipe arrives as its plain name (:data:`~.quantize_fp8_sm90.RECIPES`): ts_moe's
 parsed ``Recipe`` is a ``str`` enum of these names, handed down as it is.
@@ -21,6 +23,7 @@ import cutlass.cute as cute
 import torch
 
 from ..common import compile as kcompile
+from ..common.family import Build, Kernels, Op
 from ..common.kernel_config import Declined
 from .quantize_fp8_sm90 import FP8_MAX, GROUP, RECIPES, QuantizeFp8Sm90
 
@@ -48,16 +51,27 @@ def fake_args(recipe: str, dtype) -> tuple:
     return x, q, scale, amax, cutlass.Int32(1), kcompile.fake_stream()
 
 
+def build(recipe: str, dtype: torch.dtype) -> Build:
+    """The quantizer of ``dtype`` activations for ``recipe``: ``quantize_<recipe>_<dtype>``."""
+    recipe = str(recipe)
+    key = ("QuantizeFp8Sm90", recipe, str(dtype), "sm_90a")
+    return Build(f"quantize_{recipe}_{str(dtype).split('.')[-1]}", key,
+                 lambda: (QuantizeFp8Sm90(recipe), fake_args(recipe, kcompile.CUTE_DTYPES[dtype])),
+                 {"recipe": recipe, "dtype": dtype})
+
+
+def builds():
+    """Every build a call can reach: each activation recipe x input type."""
+    for recipe in RECIPES:
+        for dtype in _DTYPES:
+            yield build(recipe, dtype)
+
+
 @functools.cache
 def compiled_kernel(recipe: str, dtype: torch.dtype):
     """The compiled quantizer for ``recipe`` (its plain name) and input dtype (memoized)."""
-    recipe = str(recipe)
-    key = ("QuantizeFp8Sm90", recipe, str(dtype), "sm_90a")
-
-    def build():
-        return QuantizeFp8Sm90(recipe), fake_args(recipe, kcompile.CUTE_DTYPES[dtype])
-
-    return kcompile.get_compiled(key, build)
+    b = build(recipe, dtype)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 @functools.cache
@@ -144,3 +158,6 @@ QUANTIZE = QuantizeBackend()
 def _unused(device_index: int) -> torch.Tensor:
     """The amax argument of the recipes that compute their own (never read)."""
     return torch.zeros(1, dtype=torch.float32, device=f"cuda:{device_index}")
+
+
+KERNELS = Kernels(backends={Op.QUANTIZE_FP8: QUANTIZE}, builds=builds)

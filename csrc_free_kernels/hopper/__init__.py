@@ -1,5 +1,37 @@
-"""The Hopper (sm_90a) GEMM families: the row-grouped GEMM and its fused SwiGLU form
-(``grouped_gemm_sm90``, with its MMA warpgroups ``sm90_mma`` and epilogue pieces
-``sm90_epilogue``), its store-warp variant (``grouped_gemm_sm90_store_warp``), the
-k-grouped GEMM of the weight gradient (``grouped_gemm_dw_sm90``) and the elementwise
-SwiGLU activation (``swiglu_sm90``)."""
+"""The Hopper (sm_90a) GEMM families, each declared here once: the row-grouped GEMM and
+its fused SwiGLU form (``grouped_gemm_sm90``, with its MMA warpgroups ``sm90_mma`` and
+epilogue pieces ``sm90_epilogue``), the k-grouped GEMM of the weight gradient
+(``grouped_gemm_dw_sm90``) and the elementwise SwiGLU activation (``swiglu_sm90``).
+Importing this package imports no DSL: each record's ``load`` imports its launch module."""
+
+from ..common.family import Family, Op, Proof, Run
+
+H200_RUN = Run("7b4d93b", "NVIDIA H200", "2026-12-05", "515 GPU tests passed")
+
+
+def _gemm():
+    from . import grouped_gemm_sm90_launch
+    return grouped_gemm_sm90_launch.KERNELS
+
+
+def _dw():
+    from . import grouped_gemm_dw_sm90_launch
+    return grouped_gemm_dw_sm90_launch.KERNELS
+
+
+def _swiglu():
+    from . import swiglu_sm90_launch
+    return swiglu_sm90_launch.KERNELS
+
+
+GEMM_SM90 = Family(
+    "gemm_sm90", "bf16/fp16 grouped GEMM and fused SwiGLU GEMM", "sm_90a", Proof.VERIFIED,
+    "against the fp32 references on the GPU", _gemm,
+    serves=(Op.GROUPED_GEMM, Op.GROUPED_GEMM_SWIGLU), run=H200_RUN)
+GEMM_DW_SM90 = Family(
+    "gemm_dw_sm90", "k-grouped GEMM (the weight gradient)", "sm_90a", Proof.VERIFIED,
+    "against the fp32 references on the GPU", _dw, serves=(Op.GROUPED_GEMM_K,), run=H200_RUN)
+SWIGLU_SM90 = Family(
+    "swiglu_sm90", "SwiGLU activation and its gradient, elementwise", "sm_90a", Proof.VERIFIED,
+    "against the fp32 references on the GPU", _swiglu, serves=(Op.SWIGLU_ACTIVATION,),
+    run=H200_RUN)

@@ -1,11 +1,12 @@
-"""Torch side of the Hopper k-grouped GEMM (the weight gradient): compile (once
-per configuration) and launch
-:class:`csrc_free_kernels.hopper.grouped_gemm_dw_sm90.GroupedGemmDwSm90` on the current stream.
+"""Torch side of the Hopper k-grouped GEMM (the weight gradient): its builds, compiled
+once each, and its backend, which launches
+:class:`csrc_free_kernels.hopper.grouped_gemm_dw_sm90.GroupedGemmDwSm90` on the current
+stream.
 
+- :func:`build`, :func:`builds`: one compile, and every one a call can reach (each
+  configuration x bf16/fp16 x output in the operand type or fp32; all checked on the CPU);
 - :data:`GROUPED_GEMM_K`: the sm_90 backend of the op layer's k-grouped form
-  (``ts_moe.ops.backend.GroupedGemmK``);
-- :func:`grouped_gemm_k`: the module's own entry (tests, benchmarks), which
-  checks its arguments.
+  (``ts_moe.ops.backend.GroupedGemmK``); :data:`KERNELS`: what the family serves.
 """
 
 import functools
@@ -15,10 +16,13 @@ import cutlass.cute as cute
 import torch
 
 from ..common import compile as kcompile
+from ..common.family import Build, Kernels, Op
+from ..common.kernel_config import Declined
 from .grouped_gemm_dw_sm90 import GroupedGemmDwSm90
-from .grouped_gemm_dw_sm90_config import MAX_EXPERTS, DwConfig, choose_config, output_tiles
+from .grouped_gemm_dw_sm90_config import (CONFIGS, MAX_EXPERTS, DwConfig, choose_config,
+                                          output_tiles)
 
-__all__ = ["GROUPED_GEMM_K", "grouped_gemm_k", "choose_config", "MAX_EXPERTS"]
+HALF = (torch.bfloat16, torch.float16)  # the kernel's operand types
 
 
 def _fake_args(ab_dtype, c_dtype):
@@ -37,52 +41,42 @@ def _fake_args(ab_dtype, c_dtype):
     return a, dy, out, offs
 
 
-@functools.cache
-def compiled_kernel(config: DwConfig, ab_dtype, c_dtype):
-    """The compiled kernel (memoized: it is on every call's path)."""
+def build(config: DwConfig, ab_dtype=torch.bfloat16, c_dtype=None) -> Build:
+    """The build of a call: operands in ``ab_dtype``, the output in ``c_dtype`` (default
+    ``ab_dtype``); named after the configuration, with ``_fp16`` and ``_f32_out``."""
+    c_dtype = c_dtype or ab_dtype
     key = ("GroupedGemmDwSm90", config, str(ab_dtype), str(c_dtype), "sm_90a")
+    name = (config.name + ("_fp16" if ab_dtype == torch.float16 else "")
+            + ("_f32_out" if c_dtype == torch.float32 else ""))
 
-    def build():
+    def make():
         return GroupedGemmDwSm90(config), (
             *_fake_args(kcompile.CUTE_DTYPES[ab_dtype], kcompile.CUTE_DTYPES[c_dtype]),
             cutlass.Int32(1), kcompile.fake_stream())
 
-    return kcompile.get_compiled(key, build)
+    return Build(name, key, make, {"config": config, "ab_dtype": ab_dtype,
+                                   "c_dtype": c_dtype})
+
+
+def builds():
+    """Every build a call can reach: each configuration x operand type x output type."""
+    for config in CONFIGS.values():
+        for dtype in HALF:
+            for out in (dtype, torch.float32):
+                yield build(config, dtype, out)
+
+
+@functools.cache
+def compiled_kernel(config: DwConfig, ab_dtype, c_dtype):
+    """The compiled kernel (memoized: it is on every call's path)."""
+    b = build(config, ab_dtype, c_dtype)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 @functools.cache
 def _launcher(config: DwConfig, ab_dtype, c_dtype, device_index: int):
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return compiled_kernel(config, ab_dtype, c_dtype), sms
-
-
-def _check(a, dy, offs, out):
-    """Cheap layout checks (no sync): the layouts the compiled kernel takes."""
-    if a.dim() != 2 or dy.dim() != 2 or out.dim() != 3 or offs.dim() != 1:
-        raise ValueError("grouped_gemm_k: a (M, K), dy (M, N), offs (E,), out (E, K, N)")
-    m, k = a.shape
-    if dy.shape[0] != m or tuple(out.shape) != (offs.shape[0], k, dy.shape[1]):
-        raise ValueError(f"grouped_gemm_k: shapes a {tuple(a.shape)}, dy {tuple(dy.shape)}, "
-                         f"offs {tuple(offs.shape)}, out {tuple(out.shape)} do not agree")
-    if a.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != a.dtype:
-        raise ValueError(f"grouped_gemm_k: a and dy must be one of bf16/fp16, got "
-                         f"{a.dtype}, {dy.dtype}")
-    if out.dtype not in (a.dtype, torch.float32):
-        raise ValueError(f"grouped_gemm_k: out must be {a.dtype} or float32, got {out.dtype}")
-    if offs.dtype != torch.int32 or (offs.shape[0] > 1 and offs.stride(0) != 1):
-        raise ValueError("grouped_gemm_k: offs must be contiguous int32")
-    if offs.shape[0] > MAX_EXPERTS:
-        raise ValueError(f"grouped_gemm_k: at most {MAX_EXPERTS} experts, got {offs.shape[0]}")
-    devices = {t.device for t in (a, dy, offs, out)}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(f"grouped_gemm_k: all tensors on one CUDA device, got {devices}")
-    for name, t in (("a", a), ("dy", dy), ("out", out)):
-        align = 16 // t.element_size()
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(f"grouped_gemm_k: {name} must have a contiguous last dim")
-        if any(s % align for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"grouped_gemm_k: {name}: strides {t.stride()} must be "
-                             f"16-byte multiples and the data 16-byte aligned")
 
 
 def _launch(a, dy, offs, out, config: DwConfig):
@@ -96,10 +90,12 @@ class GroupedGemmKBackend:
     """The sm_90 backend of the op's k-grouped form: ``a`` (K, M), unit stride on
     K, is read as the (M, K) rows of the kernel; 16-bit, K and N multiples of 8."""
 
-    def choose_config(self, a, b, offs, out) -> DwConfig | None:
+    def choose_config(self, a, b, offs, out) -> DwConfig | Declined:
         (k, m), n = a.shape, b.shape[1]
-        if k % 8 or n % 8 or a.dtype not in (torch.bfloat16, torch.float16):
-            return None
+        if a.dtype not in HALF:
+            return Declined(f"{a.dtype} operands: the k-grouped kernel takes bf16 or fp16")
+        if k % 8 or n % 8:
+            return Declined(f"K = {k}, N = {n}: the k-grouped kernel needs multiples of 8")
         return choose_config(offs.shape[0], k, n, m)
 
     def run(self, a, b, offs, out, config):
@@ -109,20 +105,5 @@ class GroupedGemmKBackend:
 GROUPED_GEMM_K = GroupedGemmKBackend()
 
 
-def grouped_gemm_k(a: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
-                   config: DwConfig | None = None) -> torch.Tensor:
-    """``out[e] = a[rows e].T @ dy[rows e]`` on the current stream; returns ``out``.
-
-    a (M, K), dy (M, N) bf16/fp16 with contiguous rows, offs (E,) int32 on the
-    device, out (E, K, N) of a's dtype or float32 (last dim contiguous, strides
-    16-byte multiples).  No host sync (CUDA-graph capturable); deterministic.
-    ``config`` (instead of :func:`choose_config`) is for tests and benchmarks.
-    """
-    _check(a, dy, offs, out)
-    m, k = a.shape
-    num_experts, _, n = out.shape
-    if num_experts == 0 or k == 0 or n == 0:
-        return out
-    if m == 0:
-        return out.zero_()
-    return _launch(a, dy, offs, out, config or choose_config(num_experts, k, n, m))
+KERNELS = Kernels(backends={Op.GROUPED_GEMM_K: GROUPED_GEMM_K}, builds=builds,
+                  max_experts=MAX_EXPERTS)

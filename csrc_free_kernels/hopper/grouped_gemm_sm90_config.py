@@ -9,7 +9,7 @@ fused SwiGLU kernel.
 import dataclasses
 from dataclasses import dataclass
 
-from ..common.kernel_config import KernelConfig
+from ..common.kernel_config import Declined, KernelConfig
 
 MAX_EXPERTS = 512
 SMEM_CAPACITY = 227 * 1024
@@ -166,9 +166,12 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     return PREFILL
 
 
-def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfig | None:
-    """The fused SwiGLU kernel's tiles for these shapes, or None where it cannot
+def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfig | Declined:
+    """The fused SwiGLU kernel's tiles for these shapes, or the reason it cannot
     run: a tile's gate and up parts must be whole, so I must be a multiple of
     ``tile_n / 2`` (the caller then runs a plain GEMM and the activation apart)."""
     cfg = choose_config(num_experts, two_inter, k, m)
-    return cfg if (two_inter // 2) % (cfg.tile_n // 2) == 0 else None
+    if (two_inter // 2) % (cfg.tile_n // 2):
+        return Declined(f"I = {two_inter // 2}: the fused SwiGLU kernel's {cfg.name} tiles "
+                        f"need a multiple of {cfg.tile_n // 2}")
+    return cfg

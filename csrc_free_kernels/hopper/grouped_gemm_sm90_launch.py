@@ -1,23 +1,30 @@
-"""Torch side of the Hopper grouped GEMM: compile (once per configuration) and
-launch :class:`csrc_free_kernels.hopper.grouped_gemm_sm90.GroupedGemmSm90` (and its
-SwiGLU subclass) on the current stream.
+"""Torch side of the Hopper grouped GEMM: its builds, compiled once each, and its
+backends, which launch :class:`csrc_free_kernels.hopper.grouped_gemm_sm90.GroupedGemmSm90`
+(and its SwiGLU subclass) on the current stream.
 
-- :data:`GROUPED_GEMM`, :data:`GROUPED_GEMM_SWIGLU`: the sm_90 backends of the
-  op layer (``ts_moe.ops.backend.GroupedGemm`` / ``GroupedGemmSwiglu``):
-  ``choose_config`` (:mod:`.grouped_gemm_sm90_config`), then ``run`` launches
-  the kernel once on arguments the op validated;
-- :func:`grouped_gemm`, :func:`grouped_gemm_swiglu`: the module's own entries
-  (tests, benchmarks), with their guards.
+- :func:`build`: one compile (the run-time cache key and the kernel with its fake
+  arguments); :func:`builds`: every build a call can reach; :func:`checked`: those the
+  PTX tests and the pre-flight compile on the CPU;
+- :data:`GROUPED_GEMM`, :data:`GROUPED_GEMM_SWIGLU`: the sm_90 backends of the op layer
+  (``ts_moe.ops.backend.GroupedGemm`` / ``GroupedGemmSwiglu``): ``choose_config``
+  (:mod:`.grouped_gemm_sm90_config`), then ``run`` launches the kernel once on
+  arguments the op validated; :data:`KERNELS`: what the family serves.
 """
 
 import functools
+import itertools
 
 import cutlass
 import torch
 
 from ..common import compile as kcompile
+from ..common.family import Build, Kernels, Op
+from ..common.kernel_config import Declined
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90
-from .grouped_gemm_sm90_config import MAX_EXPERTS, TileConfig, choose_config, swiglu_config
+from .grouped_gemm_sm90_config import CONFIGS, MAX_EXPERTS, TileConfig, choose_config, swiglu_config
+
+HALF = (torch.bfloat16, torch.float16)  # the kernels' operand types
+
 
 def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
     """Symbolic (M, K), (E, K, N), (M, N'), (E,) tensors with 16-byte strides
@@ -25,6 +32,67 @@ def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
     weight's columns): :func:`csrc_free_kernels.common.compile.fake_gemm_args`."""
     return kcompile.fake_gemm_args(
         a_dtype, c_dtype, b_n_major, own_n_out=issubclass(kernel_cls, GroupedGemmSwigluSm90))
+
+
+def build(config: TileConfig, a_dtype=torch.bfloat16, c_dtype=None, b_n_major: bool = True,
+          swiglu: bool = False, prefetch_weights: bool = False) -> Build:
+    """The build of a call: ``a`` K-major in ``a_dtype``, the output in ``c_dtype``
+    (default ``a_dtype``), weights N-major or K-major, the SwiGLU kernel or the plain
+    one, weights streaming before the kernel ahead ends where the configuration
+    honours it.  Named ``gemm_<config>`` / ``swiglu_<config>`` with ``_fp16``,
+    ``_bk`` (K-major weights), ``_f32_out`` and ``_prefetch`` as they apply."""
+    c_dtype = c_dtype or a_dtype
+    kernel_cls = GroupedGemmSwigluSm90 if swiglu else GroupedGemmSm90
+    kernel = kernel_cls(config, prefetch_weights=prefetch_weights)
+    prefetch = kernel.prefetch_weights  # requested and honoured
+    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a",
+           *(("prefetch_weights",) if prefetch else ()))
+    name = (("swiglu_" if swiglu else "gemm_") + config.name
+            + ("_fp16" if a_dtype == torch.float16 else "") + ("" if b_n_major else "_bk")
+            + ("_f32_out" if c_dtype == torch.float32 else "") + ("_prefetch" if prefetch else ""))
+
+    def make():
+        ca, cc = kcompile.CUTE_DTYPES[a_dtype], kcompile.CUTE_DTYPES[c_dtype]
+        return kernel, (*_fake_args(ca, cc, b_n_major, kernel_cls), cutlass.Int32(1),
+                        kcompile.fake_stream())
+
+    return Build(name, key, make, {"config": config, "a_dtype": a_dtype, "c_dtype": c_dtype,
+                                   "b_n_major": b_n_major, "swiglu": swiglu,
+                                   "prefetch_weights": prefetch})
+
+
+def builds():
+    """Every build a call can reach: each configuration x operand type x weight layout
+    x (plain: output in the operand type or fp32; SwiGLU: the operand type) x
+    weights prefetched or not (where the configuration honours it)."""
+    seen = set()
+    for config, dtype, b_n_major, prefetch in itertools.product(
+            CONFIGS.values(), HALF, (True, False), (False, True)):
+        for swiglu, out in ((False, dtype), (False, torch.float32), (True, dtype)):
+            b = build(config, dtype, out, b_n_major, swiglu, prefetch)
+            if b.key not in seen:
+                seen.add(b.key)
+                yield b
+
+
+def checked(b: Build) -> bool:
+    """The builds the PTX tests and the pre-flight compile on the CPU: bf16 in every
+    configuration with K-major weights (the layer's), plain and SwiGLU; N-major plain
+    where a configuration's weight loads differ by layout (all but ``mid``); prefetching
+    where the MoE block's GEMMs take it; fp16 and fp32 output once each."""
+    s = b.spec
+    name = s["config"].name
+    if s["a_dtype"] == torch.float16:
+        return name == "decode" and not s["swiglu"] and s["b_n_major"] and \
+            s["c_dtype"] == torch.float16 and not s["prefetch_weights"]
+    if s["c_dtype"] == torch.float32:
+        return name == "prefill" and s["b_n_major"] and not s["prefetch_weights"]
+    if s["prefetch_weights"]:
+        return not s["b_n_major"] and (name in ("decode16", "decode16_n64") or (
+            name == "prefill" and not s["swiglu"]))
+    if s["swiglu"]:
+        return not s["b_n_major"]
+    return name != "mid" or s["b_n_major"]
 
 
 def _row_major(t: torch.Tensor) -> bool:
@@ -43,16 +111,9 @@ def _k_major(a: torch.Tensor) -> torch.Tensor:
 def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
                     kernel_cls=GroupedGemmSm90, prefetch_weights: bool = False):
     """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
-    kernel = kernel_cls(config, prefetch_weights=prefetch_weights)
-    key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a",
-           *(("prefetch_weights",) if kernel.prefetch_weights else ()))
-
-    def build():
-        ca, cc = kcompile.CUTE_DTYPES[a_dtype], kcompile.CUTE_DTYPES[c_dtype]
-        return kernel, (*_fake_args(ca, cc, b_n_major, kernel_cls),
-                        cutlass.Int32(1), kcompile.fake_stream())
-
-    return kcompile.get_compiled(key, build)
+    b = build(config, a_dtype, c_dtype, b_n_major, kernel_cls is GroupedGemmSwigluSm90,
+              prefetch_weights)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 @functools.cache
@@ -91,7 +152,7 @@ class GroupedGemmSwigluBackend:
 
     gathers = False
 
-    def choose_config(self, a, gate_up, offs, out, a_index) -> TileConfig | None:
+    def choose_config(self, a, gate_up, offs, out, a_index) -> TileConfig | Declined:
         return swiglu_config(gate_up.shape[0], gate_up.shape[1], a.shape[1], out.shape[0])
 
     def run(self, a, gate_up, offs, out, config, *, a_index=None, prefetch_weights=False):
@@ -103,55 +164,6 @@ GROUPED_GEMM = GroupedGemmBackend()
 GROUPED_GEMM_SWIGLU = GroupedGemmSwigluBackend()
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                 out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
-                 config: TileConfig | None = None, kernel_cls=GroupedGemmSm90,
-                 prefetch_weights: bool = False) -> torch.Tensor:
-    """The kernel on the current stream, for tests and benchmarks (the op layer
-    calls :data:`GROUPED_GEMM`); arguments valid for the op.
-
-    ``out``: (M, N) ((M, N / 2) for the SwiGLU kernel) with a 16-byte aligned
-    row stride; allocated here when omitted (then N must give aligned rows).
-    ``config`` (instead of :func:`choose_config`) and ``kernel_cls`` (a
-    :class:`GroupedGemmSm90`: the SwiGLU kernel, or a variant) are for tests
-    and benchmarks.  ``prefetch_weights``: the caller vouches that the kernel launched last on
-    the stream did not write ``offs`` or ``b`` and lets its dependents launch
-    only once everything before it has completed (``ts_moe.grouped_gemm``
-    says when), so the weights may start streaming before it ends
-    (:class:`GroupedGemmSm90`).
-    """
-    m, k = a.shape
-    num_experts, _, n = b.shape
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
-    a = _k_major(a)
-    if m == 0 or n == 0:
-        return out
-    if k == 0 or num_experts == 0:
-        return out.zero_()
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"the sm_90 kernel supports up to {MAX_EXPERTS} experts, got {num_experts}")
-    cfg = config or choose_config(num_experts, n, k, m)
-    return _launch(a, b, offs, out, cfg, kernel_cls, prefetch_weights)
-
-
-def grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, *,
-                        out: torch.Tensor | None = None, config: TileConfig | None = None,
-                        prefetch_weights: bool = False,
-                        kernel_cls=GroupedGemmSwigluSm90) -> torch.Tensor:
-    """``silu(a @ gate^T) * (a @ up^T)`` per expert; gate_up (E, 2I, H); for tests
-    and benchmarks, as :func:`grouped_gemm`.
-
-    ``config`` defaults to :func:`swiglu_config`; a ValueError where I is not
-    a multiple of its ``tile_n / 2``.  ``kernel_cls`` (a
-    :class:`GroupedGemmSwigluSm90`) is for tests and benchmarks of variants."""
-    m, k = a.shape
-    num_experts, two_i, _ = gate_up.shape
-    cfg = config or choose_config(num_experts, two_i, k, m)
-    if (two_i // 2) % (cfg.tile_n // 2):
-        raise ValueError(f"the fused SwiGLU kernel needs I = {two_i // 2} to be a multiple of "
-                         f"{cfg.tile_n // 2} (half of {cfg.name}'s tile_n)")
-    if out is None:
-        out = torch.empty(m, two_i // 2, dtype=a.dtype, device=a.device)
-    return grouped_gemm(a, gate_up.transpose(-2, -1), offs, out=out, config=cfg,
-                        kernel_cls=kernel_cls, prefetch_weights=prefetch_weights)
+KERNELS = Kernels(backends={Op.GROUPED_GEMM: GROUPED_GEMM,
+                            Op.GROUPED_GEMM_SWIGLU: GROUPED_GEMM_SWIGLU},
+                  builds=builds, checked=checked, max_experts=MAX_EXPERTS)

@@ -1,12 +1,12 @@
-"""Torch side of the routing kernels of :mod:`.route_sm90`: compile (once per
-build) and launch them on the current stream.
+"""Torch side of the routing kernels of :mod:`.route_sm90`: their builds, compiled once
+each, and their backends, which launch them on the current stream.
 
+- :func:`route_build`, :func:`rowsum_build`, :func:`builds`: one compile, and every one
+  a call can reach; :func:`checked`: those the PTX tests and the pre-flight compile;
 - :data:`ROUTE_SLOTS`, :data:`SORT_SLOTS`, :data:`ROW_SUM`: the sm_90 backends
   of the op layer's routing, slot order, combine and row gather
   (``ts_moe.ops.backend``): ``choose_config`` says which batches the one-CTA
-  tables and the row kernel take (:func:`fits`, :func:`rows_ok`);
-- :func:`route_slots`, :func:`sort_slots`, :func:`weighted_row_sum`: the
-  module's own entries (tests, benchmarks), with their guards.
+  tables and the row kernel take (:func:`fits`, :func:`rows_ok`); :data:`KERNELS`.
 """
 
 import functools
@@ -16,6 +16,8 @@ import cutlass.cute as cute
 import torch
 
 from ..common import compile as kcompile
+from ..common.family import Build, Kernels, Op
+from ..common.kernel_config import Declined
 from .route_sm90 import LANE_WIDTHS, MAX_EXPERTS, MAX_SLOTS, RouteSlots, WeightedRowSum
 
 
@@ -57,46 +59,88 @@ def lane_width(num_experts: int) -> int:
     return next(w for w in LANE_WIDTHS if 32 * w >= num_experts)
 
 
-@functools.cache
-def _route_kernel(from_logits: bool, dtype: torch.dtype, per_lane: int = 1):
-    key = ("RouteSlots", from_logits, str(dtype), per_lane, "sm_90a")
+_SUFFIX = {torch.bfloat16: "", torch.float16: "_fp16", torch.float32: "_f32",
+           torch.int64: "_i64", torch.int32: "_i32"}
+LOGITS = (torch.bfloat16, torch.float16, torch.float32)  # the routing's logits types
+ROWS = (torch.bfloat16, torch.float16)  # the row kernel's types
+INDEX = (torch.int64, torch.int32)
 
-    def build():
+
+def route_build(from_logits: bool, dtype: torch.dtype, per_lane: int = 1) -> Build:
+    """Routing and slot order from ``dtype`` logits (``route_slots``, ``_e32`` ...
+    ``_e128`` below 256 experts), or the slot order of ``dtype`` experts
+    (``sort_slots_i64`` / ``_i32``)."""
+    key = ("RouteSlots", from_logits, str(dtype), per_lane, "sm_90a")
+    name = ("route_slots" + _SUFFIX[dtype] + ("" if per_lane == 8 else f"_e{32 * per_lane}")
+            if from_logits else "sort_slots" + _SUFFIX[dtype])
+
+    def make():
         return (RouteSlots(from_logits, per_lane),
                 route_fake_args(kcompile.CUTE_DTYPES[dtype], from_logits))
 
-    return kcompile.get_compiled(key, build)
+    return Build(name, key, make, {"from_logits": from_logits, "dtype": dtype,
+                                   "per_lane": per_lane})
+
+
+def rowsum_build(weighted: bool, dtype: torch.dtype, index_dtype: torch.dtype) -> Build:
+    """The combine (``combine_rows``, weighted) or the row gather (``gather_rows``), of
+    ``dtype`` rows by an ``index_dtype`` index (``_i32``; int64 unnamed)."""
+    key = ("WeightedRowSum", weighted, str(dtype), str(index_dtype), "sm_90a")
+    name = (("combine_rows" if weighted else "gather_rows") + _SUFFIX[dtype]
+            + ("_i32" if index_dtype == torch.int32 else ""))
+
+    def make():
+        return WeightedRowSum(weighted), rowsum_fake_args(
+            kcompile.CUTE_DTYPES[dtype], kcompile.CUTE_DTYPES[index_dtype], weighted)
+
+    return Build(name, key, make, {"weighted": weighted, "dtype": dtype,
+                                   "index_dtype": index_dtype})
+
+
+def builds():
+    """Every build a call can reach: the routing per logits type and lane width, the
+    slot order per experts' index type, the row kernel per row and index type."""
+    for dtype in LOGITS:
+        for per_lane in LANE_WIDTHS:
+            yield route_build(True, dtype, per_lane)
+    for dtype in INDEX:
+        yield route_build(False, dtype, 1)
+    for weighted in (True, False):
+        for dtype in ROWS:
+            for index in INDEX:
+                yield rowsum_build(weighted, dtype, index)
+
+
+_CHECKED = {"route_slots", "route_slots_f32", "route_slots_e32", "sort_slots_i64",
+            "sort_slots_i32", "combine_rows", "gather_rows_i32"}
+
+
+def checked(b: Build) -> bool:
+    """The routing at 256 experts (bf16 and fp32 logits) and at 32; the slot order for
+    both index types; the combine and the gather once each."""
+    return b.name in _CHECKED
+
+
+@functools.cache
+def _route_kernel(from_logits: bool, dtype: torch.dtype, per_lane: int = 1):
+    b = route_build(from_logits, dtype, per_lane)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 @functools.cache
 def _rowsum_kernel(weighted: bool, dtype: torch.dtype, index_dtype: torch.dtype):
-    key = ("WeightedRowSum", weighted, str(dtype), str(index_dtype), "sm_90a")
-
-    def build():
-        return WeightedRowSum(weighted), rowsum_fake_args(
-            kcompile.CUTE_DTYPES[dtype], kcompile.CUTE_DTYPES[index_dtype], weighted)
-
-    return kcompile.get_compiled(key, build)
+    b = rowsum_build(weighted, dtype, index_dtype)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 def fits(slots: int, num_experts: int) -> bool:
-    """Whether :func:`route_slots` / :func:`sort_slots` take a batch of this size."""
+    """Whether the one-CTA routing and slot order take a batch of this size."""
     return 0 < slots <= MAX_SLOTS and 0 < num_experts <= MAX_EXPERTS
 
 
-def _check_fits(slots: int, num_experts: int) -> None:
-    """The one CTA holds every slot and expert in shared memory: a batch past
-    that would run off its tables (the ops check :func:`fits` and take the torch
-    path instead; this guards the module's own entries)."""
-    if not fits(slots, num_experts):
-        raise ValueError(f"the routing kernel takes 1 to {MAX_SLOTS} slots and 1 to "
-                         f"{MAX_EXPERTS} experts, got {slots} slots and {num_experts} experts")
-
-
-def _check_top_k(top_k: int, num_experts: int) -> None:
-    """Each top-k round takes a new expert."""
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
+def _too_large(slots: int, num_experts: int) -> str:
+    return (f"{slots} slots, {num_experts} experts: the one-CTA kernel takes 1 to {MAX_SLOTS} "
+            f"slots and 1 to {MAX_EXPERTS} experts")
 
 
 def rows_ok(t: torch.Tensor) -> bool:
@@ -121,13 +165,15 @@ def _slot_order(experts, num_experts, from_logits, per_lane, logits=None, weight
 class RouteSlotsBackend:
     """The sm_90 backend of ``ts_moe::route_slots``: routing and slot order of a
     batch that :func:`fits` in one CTA and one launch; config: the build's
-    logits per lane."""
+    logits per lane.  ``top_k`` is in ``[1, E]`` (the op checks it)."""
 
-    def choose_config(self, logits, top_k) -> int | None:
+    def choose_config(self, logits, top_k) -> int | Declined:
         tokens, num_experts = logits.shape
-        if (logits.dtype not in (torch.bfloat16, torch.float16, torch.float32)
-                or not fits(tokens * top_k, num_experts)):
-            return None
+        if logits.dtype not in LOGITS:
+            return Declined(f"{logits.dtype} logits: the routing kernel takes bf16, fp16 "
+                            f"or fp32")
+        if not fits(tokens * top_k, num_experts):
+            return Declined(_too_large(tokens * top_k, num_experts))
         return lane_width(num_experts)
 
     def run(self, logits, top_k, config):
@@ -141,8 +187,10 @@ class RouteSlotsBackend:
 class SortSlotsBackend:
     """The sm_90 backend of ``ts_moe::sort_slots``: a batch that :func:`fits`."""
 
-    def choose_config(self, experts, num_experts) -> int | None:
-        return 1 if fits(experts.numel(), num_experts) else None
+    def choose_config(self, experts, num_experts) -> int | Declined:
+        if not fits(experts.numel(), num_experts):
+            return Declined(_too_large(experts.numel(), num_experts))
+        return 1
 
     def run(self, experts, num_experts, config):
         return _slot_order(experts, num_experts, False, config)
@@ -153,12 +201,14 @@ class RowSumBackend:
     :class:`.route_sm90.WeightedRowSum` (fp32 sums, one rounding) over 16-bit
     rows of whole 16-byte vectors; fp32 weights (others are converted)."""
 
-    def choose_config(self, src, index, weights) -> bool | None:
-        if not (src.shape[0] and rows_ok(src) and index.dtype in (torch.int32, torch.int64)
-                and index.device == src.device
+    def choose_config(self, src, index, weights) -> str | Declined:
+        if not (src.shape[0] and rows_ok(src)):
+            return Declined("rows the row kernel cannot read: it takes 16-bit rows of whole "
+                            "16-byte vectors")
+        if not (index.dtype in INDEX and index.device == src.device
                 and (weights is None or weights.device == src.device)):
-            return None
-        return weights is not None
+            return Declined("an index or weights the row kernel does not take")
+        return "gather" if weights is None else "combine"
 
     def run(self, src, index, weights, config):
         rows = index.shape[0] if weights is None else weights.shape[0]
@@ -166,7 +216,7 @@ class RowSumBackend:
         if weights is not None and weights.dtype != torch.float32:
             weights = weights.float()
         if rows and src.shape[1]:
-            _rowsum_kernel(config, src.dtype, index.dtype)(
+            _rowsum_kernel(config == "combine", src.dtype, index.dtype)(
                 src, index, None if weights is None else weights.contiguous(), out)
         return out
 
@@ -176,27 +226,6 @@ SORT_SLOTS = SortSlotsBackend()
 ROW_SUM = RowSumBackend()
 
 
-def route_slots(logits: torch.Tensor, top_k: int):
-    """(weights, experts, token_index, offs, inverse) of a batch that :func:`fits`;
-    ``logits`` (T, E) contiguous, on the current stream.  ``ts_moe.route`` and
-    ``ts_moe.sort_slots`` in one launch."""
-    tokens, num_experts = logits.shape
-    _check_fits(tokens * top_k, num_experts)
-    _check_top_k(top_k, num_experts)
-    return ROUTE_SLOTS.run(logits, top_k, lane_width(num_experts))
-
-
-def sort_slots(experts: torch.Tensor, num_experts: int):
-    """(token_index, offs, inverse) of ``experts`` (T, k) int32/int64 contiguous,
-    a batch that :func:`fits`: ``ts_moe.sort_slots`` in one launch."""
-    _check_fits(experts.numel(), num_experts)
-    return SORT_SLOTS.run(experts, num_experts, 1)
-
-
-def weighted_row_sum(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None,
-                     out: torch.Tensor) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * src[index[t * k + j]]`` (``weights`` None:
-    ``out[t] = src[index[t]]``); rows 16-byte aligned, H a multiple of 8."""
-    if out.shape[0] and out.shape[1]:
-        _rowsum_kernel(weights is not None, src.dtype, index.dtype)(src, index, weights, out)
-    return out
+KERNELS = Kernels(backends={Op.ROUTE_SLOTS: ROUTE_SLOTS, Op.SORT_SLOTS: SORT_SLOTS,
+                            Op.ROW_SUM: ROW_SUM},
+                  builds=builds, checked=checked, max_experts=MAX_EXPERTS)

@@ -1,12 +1,13 @@
-"""Torch side of the opt-in router kernels of :mod:`.router_sm90`: compile (once
-per build) and launch them on the current stream.
+"""Torch side of the opt-in router kernels of :mod:`.router_sm90`: their builds,
+compiled once each, and their backends, which launch them on the current stream.
 
+- :func:`logits_build`, :func:`topk_build`, :func:`builds`: one compile, and every one a
+  call can reach; :func:`checked`: those the PTX tests and the pre-flight compile;
 - :data:`ROUTER_LOGITS`, :data:`ROUTE_TOPK`: the sm_90 backends the op layer
   takes with ``ts_moe.use_router_kernel`` (``ts_moe.ops.backend``); their
   ``choose_config`` holds when each pays (:data:`ROUTER_KERNEL_MAX_READ`,
-  :data:`ROUTE_SPLIT_MIN_WORK`: estimates until the GPU A/B);
-- :func:`router_logits`, :func:`route_topk`: the module's own entries (tests,
-  benchmarks), with their guards.
+  :data:`ROUTE_SPLIT_MIN_WORK`; ``bench/notes/2026-12-06-h100-run.md`` has the A/B);
+  :data:`KERNELS`.
 """
 
 import functools
@@ -15,8 +16,10 @@ import cutlass
 import torch
 
 from ..common import compile as kcompile
-from .route_sm90 import MAX_EXPERTS
-from .route_sm90_launch import _check_top_k, _compact, _rows, lane_width, rows_ok
+from ..common.family import Build, Kernels, Op
+from ..common.kernel_config import Declined
+from .route_sm90 import LANE_WIDTHS, MAX_EXPERTS
+from .route_sm90_launch import _SUFFIX, LOGITS, ROWS, _compact, _rows, lane_width, rows_ok
 from .router_sm90 import (ROUTER_EXPERTS_PER_CTA, ROUTER_MAX_TOKENS, ROUTER_TOKENS_PER_CTA,
                           RouterLogits, RouteTopK)
 
@@ -47,18 +50,52 @@ def topk_fake_args(dtype) -> tuple:
             kcompile.fake_stream())
 
 
+def logits_build(dtype: torch.dtype) -> Build:
+    """The router logits of ``dtype`` tokens and weights (``router_logits``, ``_fp16``)."""
+    key = ("RouterLogits", str(dtype), "sm_90a")
+    return Build("router_logits" + _SUFFIX[dtype], key,
+                 lambda: (RouterLogits(), router_fake_args(kcompile.CUTE_DTYPES[dtype])),
+                 {"dtype": dtype})
+
+
+def topk_build(dtype: torch.dtype, per_lane: int) -> Build:
+    """The routing alone from ``dtype`` logits, ``per_lane`` logits a lane
+    (``route_topk``; ``_f32``, ``_e32`` ... ``_e128`` as for the routing's builds)."""
+    key = ("RouteTopK", str(dtype), per_lane, "sm_90a")
+    name = "route_topk" + _SUFFIX[dtype] + ("" if per_lane == 8 else f"_e{32 * per_lane}")
+    return Build(name, key,
+                 lambda: (RouteTopK(per_lane), topk_fake_args(kcompile.CUTE_DTYPES[dtype])),
+                 {"dtype": dtype, "per_lane": per_lane})
+
+
+def builds():
+    """Every build a call can reach: the logits per 16-bit type, the routing per logits
+    type and lane width."""
+    for dtype in ROWS:
+        yield logits_build(dtype)
+    for dtype in LOGITS:
+        for per_lane in LANE_WIDTHS:
+            yield topk_build(dtype, per_lane)
+
+
+_CHECKED = {"router_logits", "router_logits_fp16", "route_topk", "route_topk_f32_e128"}
+
+
+def checked(b: Build) -> bool:
+    """The logits in both types; the routing at 256 experts (bf16) and 128 (fp32)."""
+    return b.name in _CHECKED
+
+
 @functools.cache
 def _router_kernel(dtype: torch.dtype):
-    key = ("RouterLogits", str(dtype), "sm_90a")
-    return kcompile.get_compiled(key, lambda: (RouterLogits(),
-                                               router_fake_args(kcompile.CUTE_DTYPES[dtype])))
+    b = logits_build(dtype)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 @functools.cache
 def _topk_kernel(dtype: torch.dtype, per_lane: int):
-    key = ("RouteTopK", str(dtype), per_lane, "sm_90a")
-    return kcompile.get_compiled(key, lambda: (RouteTopK(per_lane),
-                                               topk_fake_args(kcompile.CUTE_DTYPES[dtype])))
+    b = topk_build(dtype, per_lane)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 def router_read_bytes(tokens: int, experts: int, hidden: int) -> int:
@@ -83,12 +120,19 @@ class RouterLogitsBackend:
     copies rows the kernel cannot read, so a graph replay routes as the eager
     call did."""
 
-    def choose_config(self, x, weight) -> torch.dtype | None:
+    def choose_config(self, x, weight) -> torch.dtype | Declined:
         tokens, hidden = x.shape
-        if (x.dtype not in (torch.bfloat16, torch.float16) or not 0 < tokens <= ROUTER_MAX_TOKENS
-                or not weight.shape[0] or hidden % 8 or not _weight_rows_ok(weight)
-                or router_read_bytes(tokens, *weight.shape) > ROUTER_KERNEL_MAX_READ):
-            return None
+        if x.dtype not in ROWS:
+            return Declined(f"{x.dtype} x: the router kernel takes bf16 or fp16")
+        if not 0 < tokens <= ROUTER_MAX_TOKENS or not weight.shape[0]:
+            return Declined(f"{tokens} tokens, {weight.shape[0]} experts: the router kernel "
+                            f"takes 1 to {ROUTER_MAX_TOKENS} tokens")
+        if hidden % 8 or not _weight_rows_ok(weight):
+            return Declined("rows the router kernel cannot read (H a multiple of 8, "
+                            "16-byte strides)")
+        if router_read_bytes(tokens, *weight.shape) > ROUTER_KERNEL_MAX_READ:
+            return Declined(f"{tokens} tokens: F.linear reads less than the router kernel's "
+                            f"CTAs would (ROUTER_KERNEL_MAX_READ)")
         return x.dtype
 
     def run(self, x, weight, config):
@@ -104,12 +148,16 @@ class RouteTopKBackend:
     op then sorts the slots in a second launch): taken with the router kernel
     on, from :data:`ROUTE_SPLIT_MIN_WORK`; config: the logits per lane."""
 
-    def choose_config(self, logits, top_k) -> int | None:
+    def choose_config(self, logits, top_k) -> int | Declined:
         tokens, num_experts = logits.shape
         if not 0 < num_experts <= MAX_EXPERTS:
-            return None
+            return Declined(f"{num_experts} experts: the routing kernels take 1 to "
+                            f"{MAX_EXPERTS}")
         width = lane_width(num_experts)
-        return width if tokens * width >= ROUTE_SPLIT_MIN_WORK else None
+        if tokens * width < ROUTE_SPLIT_MIN_WORK:
+            return Declined(f"{tokens} tokens: the one-CTA routing is faster below "
+                            f"ROUTE_SPLIT_MIN_WORK")
+        return width
 
     def run(self, logits, top_k, config):
         tokens = logits.shape[0]
@@ -124,41 +172,5 @@ ROUTER_LOGITS = RouterLogitsBackend()
 ROUTE_TOPK = RouteTopKBackend()
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` (T, E) in x's dtype: x (T, H) and weight (E, H) bf16/fp16
-    with 16-byte rows (H a multiple of 8, row strides too), ``out`` (T, E)
-    contiguous or None; on the current stream."""
-    tokens, hidden = x.shape
-    if not 0 < tokens <= ROUTER_MAX_TOKENS:
-        raise ValueError(f"the router kernel takes 1 to {ROUTER_MAX_TOKENS} tokens, "
-                         f"got {tokens}")
-    if hidden % 8 or weight.shape[1] != hidden:
-        raise ValueError(f"x (T, H) and weight (E, H) need one H, a multiple of 8: got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
-    if out is None:
-        out = torch.empty(tokens, weight.shape[0], dtype=x.dtype, device=x.device)
-    if weight.shape[0]:
-        _router_kernel(x.dtype)(x, weight, out)
-    return out
-
-
-def route_topk(logits: torch.Tensor, top_k: int, weights: torch.Tensor | None = None,
-               experts: torch.Tensor | None = None):
-    """(weights (T, k) fp32, experts (T, k) int64): ``ts_moe.route`` of ``logits``
-    (T, E) contiguous, E <= MAX_EXPERTS, a warp a token on many CTAs; the
-    experts and weights of :func:`.route_sm90_launch.route_slots`, bit for bit.  ``weights`` and
-    ``experts``: contiguous outputs to write, or None."""
-    tokens, num_experts = logits.shape
-    if not 0 < num_experts <= MAX_EXPERTS:
-        raise ValueError(f"the routing kernel takes 1 to {MAX_EXPERTS} experts, "
-                         f"got {num_experts}")
-    _check_top_k(top_k, num_experts)
-    dev = logits.device
-    if weights is None:
-        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=dev)
-    if experts is None:
-        experts = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
-    if tokens:
-        _topk_kernel(logits.dtype, lane_width(num_experts))(logits, weights, experts)
-    return weights, experts
+KERNELS = Kernels(backends={Op.ROUTER_LOGITS: ROUTER_LOGITS, Op.ROUTE_TOPK: ROUTE_TOPK},
+                  builds=builds, checked=checked, max_experts=MAX_EXPERTS)

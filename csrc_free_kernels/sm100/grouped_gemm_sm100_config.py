@@ -4,7 +4,7 @@ on hardware here)."""
 
 from dataclasses import dataclass
 
-from ..common.kernel_config import KernelConfig
+from ..common.kernel_config import Declined, KernelConfig
 
 MAX_EXPERTS = 512
 
@@ -37,8 +37,11 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 148) 
     return WIDE if waves >= 2 else NARROW
 
 
-def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfigSm100 | None:
-    """The fused SwiGLU tiles for these shapes, or None where I is not a multiple
+def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfigSm100 | Declined:
+    """The fused SwiGLU tiles for these shapes, or the reason where I is not a multiple
     of ``tile_n / 2`` (the caller then runs the GEMM and the activation apart)."""
     cfg = choose_config(num_experts, two_inter, k, m)
-    return cfg if (two_inter // 2) % (cfg.tile_n // 2) == 0 else None
+    if (two_inter // 2) % (cfg.tile_n // 2):
+        return Declined(f"I = {two_inter // 2}: the fused sm_100 kernel's {cfg.name} tiles "
+                        f"need a multiple of {cfg.tile_n // 2}")
+    return cfg

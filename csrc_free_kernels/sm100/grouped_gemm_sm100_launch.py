@@ -1,20 +1,29 @@
-"""Torch side of the Blackwell grouped GEMM: compile (once per configuration)
-and launch :class:`csrc_free_kernels.sm100.grouped_gemm_sm100.GroupedGemmSm100` on
-the current stream (never run on hardware here).
+"""Torch side of the Blackwell grouped GEMM: its builds, compiled once each, and its
+backends, which launch :class:`csrc_free_kernels.sm100.grouped_gemm_sm100.GroupedGemmSm100`
+on the current stream (never run on hardware here).
 
+- :func:`build`, :func:`builds`: one compile, and every one a call can reach;
+  :func:`checked`: those the PTX tests and the pre-flight compile;
 - :data:`GROUPED_GEMM`, :data:`GROUPED_GEMM_SWIGLU`: the sm_100 backends of the
   op layer (``ts_moe.ops.backend``); they gather ``a[a_index]`` in the kernel;
-- :func:`grouped_gemm`: the module's own entry (tests, benchmarks).
+  :data:`KERNELS`.
 """
 
 import functools
+import itertools
 
 import cutlass
 import torch
 
 from ..common import compile as kcompile
+from ..common.family import Build, Kernels, Op
+from ..common.kernel_config import Declined
 from .grouped_gemm_sm100 import GroupedGemmSm100
-from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100, choose_config, swiglu_config
+from .grouped_gemm_sm100_config import (CONFIGS, MAX_EXPERTS, TileConfigSm100, choose_config,
+                                        swiglu_config)
+
+HALF = (torch.bfloat16, torch.float16)  # the kernel's operand types
+
 
 def fake_args(a_dtype, c_dtype, b_n_major: bool, swiglu: bool = False, gather: bool = True):
     """Symbolic (M, K), (E, K, N), (M', N'), (E,) and row-index tensors (``N' = N / 2``
@@ -24,19 +33,55 @@ def fake_args(a_dtype, c_dtype, b_n_major: bool, swiglu: bool = False, gather: b
                                    row_index=True, gather=gather)
 
 
-@functools.cache
-def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, gather: bool,
-                    swiglu: bool):
+def build(config: TileConfigSm100, a_dtype=torch.bfloat16, c_dtype=None,
+          b_n_major: bool = True, gather: bool = True, swiglu: bool = False) -> Build:
+    """The build of a call (``sm100_gemm_<config>`` / ``sm100_swiglu_<config>``, with
+    ``_fp16``, ``_bk`` for K-major weights, ``_dense`` without the row gather and
+    ``_f32_out``)."""
+    c_dtype = c_dtype or a_dtype
     key = ("GroupedGemmSm100", config, str(a_dtype), str(c_dtype), b_n_major, gather, swiglu,
            "sm_100a")
+    name = ("sm100_" + ("swiglu_" if swiglu else "gemm_") + config.name
+            + ("_fp16" if a_dtype == torch.float16 else "") + ("" if b_n_major else "_bk")
+            + ("" if gather else "_dense") + ("_f32_out" if c_dtype == torch.float32 else ""))
 
-    def build():
+    def make():
         kernel = GroupedGemmSm100(config, gather=gather, b_n_major=b_n_major, swiglu=swiglu)
         ca, cc = kcompile.CUTE_DTYPES[a_dtype], kcompile.CUTE_DTYPES[c_dtype]
         return kernel, (*fake_args(ca, cc, b_n_major, swiglu, gather), cutlass.Int32(2),
                         kcompile.fake_stream())
 
-    return kcompile.get_compiled(key, build)
+    return Build(name, key, make, {"config": config, "a_dtype": a_dtype, "c_dtype": c_dtype,
+                                   "b_n_major": b_n_major, "gather": gather, "swiglu": swiglu})
+
+
+def builds():
+    """Every build a call can reach: each configuration x operand type x gathering or
+    not x (plain: either weight layout, output in the operand type or fp32; SwiGLU:
+    H-contiguous weights, the operand type)."""
+    for config, dtype, gather in itertools.product(CONFIGS.values(), HALF, (True, False)):
+        for b_n_major in (True, False):
+            for out in (dtype, torch.float32):
+                yield build(config, dtype, out, b_n_major, gather)
+        yield build(config, dtype, dtype, False, gather, swiglu=True)
+
+
+_CHECKED = {"sm100_gemm_n256", "sm100_gemm_n256_bk", "sm100_gemm_n256_dense",
+            "sm100_gemm_n256_f32_out", "sm100_gemm_n128", "sm100_swiglu_n256_bk",
+            "sm100_swiglu_n128_bk"}
+
+
+def checked(b: Build) -> bool:
+    """bf16 in both configurations; at 256 columns K-major weights, no gather and fp32
+    output once each; SwiGLU in both."""
+    return b.name in _CHECKED
+
+
+@functools.cache
+def compiled_kernel(config: TileConfigSm100, a_dtype, c_dtype, b_n_major: bool, gather: bool,
+                    swiglu: bool):
+    b = build(config, a_dtype, c_dtype, b_n_major, gather, swiglu)
+    return kcompile.get_compiled(b.key, b.make)
 
 
 @functools.cache
@@ -58,9 +103,10 @@ class GroupedGemmBackend:
 
     gathers = True
 
-    def choose_config(self, a, b, offs, out, a_index) -> TileConfigSm100 | None:
+    def choose_config(self, a, b, offs, out, a_index) -> TileConfigSm100 | Declined:
         if a.shape[1] % 8:
-            return None
+            return Declined(f"K = {a.shape[1]}: the sm_100 kernel gathers 16-byte chunks "
+                            f"(a multiple of 8)")
         return choose_config(b.shape[0], b.shape[2], a.shape[1], out.shape[0])
 
     def run(self, a, b, offs, out, config, *, a_index=None, prefetch_weights=False):
@@ -74,9 +120,10 @@ class GroupedGemmSwigluBackend:
 
     gathers = True
 
-    def choose_config(self, a, gate_up, offs, out, a_index) -> TileConfigSm100 | None:
+    def choose_config(self, a, gate_up, offs, out, a_index) -> TileConfigSm100 | Declined:
         if a.shape[1] % 8 or gate_up.stride(2) != 1:
-            return None
+            return Declined("the fused sm_100 kernel takes K a multiple of 8 and "
+                            "H-contiguous weights")
         return swiglu_config(gate_up.shape[0], gate_up.shape[1], a.shape[1], out.shape[0])
 
     def run(self, a, gate_up, offs, out, config, *, a_index=None, prefetch_weights=False):
@@ -87,25 +134,6 @@ GROUPED_GEMM = GroupedGemmBackend()
 GROUPED_GEMM_SWIGLU = GroupedGemmSwigluBackend()
 
 
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, *,
-                 a_index: torch.Tensor | None = None, swiglu: bool = False,
-                 config: TileConfigSm100 | None = None) -> torch.Tensor:
-    """Launch on the current stream, for tests and benchmarks (the op layer calls
-    :data:`GROUPED_GEMM`); ``out`` (M', N) or (M', N / 2) for SwiGLU, 16-byte
-    rows; K a multiple of 8, I a multiple of ``tile_n / 2`` for SwiGLU.  Never
-    run on hardware here (see the module docstring)."""
-    k = a.shape[1]
-    num_experts, _, n = b.shape
-    if k % 8:
-        raise ValueError(f"the sm_100 kernel gathers 16-byte chunks: K = {k} must be a "
-                         f"multiple of 8")
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"the sm_100 kernel supports up to {MAX_EXPERTS} experts, "
-                         f"got {num_experts}")
-    cfg = config or choose_config(num_experts, n, k, out.shape[0])
-    if swiglu and (n // 2) % (cfg.tile_n // 2):
-        raise ValueError(f"the fused SwiGLU kernel needs I = {n // 2} to be a multiple of "
-                         f"{cfg.tile_n // 2}")
-    if out.shape[0] == 0 or out.shape[1] == 0:
-        return out
-    return _launch(a if a.stride(-1) == 1 else a.contiguous(), b, offs, out, cfg, a_index, swiglu)
+KERNELS = Kernels(backends={Op.GROUPED_GEMM: GROUPED_GEMM,
+                            Op.GROUPED_GEMM_SWIGLU: GROUPED_GEMM_SWIGLU},
+                  builds=builds, checked=checked, max_experts=MAX_EXPERTS)

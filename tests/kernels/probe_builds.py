@@ -1,4 +1,6 @@
-"""The probes' PTX builds, beside the kernels' own (``csrc_free_kernels.ptx_dump.BUILDS``).
+"""The probes' PTX builds, beside the kernels' own (``csrc_free_kernels.ptx_dump.BUILDS``):
+the ``ts_pipeline`` probes, and kernel builds no call reaches that the tests read (a
+configuration without raster bands; FP8 mainloops under a lowered register cap).
 
     CUTE_DSL_ARCH=sm_90a python -m tests.kernels.probe_builds OUT_DIR '["probe90_P1", ...]'
 
@@ -7,15 +9,21 @@ hand :data:`MODULE` to ``ptx_dump.dump`` (``main_module``), so that its child
 process runs this module and the package never imports the tests.
 """
 
+import dataclasses
 import json
 import sys
 
 from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.common.family import Build
 
 MODULE = "tests.kernels.probe_builds"
 
 
-def _probe90(p, stages=4, **kw):
+def _probe(name, make):
+    return Build(name, ("probe", name), make, {"plain_compile": True})
+
+
+def _probe90(name, p, stages=4, **kw):
     def build():
         import cutlass
         import cutlass.cute as cute
@@ -32,10 +40,10 @@ def _probe90(p, stages=4, **kw):
             kw["pipelines"] = ref
         return PipelineProbeSm90(p, stages, **kw), (x, y, cutlass.Int32(1), cutlass.Int32(1),
                                                      cute.runtime.make_fake_stream())
-    return build
+    return _probe(name, build)
 
 
-def _probe100(kind, cluster_v=2):
+def _probe100(name, kind, cluster_v=2):
     def build():
         import cutlass
         import cutlass.cute as cute
@@ -44,22 +52,51 @@ def _probe100(kind, cluster_v=2):
 
         return PipelineProbeSm100(kind, cluster_v), (cutlass.Int32(1),
                                                      cute.runtime.make_fake_stream())
-    return build
+    return _probe(name, build)
 
 
-BUILDS = {
-    **{f"probe90_P{p}": _probe90(p) for p in (1, 2, 3, 4)},
-    **{f"probe90_P{p}_reference": _probe90(p, reference=True) for p in (1, 2, 3, 4)},
-    "probe90_P3_no_leader": _probe90(3, leader_arms=False),
-    "probe100_async_thread_2cta": _probe100("async_thread"),
-    "probe100_async_thread_1cta": _probe100("async_thread", 1),
-    "probe100_async_load_2cta": _probe100("async_load"),
-    "probe100_umma_umma_2cta": _probe100("umma_umma"),
-    "probe100_umma_umma_1cta": _probe100("umma_umma", 1),
-}
+def _whole_experts():
+    """The prefill GEMM without raster bands (``band_m=0``): its schedule's other walk."""
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as g
+
+    b = g.build(dataclasses.replace(c.PREFILL, band_m=0))
+    return dataclasses.replace(b, name="gemm_prefill_whole_experts")
+
+
+def _capped(config, regs):
+    """The widest FP8 mainloop (SwiGLU, blockwise) with its MMA warpgroups capped at
+    ``regs`` registers: it must still not spill."""
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_config as c
+    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as f
+
+    b = f.build(c.CONFIGS[config], "blockwise", swiglu=True)
+
+    def make():
+        kernel, args = b.make()
+        kernel.mma_regs = regs
+        return kernel, args
+
+    spec = {**b.spec, "regs": regs}
+    return Build(f"{b.name}_r{regs}", (*b.key, ("mma_regs", regs)), make, spec)
+
+
+BUILDS = {b.name: b for b in (
+    *(_probe90(f"probe90_P{p}", p) for p in (1, 2, 3, 4)),
+    *(_probe90(f"probe90_P{p}_reference", p, reference=True) for p in (1, 2, 3, 4)),
+    _probe90("probe90_P3_no_leader", 3, leader_arms=False),
+    _probe100("probe100_async_thread_2cta", "async_thread"),
+    _probe100("probe100_async_thread_1cta", "async_thread", 1),
+    _probe100("probe100_async_load_2cta", "async_load"),
+    _probe100("probe100_umma_umma_2cta", "umma_umma"),
+    _probe100("probe100_umma_umma_1cta", "umma_umma", 1),
+    _whole_experts(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
 ALL_BUILDS = {**BUILDS, **ptx_dump.BUILDS}
 """Every build the PTX tests compile: the probes, then the kernels'."""
+SM100 = [n for n in ALL_BUILDS if n.startswith("probe100_") or (
+    n in ptx_dump.BUILDS and ptx_dump.arch_of(n) == "sm_100a")]
+"""The builds compiled for sm_100a (the others: sm_90a)."""
 
 
 if __name__ == "__main__":
-    ptx_dump.main(sys.argv[1], json.loads(sys.argv[2]), ALL_BUILDS)
+    ptx_dump.main(sys.argv[1], json.loads(sys.argv[2]), BUILDS)

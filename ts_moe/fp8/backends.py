@@ -1,6 +1,6 @@
 """The FP8 families' backends besides ts_moe's kernels (the families of
 :mod:`ts_moe.ops.backend`: ``ScaledGroupedGemm``, ``ScaledGroupedGemmSwiglu``,
-``QuantizeFp8``); :mod:`ts_moe.fp8.paths` orders them per device.
+``QuantizeFp8``); :mod:`ts_moe.ops.paths` orders them per device.
 
 - torch's FP8 grouped GEMM (:data:`TORCH_SCALED_GEMM`): ``torch._scaled_grouped_mm``,
   or ``torch.nn.functional.scaled_grouped_mm`` with the recipes named where this torch

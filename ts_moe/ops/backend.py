@@ -1,21 +1,19 @@
 """The kernel interface: what every backend of an op family offers.
 
-A backend is an arch's kernels (``csrc_free_kernels.*_launch``: sm_90,
-sm_100), torch's own (:mod:`ts_moe.ops.torch_backend`), plain torch
+A backend is an arch's kernels (the families of ``csrc_free_kernels.families``:
+sm_90, sm_100), torch's own (:mod:`ts_moe.ops.torch_backend`), plain torch
 (:mod:`ts_moe.ops.reference_backend`), or for the FP8 families one of
-:mod:`ts_moe.fp8.backends`.  :mod:`ts_moe.ops.paths` (:mod:`ts_moe.fp8.paths`)
-picks them per call; the op then
+:mod:`ts_moe.fp8.backends`.  :mod:`ts_moe.ops.paths` orders them per call; the op
+then
 
 1. validates the call once (:mod:`ts_moe.checks`; :mod:`ts_moe.fp8.recipes`,
    which parses the FP8 recipes into their one value) and brings the operands to
    the layout its family promises (:mod:`ts_moe.ops.layout`; an FP8 backend
    brings them to its own),
 2. asks ``backend.choose_config(...)``: the kernel configuration for this
-   call, or a falsy answer where this backend cannot take it (a size its tiles
-   cannot cover, an unaligned row, ...): None, or a :class:`Declined` with the
-   reason (the FP8 families' backends give one: their declines choose between
-   paths as different as a kernel and a dequantization); the op then takes the
-   next backend (:func:`chosen`, :func:`first_taker`; the reference takes every
+   call, or, where this backend cannot take it (a size its tiles cannot cover, an
+   unaligned row, ...), a :class:`Declined` with the reason (falsy); the op then
+   takes the next backend of its paths (:func:`first_taker`; the last takes every
    call),
 3. calls ``backend.run(..., config)`` once: no validation there, nothing
    raised for a call its ``choose_config`` took, the config used as given.
@@ -27,11 +25,11 @@ with no empty dimension (the op answers those itself).
 """
 
 from collections.abc import Hashable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from .kernels import Declined
+from .kernels import Declined, Op
 
 Config = Hashable  # a backend's own configuration object (a tile config, a build width, ...)
 
@@ -50,7 +48,7 @@ class GroupedGemm(Protocol):
     gathers: bool
 
     def choose_config(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                      out: torch.Tensor, a_index: torch.Tensor | None) -> Config | None: ...
+                      out: torch.Tensor, a_index: torch.Tensor | None) -> Config | Declined: ...
 
     def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
             config: Config, *, a_index: torch.Tensor | None = None,
@@ -65,7 +63,7 @@ class GroupedGemmK(Protocol):
     for an expert without rows."""
 
     def choose_config(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
-                      out: torch.Tensor) -> Config | None: ...
+                      out: torch.Tensor) -> Config | Declined: ...
 
     def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
             config: Config) -> torch.Tensor: ...
@@ -82,7 +80,7 @@ class GroupedGemmSwiglu(Protocol):
     gathers: bool
 
     def choose_config(self, a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor,
-                      out: torch.Tensor, a_index: torch.Tensor | None) -> Config | None: ...
+                      out: torch.Tensor, a_index: torch.Tensor | None) -> Config | Declined: ...
 
     def run(self, a: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor,
             out: torch.Tensor, config: Config, *, a_index: torch.Tensor | None = None,
@@ -95,7 +93,7 @@ class SwigluActivation(Protocol):
     h (M, 2I), dy and out (M, I), dh (M, 2I): one float dtype, a unit stride on
     the last dim, 16-byte rows; ``dy`` None for the forward."""
 
-    def choose_config(self, h: torch.Tensor, dy: torch.Tensor | None) -> Config | None: ...
+    def choose_config(self, h: torch.Tensor, dy: torch.Tensor | None) -> Config | Declined: ...
 
     def forward(self, h: torch.Tensor, out: torch.Tensor, config: Config) -> torch.Tensor: ...
 
@@ -108,7 +106,7 @@ class RouteSlots(Protocol):
     ``ts_moe.reference.route`` and ``ts_moe.reference.sort_slots``, bit for bit.
     logits (T, E) contiguous."""
 
-    def choose_config(self, logits: torch.Tensor, top_k: int) -> Config | None: ...
+    def choose_config(self, logits: torch.Tensor, top_k: int) -> Config | Declined: ...
 
     def run(self, logits: torch.Tensor, top_k: int, config: Config) -> tuple: ...
 
@@ -117,7 +115,7 @@ class RouteTopK(Protocol):
     """The routing alone: ``(weights, experts)`` of ``ts_moe.reference.route``, bit
     for bit.  logits (T, E) contiguous."""
 
-    def choose_config(self, logits: torch.Tensor, top_k: int) -> Config | None: ...
+    def choose_config(self, logits: torch.Tensor, top_k: int) -> Config | Declined: ...
 
     def run(self, logits: torch.Tensor, top_k: int, config: Config) -> tuple: ...
 
@@ -126,7 +124,7 @@ class SortSlots(Protocol):
     """The slot order ``(token_index, offs, inverse)`` of ``ts_moe.reference.sort_slots``,
     bit for bit (ids outside ``[0, E)`` dropped).  experts (T, k) contiguous."""
 
-    def choose_config(self, experts: torch.Tensor, num_experts: int) -> Config | None: ...
+    def choose_config(self, experts: torch.Tensor, num_experts: int) -> Config | Declined: ...
 
     def run(self, experts: torch.Tensor, num_experts: int, config: Config) -> tuple: ...
 
@@ -138,7 +136,7 @@ class RowSum(Protocol):
     index contiguous int32/int64."""
 
     def choose_config(self, src: torch.Tensor, index: torch.Tensor,
-                      weights: torch.Tensor | None) -> Config | None: ...
+                      weights: torch.Tensor | None) -> Config | Declined: ...
 
     def run(self, src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None,
             config: Config) -> torch.Tensor: ...
@@ -147,7 +145,7 @@ class RowSum(Protocol):
 class RouterLogits(Protocol):
     """``x @ weight.T`` (T, E) in x's dtype, fp32 sums."""
 
-    def choose_config(self, x: torch.Tensor, weight: torch.Tensor) -> Config | None: ...
+    def choose_config(self, x: torch.Tensor, weight: torch.Tensor) -> Config | Declined: ...
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, config: Config) -> torch.Tensor: ...
 
@@ -163,7 +161,7 @@ class ScaledGroupedGemm(Protocol):
     kernels' names for the pairs); offs int32 (E,); out (M', N) in the output dtype
     (bf16, fp16 or fp32) with 16-byte rows, written whole (or a tensor of its shape,
     dtype and strides returned instead).  ``choose_config`` reads only the output's
-    ``shape`` and ``dtype`` (``ts_moe.fp8.scaled_ops.OutputSpec``): the op allocates the
+    ``shape`` and ``dtype`` (:class:`OutputSpec`): the op allocates the
     output once the path is known, and only for a backend that writes into one."""
 
     allocates: bool  # True: ``run`` returns a tensor of its own and is given out=None
@@ -206,37 +204,28 @@ class QuantizeFp8(Protocol):
     def run(self, x: torch.Tensor, recipe: str, config: Config) -> tuple: ...
 
 
-FAMILIES = (GroupedGemm, GroupedGemmK, GroupedGemmSwiglu, SwigluActivation, RouteSlots,
-            RouteTopK, SortSlots, RowSum, RouterLogits, ScaledGroupedGemm,
-            ScaledGroupedGemmSwiglu, QuantizeFp8)
+PROTOCOLS = {Op.GROUPED_GEMM: GroupedGemm, Op.GROUPED_GEMM_K: GroupedGemmK,
+             Op.GROUPED_GEMM_SWIGLU: GroupedGemmSwiglu, Op.SWIGLU_ACTIVATION: SwigluActivation,
+             Op.ROUTE_SLOTS: RouteSlots, Op.ROUTE_TOPK: RouteTopK, Op.SORT_SLOTS: SortSlots,
+             Op.ROW_SUM: RowSum, Op.ROUTER_LOGITS: RouterLogits,
+             Op.SCALED_GROUPED_GEMM: ScaledGroupedGemm,
+             Op.SCALED_GROUPED_GEMM_SWIGLU: ScaledGroupedGemmSwiglu,
+             Op.QUANTIZE_FP8: QuantizeFp8}
+"""The protocol of each op family (``csrc_free_kernels.common.family.Op``)."""
 
 
-class NoKernel:
-    """A family an arch has no kernel for: it takes no call (the op goes on to
-    the next backend)."""
+class OutputSpec(NamedTuple):
+    """What a backend's ``choose_config`` reads of an output: its shape and dtype (the
+    output itself is allocated once the backend is known)."""
 
-    gathers = False
-
-    def choose_config(self, *args) -> None:
-        return None
-
-    def run(self, *args, **kwargs):
-        raise AssertionError("NoKernel takes no call: its choose_config declines them all")
-
-
-def chosen(backend, fallback, *args) -> tuple:
-    """``(backend, config)`` of the first of the two whose ``choose_config(*args)``
-    takes the call (``fallback``: one that takes every call)."""
-    config = backend.choose_config(*args)
-    if config is None:
-        backend = fallback
-        config = backend.choose_config(*args)
-    return backend, config
+    shape: tuple
+    dtype: torch.dtype
 
 
 def first_taker(backends, *args) -> tuple:
     """``(backend, config)`` of the first of ``backends`` whose ``choose_config(*args)``
-    takes the call; the last must take every call."""
+    takes the call (a truthy config; a :class:`Declined` is falsy); the last must take
+    every call."""
     for backend in backends:
         config = backend.choose_config(*args)
         if config:
@@ -245,8 +234,25 @@ def first_taker(backends, *args) -> tuple:
                          f"answered {config!r}")
 
 
-def run_first(backend, fallback, *args):
-    """``run(*args, config)`` of the first of the two that takes the call
-    (:func:`chosen`): the families whose ``run`` takes what ``choose_config`` does."""
-    backend, config = chosen(backend, fallback, *args)
+def run_first(backends, *args):
+    """``run(*args, config)`` of the first of ``backends`` that takes the call
+    (:func:`first_taker`): the families whose ``run`` takes what ``choose_config`` does."""
+    backend, config = first_taker(backends, *args)
     return backend.run(*args, config)
+
+
+def fused_or_split(pairs, fused_args, split_args) -> tuple:
+    """``(backend, config, fused)`` of a fused GEMM + SwiGLU call: per ``(fused,
+    split)`` pair of backends (a path's), in order, the fused one where its
+    ``choose_config(*fused_args)`` takes the call, else the path's plain GEMM where it
+    takes ``split_args`` (the GEMM to fp32, the op then applies the activation: one
+    rounding); the last pair takes every call."""
+    for fused, split in pairs:
+        config = fused.choose_config(*fused_args)
+        if config:
+            return fused, config, True
+        config = split.choose_config(*split_args)
+        if config:
+            return split, config, False
+    raise AssertionError(f"no backend took the call; the last, {type(split).__name__}, "
+                         f"answered {config!r}")

@@ -17,10 +17,11 @@ the segment ends (:func:`ts_moe.reference.segment_ends`): no access is out of
 bounds, segments never overlap, every output row is written.
 
 A call: :func:`grouped_gemm` -> the op -> :func:`_cuda` (or :func:`_cpu`):
-the path's backends (:func:`ts_moe.ops.paths.cuda_path`), one validation
+the device's capability (:func:`ts_moe.ops.paths.device_capability`), one validation
 (:func:`ts_moe.checks.layout_ready`, else the full check and the op's views),
-then :func:`dispatch`: ``choose_config`` and ``run`` of the backend
-(:mod:`ts_moe.ops.backend`).  The gradient is made of the op itself
+then :func:`dispatch`: the first backend of the call's paths whose ``choose_config``
+takes it (:func:`ts_moe.ops.paths.backends`, :func:`ts_moe.ops.backend.first_taker`),
+and its ``run``.  The gradient is made of the op itself
 (:func:`grouped_gemm_backward`), so it runs on the forward's path, eagerly
 and in compiled graphs, and double backward works.
 """
@@ -30,43 +31,40 @@ import torch
 from ..checks import check_grouped_gemm_args, check_tensor_types, contiguous_dim, layout_ready
 from ..reference import gather_rows as gather_rows_reference
 from . import paths, routing
+from .backend import Op, first_taker
 from .layout import aligned_rows, empty_output, operand, row_pad, tma_view
 from .library import below_autograd, define
-from .paths import GemmBackends
 
 SCHEMA = ("grouped_gemm(Tensor a, Tensor b, Tensor offs, ScalarType? out_dtype=None, *, "
           "Tensor? a_index=None, bool prefetch_weights=False) -> Tensor")
 
 
 # ------------------------------------------------------------------ running
-def run(backends: GemmBackends, a, b, offs, out_dtype=None, a_index=None,
+def run(capability, a, b, offs, out_dtype=None, a_index=None,
         prefetch_weights=False) -> torch.Tensor:
-    """A validated call: the empty sizes answered here, the operands in the
-    backends' layout (:func:`ts_moe.ops.layout.tma_view`), then :func:`dispatch`."""
+    """A validated call on a device of ``capability`` (None: the references): the empty
+    sizes answered here, the operands in the backends' layout
+    (:func:`ts_moe.ops.layout.tma_view`), then :func:`dispatch`."""
     if b.dim() == 2:
-        return _run_k(backends, a, b, offs, out_dtype)
+        return _run_k(capability, a, b, offs, out_dtype)
     m, n = (a if a_index is None else a_index).shape[0], b.shape[2]
     dtype = out_dtype or a.dtype
     if m == 0 or n == 0 or a.shape[1] == 0 or b.shape[0] == 0:
         return empty_output(a, m, n, dtype).zero_()
     a = tma_view(a, 1) if a_index is None else aligned_rows(a)
-    return dispatch(backends, a, tma_view(b, contiguous_dim(b.shape, b.stride())), offs, dtype,
+    return dispatch(capability, a, tma_view(b, contiguous_dim(b.shape, b.stride())), offs, dtype,
                     a_index, prefetch_weights)
 
 
-def dispatch(backends: GemmBackends, a, b, offs, dtype, a_index=None,
-             prefetch_weights=False) -> torch.Tensor:
-    """The row-grouped form on the path's backend, or where its ``choose_config``
-    declines, on the path without the kernels; ``a[a_index]`` gathered first
-    for a backend that does not gather itself.  Operands validated, in the
-    backends' layout, no empty dim."""
+def dispatch(capability, a, b, offs, dtype, a_index=None, prefetch_weights=False) -> torch.Tensor:
+    """The row-grouped form on the first backend of its paths that takes it; ``a[a_index]``
+    gathered first for a backend that does not gather itself.  Operands validated, in
+    the backends' layout, no empty dim."""
     m = (a if a_index is None else a_index).shape[0]
     out = empty_output(a, m, b.shape[2], dtype)
-    backend = backends.gemm
-    config = backend.choose_config(a, b, offs, out, a_index)
-    if config is None:
-        backend = paths.without_kernels(a.get_device(), a.dtype, dtype, b.shape[0]).gemm
-        config = backend.choose_config(a, b, offs, out, a_index)
+    backend, config = first_taker(
+        paths.backends(Op.GROUPED_GEMM, capability, a.dtype, dtype, b.shape[0]),
+        a, b, offs, out, a_index)
     if a_index is not None and not backend.gathers:
         # the row gather is the kernel ahead: offs and b are older (prefetch_weights)
         a, a_index, prefetch_weights = routing.gather_rows(a, a_index), None, True
@@ -74,7 +72,7 @@ def dispatch(backends: GemmBackends, a, b, offs, dtype, a_index=None,
                        prefetch_weights=prefetch_weights)
 
 
-def _run_k(backends: GemmBackends, a, b, offs, out_dtype=None) -> torch.Tensor:
+def _run_k(capability, a, b, offs, out_dtype=None) -> torch.Tensor:
     """The k-grouped form, a (K, M) and b (M, N) to (E, K, N), of a validated call."""
     dtype = out_dtype or a.dtype
     (k, m), n, num_experts = a.shape, b.shape[1], offs.shape[0]
@@ -82,27 +80,24 @@ def _run_k(backends: GemmBackends, a, b, offs, out_dtype=None) -> torch.Tensor:
     if 0 in (num_experts, k, m, n):
         return out.zero_()
     a, b = tma_view(a, 0), tma_view(b, 1)
-    backend = backends.gemm_k
-    config = backend.choose_config(a, b, offs, out)
-    if config is None:
-        backend = paths.without_kernels(a.get_device(), a.dtype, dtype, num_experts).gemm_k
-        config = backend.choose_config(a, b, offs, out)
+    backend, config = first_taker(
+        paths.backends(Op.GROUPED_GEMM_K, capability, a.dtype, dtype, num_experts),
+        a, b, offs, out)
     return backend.run(a, b, offs, out, config)
 
 
 def _cpu(a, b, offs, out_dtype=None, *, a_index=None, prefetch_weights=False):
     check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
-    return run(paths.REFERENCE_GEMMS, a, b, offs, out_dtype, a_index)
+    return run(None, a, b, offs, out_dtype, a_index)
 
 
 def _cuda(a, b, offs, out_dtype=None, *, a_index=None, prefetch_weights=False):
-    index = a.get_device()
-    backends = paths.cuda_path(index, a.dtype, out_dtype, offs.numel())[1]
-    if a_index is None and layout_ready(a, b, offs, out_dtype, index):
+    capability = paths.device_capability(a)
+    if a_index is None and layout_ready(a, b, offs, out_dtype, a.get_device()):
         # the hot path: valid, and already in the backends' layout
-        return dispatch(backends, a, b, offs, out_dtype or a.dtype, None, prefetch_weights)
+        return dispatch(capability, a, b, offs, out_dtype or a.dtype, None, prefetch_weights)
     check_grouped_gemm_args(a, b, offs, out_dtype, a_index=a_index)
-    return run(backends, a, b, offs, out_dtype, a_index, prefetch_weights)
+    return run(capability, a, b, offs, out_dtype, a_index, prefetch_weights)
 
 
 def _fake(a, b, offs, out_dtype=None, *, a_index=None, prefetch_weights=False):

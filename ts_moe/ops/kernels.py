@@ -1,33 +1,32 @@
-"""The kernel backends, imported once and statically, each family under its own
-guard: the only place the ops import ``csrc_free_kernels`` (the bf16 ops'
-paths, :mod:`ts_moe.ops.paths`, and the FP8 ops', :mod:`ts_moe.fp8.paths`;
-only the command line reaches the package's build tools directly: ``python -m
-ts_moe compile`` and ``cache``).  Importing them imports the DSL.
+"""The kernel families (``csrc_free_kernels.families``), each loaded once under its own
+guard: the only place the ops import ``csrc_free_kernels``' launch code (through the
+records' ``load``); the path table (:mod:`ts_moe.ops.paths`) reads what loaded.
+Importing this module imports the DSL.
 
-A family whose import fails (any exception: a missing DSL, an API the
-installed DSL lacks, a bug) is None here, its name is missing from
-:data:`AVAILABLE` and the reason is in :data:`FAILED`, with one
-:class:`KernelImportWarning` naming it; every other family stays on, and the
-paths take the next backend where a family is None.  Without
+A family whose load fails (any exception: a missing DSL, an API the installed DSL
+lacks, a bug) is missing from :data:`LOADED` and :data:`AVAILABLE`, its reason is in
+:data:`FAILED`, with one :class:`KernelImportWarning` naming it; every other family
+stays on, and the paths take the next backend where a family is missing.  Without
 ``nvidia-cutlass-dsl`` (``cutlass``) every family is off, said in one warning.
-The families and their status: :mod:`.kernel_status`.
 """
 
 import warnings
 
+from csrc_free_kernels.common.family import Family, Kernels, Op, Proof  # noqa: F401
 # what a backend answers for a call it does not take: the kernels own it (data flows
 # down), and it needs no DSL
 from csrc_free_kernels.common.kernel_config import Declined  # noqa: F401
-
-from . import kernel_status as status
+from csrc_free_kernels.families import BY_NAME, FAMILIES  # noqa: F401
 
 
 class KernelImportWarning(RuntimeWarning):
     """A kernel family could not be imported: it is off, the others are not."""
 
 
-FAILED: dict = {}
-"""``{family name: "ExceptionType: message"}`` of each family that failed to import."""
+LOADED: dict[str, Kernels] = {}
+"""``{family name: what its launch module serves}`` of each family that loaded."""
+FAILED: dict[str, str] = {}
+"""``{family name: "ExceptionType: message"}`` of each family that failed to load."""
 
 try:
     import cutlass  # noqa: F401  (every family's kernels are written in it)
@@ -39,48 +38,31 @@ except ImportError as exc:
                   f"references", KernelImportWarning, stacklevel=1)
 
 
-def _off(family: status.FamilyStatus, exc: Exception) -> None:
-    """Record ``family`` as off and warn once, naming it (unless the DSL is missing)."""
-    FAILED[family.name] = _NO_DSL or f"{type(exc).__name__}: {exc}"
-    if _NO_DSL is None:
-        warnings.warn(f"ts_moe: the {family.name} kernels ({family.title}) are off: importing "
-                      f"csrc_free_kernels.{family.module} raised {FAILED[family.name]}; "
-                      f"every other kernel family is unaffected", KernelImportWarning,
-                      stacklevel=2)
+def _load(family: Family) -> None:
+    """Load ``family``, or record it as off and warn once, naming it (unless the DSL is
+    missing)."""
+    try:
+        LOADED[family.name] = family.load()
+    except Exception as exc:
+        FAILED[family.name] = _NO_DSL or f"{type(exc).__name__}: {exc}"
+        if _NO_DSL is None:
+            warnings.warn(f"ts_moe: the {family.name} kernels ({family.title}) are off: "
+                          f"loading {family.load.__module__} raised {FAILED[family.name]}; "
+                          f"every other kernel family is unaffected", KernelImportWarning,
+                          stacklevel=2)
 
 
-try:
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as sm90
-except Exception as exc:
-    sm90 = _off(status.GEMM_SM90, exc)
-try:
-    from csrc_free_kernels.hopper import grouped_gemm_dw_sm90_launch as sm90_dw
-except Exception as exc:
-    sm90_dw = _off(status.GEMM_DW_SM90, exc)
-try:
-    from csrc_free_kernels.hopper import swiglu_sm90_launch as swiglu_sm90
-except Exception as exc:
-    swiglu_sm90 = _off(status.SWIGLU_SM90, exc)
-try:
-    from csrc_free_kernels.routing import route_sm90_launch as route_sm90
-except Exception as exc:
-    route_sm90 = _off(status.ROUTE_SM90, exc)
-try:
-    from csrc_free_kernels.routing import router_sm90_launch as router_sm90
-except Exception as exc:
-    router_sm90 = _off(status.ROUTER_SM90, exc)
-try:
-    from csrc_free_kernels.sm100 import grouped_gemm_sm100_launch as sm100
-except Exception as exc:
-    sm100 = _off(status.GEMM_SM100, exc)
-try:
-    from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as sm90_fp8
-except Exception as exc:
-    sm90_fp8 = _off(status.GEMM_FP8_SM90, exc)
-try:
-    from csrc_free_kernels.fp8 import quantize_fp8_sm90_launch as quantize_fp8_sm90
-except Exception as exc:
-    quantize_fp8_sm90 = _off(status.QUANTIZE_FP8_SM90, exc)
+for _family in FAMILIES:
+    _load(_family)
 
-AVAILABLE = frozenset(f.name for f in status.STATUS if f.in_ops and f.name not in FAILED)
-"""The names of the families that imported (all of the ops' families, where nothing failed)."""
+AVAILABLE = frozenset(f.name for f in FAMILIES if f.in_ops and f.name in LOADED)
+"""The names of the families the ops take that loaded (all of them, where nothing failed)."""
+
+
+def serving(arch: str, op: Op) -> tuple[Family, object] | None:
+    """``(family, backend)`` of the loaded family of ``arch`` that serves ``op``, or None."""
+    for family in FAMILIES:
+        kernels = LOADED.get(family.name)
+        if family.arch == arch and kernels is not None and op in kernels.backends:
+            return family, kernels.backends[op]
+    return None

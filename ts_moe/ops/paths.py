@@ -1,100 +1,99 @@
-"""Path policy: which backends run a call, from the device and the dtypes alone.
+"""Path policy: which backends a call tries, in order, from the device, the dtypes and
+the settings alone; one table for every op family, bf16, fp16, fp32 and FP8.
 
-- sm_90 (H100/H200), bf16/fp16: the CuTeDSL kernels (``csrc_free_kernels``,
-  ``offs`` on the device, no sync);
-- sm_90 and sm_100/sm_103 (B200, GB200, B300), bf16 in and out, where the
-  kernels don't run: ``torch._grouped_mm`` (its CUTLASS kernel; no sync);
-  sm_100 runs ts_moe's kernel only with ``ts_moe.settings.sm100_kernel``
-  (:func:`use_sm100_kernel`);
-- float32 on any CUDA GPU: ``torch._grouped_mm`` (its per-expert loop, which
-  reads ``offs`` on the host);
-- everything else (CPU, other GPUs and dtypes, ``ts_moe.settings.reference``,
-  that is ``TS_MOE_REFERENCE=1``): the plain-torch references, which read
-  ``offs`` on the host (a sync per call on a GPU).
+A path (:class:`Path`) is a set of backends, one per op family it serves
+(:data:`TABLE`); a call takes the first backend of its paths whose ``choose_config``
+takes it (:func:`ts_moe.ops.backend.first_taker`); a backend that does not answers a
+``Declined`` with the reason, and the last path takes every call.
 
-A path is a set of backends, one per op family (:class:`GemmBackends`); a
-device whose bf16 calls take the sm_90 kernels also runs the sm_90 routing,
-row and activation kernels (:class:`DeviceBackends`).  A call a kernel's
-``choose_config`` declines goes to :func:`without_kernels`: the path the same
-device would take without the kernels.
+=====================  ===================================================================
+op families            paths tried, in order
+=====================  ===================================================================
+grouped GEMMs          sm_90 (H100/H200), 16-bit: the sm_90 kernels; sm_100 (B200, GB200)
+(row, k-grouped,       16-bit with ``ts_moe.settings.sm100_kernel``: the sm_100 kernel;
+fused SwiGLU)          then the path the device takes without them: ``torch._grouped_mm``
+                       (its CUTLASS kernel) for bf16 in and out on sm_90/sm_10x, and for
+                       float32 on any CUDA GPU (its per-expert loop, a sync); else the
+                       plain-torch references (they read ``offs`` on the host)
+routing, slot order,   where the device's bf16 GEMMs take the sm_90 kernels: those kernels
+combine, gather,       (the router's with ``ts_moe.settings.router_kernel``), then the
+activation, router     references on the device; elsewhere the references
+FP8 GEMMs and the      sm_90: the sm_90 FP8 kernels with ``ts_moe.settings.fp8_kernels``,
+quantizer              ``torch._scaled_grouped_mm`` (rowwise, bf16 out), the weights
+                       dequantized to bf16 then ``ts_moe.grouped_gemm`` (it takes every
+                       call); other GPUs: the dequantized path; the quantizer: the kernel
+                       (sm_90, opted in), else the reference on the device
+=====================  ===================================================================
+
+The CPU, and ``ts_moe.settings.reference`` (``TS_MOE_REFERENCE=1``), take the references.
+A kernel family that did not load (:mod:`ts_moe.ops.kernels`) is missing from its path.
 """
 
 import enum
 import functools
-from typing import NamedTuple
 
 import torch
 
+from ..fp8 import backends as fp8
 from ..settings import settings
 from . import kernels
 from . import reference_backend as ref
 from . import torch_backend
-from .backend import (GroupedGemm, GroupedGemmK, GroupedGemmSwiglu, NoKernel, RouterLogits,
-                      RouteSlots, RouteTopK, RowSum, SortSlots, SwigluActivation)
+from .backend import Op
 
 
 class Path(enum.Enum):
     KERNEL_SM90 = "ts_moe CuTeDSL kernels (sm_90a)"
-    KERNEL_SM100 = "ts_moe CuTeDSL kernel (sm_100a; opted in, never run on hardware here)"
+    KERNEL_SM100 = "ts_moe CuTeDSL kernels (sm_100a; opted in, never run on hardware here)"
     TORCH_GROUPED_MM = "torch._grouped_mm"
+    TORCH_SCALED = "torch._scaled_grouped_mm (rowwise FP8, sm_90)"
+    DEQUANTIZE = "FP8 weights dequantized to bf16, then ts_moe.grouped_gemm"
     REFERENCE = "plain-torch reference (reads offs on the host)"
 
 
-class GemmBackends(NamedTuple):
-    """The grouped GEMMs of a path."""
+KERNEL_PATHS = {"sm_90a": Path.KERNEL_SM90, "sm_100a": Path.KERNEL_SM100}
+CAPABILITY = {Path.KERNEL_SM90: (9, 0), Path.KERNEL_SM100: (10, 0)}
+GEMM_OPS = (Op.GROUPED_GEMM, Op.GROUPED_GEMM_K, Op.GROUPED_GEMM_SWIGLU)
+DEVICE_OPS = (Op.SWIGLU_ACTIVATION, Op.ROUTE_SLOTS, Op.ROUTE_TOPK, Op.SORT_SLOTS, Op.ROW_SUM,
+              Op.ROUTER_LOGITS)
+FP8_OPS = (Op.SCALED_GROUPED_GEMM, Op.SCALED_GROUPED_GEMM_SWIGLU, Op.QUANTIZE_FP8)
 
-    gemm: GroupedGemm
-    gemm_k: GroupedGemmK
-    swiglu: GroupedGemmSwiglu
-
-
-class DeviceBackends(NamedTuple):
-    """The small kernels of a device: routing, slot order, rows, activation."""
-
-    route_slots: RouteSlots
-    route_topk: RouteTopK
-    sort_slots: SortSlots
-    row_sum: RowSum
-    router_logits: RouterLogits
-    activation: SwigluActivation
-
-
-REFERENCE_GEMMS = GemmBackends(ref.GROUPED_GEMM, ref.GROUPED_GEMM_K, ref.GROUPED_GEMM_SWIGLU)
-REFERENCE_DEVICE = DeviceBackends(ref.ROUTE_SLOTS, ref.ROUTE_TOPK, ref.SORT_SLOTS, ref.ROW_SUM,
-                                  ref.ROUTER_LOGITS, ref.SWIGLU_ACTIVATION)
-PATH_BACKENDS = {
-    Path.TORCH_GROUPED_MM: GemmBackends(torch_backend.GROUPED_GEMM, torch_backend.GROUPED_GEMM_K,
-                                        torch_backend.GROUPED_GEMM_SWIGLU),
-    Path.REFERENCE: REFERENCE_GEMMS,
+TABLE: dict[Path, dict[Op, object]] = {
+    Path.KERNEL_SM90: {}, Path.KERNEL_SM100: {},
+    Path.TORCH_GROUPED_MM: {Op.GROUPED_GEMM: torch_backend.GROUPED_GEMM,
+                            Op.GROUPED_GEMM_K: torch_backend.GROUPED_GEMM_K,
+                            Op.GROUPED_GEMM_SWIGLU: torch_backend.GROUPED_GEMM_SWIGLU},
+    Path.TORCH_SCALED: {Op.SCALED_GROUPED_GEMM: fp8.TORCH_SCALED_GEMM,
+                        Op.SCALED_GROUPED_GEMM_SWIGLU: fp8.TORCH_SCALED_SWIGLU},
+    Path.DEQUANTIZE: {Op.SCALED_GROUPED_GEMM: fp8.DEQUANTIZE_GEMM,
+                      Op.SCALED_GROUPED_GEMM_SWIGLU: fp8.DEQUANTIZE_SWIGLU},
+    Path.REFERENCE: {**ref.BACKENDS, Op.SCALED_GROUPED_GEMM: fp8.REFERENCE_GEMM,
+                     Op.SCALED_GROUPED_GEMM_SWIGLU: fp8.REFERENCE_SWIGLU,
+                     Op.QUANTIZE_FP8: fp8.REFERENCE_QUANTIZE},
 }
-# Each kernel family counts where it imported (ts_moe.ops.kernels); one that did not
-# is a NoKernel, and its calls take the path's next backend.
-KERNEL_MAX_EXPERTS = {}
-if kernels.sm90 is not None:
-    PATH_BACKENDS[Path.KERNEL_SM90] = GemmBackends(
-        kernels.sm90.GROUPED_GEMM,
-        kernels.sm90_dw.GROUPED_GEMM_K if kernels.sm90_dw is not None else NoKernel(),
-        kernels.sm90.GROUPED_GEMM_SWIGLU)
-    KERNEL_MAX_EXPERTS[9, 0] = kernels.sm90.MAX_EXPERTS
-if kernels.sm100 is not None:
-    PATH_BACKENDS[Path.KERNEL_SM100] = GemmBackends(
-        kernels.sm100.GROUPED_GEMM, NoKernel(), kernels.sm100.GROUPED_GEMM_SWIGLU)
-    KERNEL_MAX_EXPERTS[10, 0] = kernels.sm100.MAX_EXPERTS
-_route, _router, _act = kernels.route_sm90, kernels.router_sm90, kernels.swiglu_sm90
-SM90_DEVICE = DeviceBackends(
-    _route.ROUTE_SLOTS if _route is not None else NoKernel(),
-    _router.ROUTE_TOPK if _router is not None else NoKernel(),
-    _route.SORT_SLOTS if _route is not None else NoKernel(),
-    _route.ROW_SUM if _route is not None else NoKernel(),
-    _router.ROUTER_LOGITS if _router is not None else NoKernel(),
-    _act.SWIGLU_ACTIVATION if _act is not None else NoKernel())
+"""``{path: {op family: backend}}``: the kernel paths hold what each loaded family serves."""
+PROVIDER: dict = {}
+"""``{(kernel path, op family): the family}`` behind each kernel backend of :data:`TABLE`."""
+MAX_EXPERTS: dict = {}
+"""``{(kernel path, op family): the most experts its kernels take}``."""
+for _family in kernels.FAMILIES:
+    _kernels = kernels.LOADED.get(_family.name)
+    if _kernels is not None and _family.in_ops:
+        _path = KERNEL_PATHS[_family.arch]
+        for _op, _backend in _kernels.backends.items():
+            TABLE[_path].setdefault(_op, _backend)
+            PROVIDER.setdefault((_path, _op), _family)
+            MAX_EXPERTS.setdefault((_path, _op), _kernels.max_experts)
+SWITCHES = tuple(sorted({f.setting for f in kernels.FAMILIES if f.setting}))
+"""The ``ts_moe.settings`` attributes that turn an opt-in family on."""
 
 
 def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
                 out_dtype: torch.dtype | None, num_experts: int, *,
                 kernels_available: bool = True, kernel_max_experts: int = 512,
                 has_torch_grouped_mm: bool = True, sm100_opt_in: bool = False) -> Path:
-    """The path of a call on a device of compute ``capability`` (None: the CPU).
+    """The first path of a grouped GEMM on a device of compute ``capability`` (None: the
+    CPU).
 
     torch's grouped_mm takes its CUTLASS fast path only on sm_90 and sm_100
     (10.x) for bf16 in and out; elsewhere it loops over the experts with a host
@@ -132,51 +131,106 @@ def use_sm100_kernel(enabled: bool = True) -> None:
     settings.sm100_kernel = bool(enabled)
 
 
-def cuda_path(device_index: int, dtype: torch.dtype, out_dtype: torch.dtype | None = None,
-              num_experts: int = 1) -> tuple[Path, GemmBackends]:
-    """``(path, its backends)`` of a call on CUDA device ``device_index``
-    (``ts_moe.settings.reference`` and ``sm100_kernel`` read now)."""
-    if settings.reference:
-        return Path.REFERENCE, REFERENCE_GEMMS
-    return _cuda_path(device_index, dtype, out_dtype, num_experts, settings.sm100_kernel)
+def use_fp8_kernels(enabled: bool = True) -> None:
+    """Run FP8 calls on sm_90 on ts_moe's CuTeDSL FP8 kernels (the GEMM and the
+    activation quantizer): sets ``ts_moe.settings.fp8_kernels`` to ``bool(enabled)``.
+
+    Off by default until they pass every GPU test
+    (bench/notes/2026-12-06-h100-run.md); meanwhile sm_90 takes
+    ``torch._scaled_grouped_mm`` (rowwise) or the dequantize path.  Takes effect on the
+    next call; the layer's decode graphs captured before it keep the path they
+    captured."""
+    settings.fp8_kernels = bool(enabled)
+
+
+def fp8_kernels_enabled() -> bool:
+    """``ts_moe.settings.fp8_kernels``."""
+    return settings.fp8_kernels
 
 
 @functools.cache
-def _cuda_path(device_index, dtype, out_dtype, num_experts, sm100_opt_in):
-    capability = torch.cuda.get_device_capability(device_index)
-    max_experts = KERNEL_MAX_EXPERTS.get(capability, 0)
-    path = choose_path(capability, dtype, out_dtype, num_experts,
-                       kernels_available=max_experts > 0, kernel_max_experts=max_experts,
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """The capability whose paths ``t``'s calls take: None off CUDA and with
+    ``ts_moe.settings.reference`` (``TS_MOE_REFERENCE=1``, read now)."""
+    if t.device.type != "cuda" or settings.reference:
+        return None
+    return _capability(t.get_device())
+
+
+def paths_for(op: Op, capability: tuple[int, int] | None, dtype: torch.dtype | None = None,
+              out_dtype: torch.dtype | None = None, num_experts: int = 1) -> tuple[Path, ...]:
+    """The paths a call of ``op`` tries on a device of ``capability``, in order (the
+    settings read now); the last takes every call."""
+    return _paths(op, capability, dtype, out_dtype, num_experts,
+                  tuple(getattr(settings, s) for s in SWITCHES))
+
+
+def backends(op: Op, capability: tuple[int, int] | None, dtype: torch.dtype | None = None,
+             out_dtype: torch.dtype | None = None, num_experts: int = 1) -> tuple:
+    """The backends a call of ``op`` on a device of ``capability`` tries, in order."""
+    return tuple(TABLE[p][op] for p in paths_for(op, capability, dtype, out_dtype,
+                                                 num_experts))
+
+
+def pairs(fused: Op, split: Op, capability: tuple[int, int] | None,
+          dtype: torch.dtype | None = None, num_experts: int = 1) -> tuple:
+    """``(fused backend, plain GEMM backend)`` of each path a fused GEMM + SwiGLU call
+    tries, in order (:func:`ts_moe.ops.backend.fused_or_split`)."""
+    return tuple((TABLE[p][fused], TABLE[p][split])
+                 for p in paths_for(fused, capability, dtype, None, num_experts))
+
+
+def device_backends(op: Op, t: torch.Tensor) -> tuple:
+    """The backends a call of one of the device's small kernels (:data:`DEVICE_OPS`)
+    on ``t``'s device tries, in order."""
+    return backends(op, device_capability(t))
+
+
+def _gemm_path(op, capability, dtype, out_dtype, num_experts, on, kernels_available=True):
+    kernel = {(9, 0): Path.KERNEL_SM90, (10, 0): Path.KERNEL_SM100}.get(capability)
+    served = kernel is not None and (kernel, op) in PROVIDER
+    return choose_path(capability, dtype, out_dtype, num_experts,
+                       kernels_available=kernels_available and served,
+                       kernel_max_experts=MAX_EXPERTS.get((kernel, op)) or 0,
                        has_torch_grouped_mm=hasattr(torch, "_grouped_mm"),
-                       sm100_opt_in=sm100_opt_in)
-    return path, PATH_BACKENDS[path]
+                       sm100_opt_in=on.get("sm100_kernel", False))
 
 
 @functools.cache
-def without_kernels(device_index: int, dtype: torch.dtype, out_dtype: torch.dtype | None,
-                    num_experts: int) -> GemmBackends:
-    """The backends of a call a kernel's ``choose_config`` declined: the path
-    :func:`choose_path` gives this device without the kernels."""
-    path = choose_path(torch.cuda.get_device_capability(device_index), dtype, out_dtype,
-                       num_experts, kernels_available=False,
-                       has_torch_grouped_mm=hasattr(torch, "_grouped_mm"))
-    return PATH_BACKENDS[path]
-
-
-def device_backends(t: torch.Tensor) -> DeviceBackends:
-    """The small kernels where ``t``'s CUDA device runs the sm_90 kernels (its
-    bf16 calls take :attr:`Path.KERNEL_SM90`), else the references."""
-    if not t.is_cuda or cuda_path(t.get_device(), torch.bfloat16)[0] is not Path.KERNEL_SM90:
-        return REFERENCE_DEVICE
-    return SM90_DEVICE
+def _paths(op, capability, dtype, out_dtype, num_experts, switches) -> tuple[Path, ...]:
+    on = dict(zip(SWITCHES, switches))
+    if capability is None:
+        found = [Path.REFERENCE]
+    elif op in GEMM_OPS:
+        found = [_gemm_path(op, capability, dtype, out_dtype, num_experts, on),
+                 _gemm_path(op, capability, dtype, out_dtype, num_experts, on, False)]
+    elif op in DEVICE_OPS:
+        bf16 = _gemm_path(Op.GROUPED_GEMM, capability, torch.bfloat16, None, 1, on)
+        found = [Path.KERNEL_SM90, Path.REFERENCE] if bf16 is Path.KERNEL_SM90 else \
+            [Path.REFERENCE]
+    elif capability == (9, 0):  # the FP8 GEMMs: the dequantize path takes every call
+        found = [Path.KERNEL_SM90, Path.TORCH_SCALED, Path.DEQUANTIZE, Path.REFERENCE]
+    else:
+        found = [Path.DEQUANTIZE, Path.REFERENCE]
+    chain = []
+    for p in dict.fromkeys(found):
+        family = PROVIDER.get((p, op))
+        if op in TABLE[p] and (family is None or not family.setting or on[family.setting]):
+            chain.append(p)
+    return tuple(chain)
 
 
 def graph_path(device_index: int, dtype: torch.dtype, num_experts: int) -> Path | None:
-    """The path of the layer's calls in ``dtype`` with ``num_experts`` experts on
-    this CUDA device where it never syncs with the host, so that a CUDA graph
-    can hold it (the kernel paths, torch's grouped_mm in 16 bits), else None
-    (its float32 loop and the reference read ``offs`` on the host)."""
-    path = cuda_path(device_index, dtype, None, num_experts)[0]
+    """The path of the layer's GEMMs in ``dtype`` with ``num_experts`` experts on this
+    CUDA device where it never syncs with the host, so that a CUDA graph can hold it
+    (the kernel paths, torch's grouped_mm in 16 bits), else None (its float32 loop and
+    the reference read ``offs`` on the host)."""
+    capability = None if settings.reference else _capability(device_index)
+    path = paths_for(Op.GROUPED_GEMM, capability, dtype, None, num_experts)[0]
     if path in (Path.KERNEL_SM90, Path.KERNEL_SM100) or (
             path is Path.TORCH_GROUPED_MM and dtype != torch.float32):
         return path
@@ -185,4 +239,6 @@ def graph_path(device_index: int, dtype: torch.dtype, num_experts: int) -> Path 
 
 def kernel_arch(device_index: int) -> str | None:
     """'sm_90a' when bf16 calls on this CUDA device run the CuTeDSL kernels, else None."""
-    return "sm_90a" if cuda_path(device_index, torch.bfloat16)[0] is Path.KERNEL_SM90 else None
+    capability = None if settings.reference else _capability(device_index)
+    first = paths_for(Op.GROUPED_GEMM, capability, torch.bfloat16)[0]
+    return "sm_90a" if first is Path.KERNEL_SM90 else None

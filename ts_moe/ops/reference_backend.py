@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from .. import reference
 from ..reference import (acc_dtype, gather_rows, grouped_gemm_k_reference, grouped_gemm_reference,
                          grouped_gemm_swiglu_reference, swiglu, swiglu_backward)
+from .kernels import Op
 
 CONFIG = "reference"
 
@@ -110,4 +111,8 @@ ROUTE_TOPK = RouteTopK()
 SORT_SLOTS = SortSlots()
 ROW_SUM = RowSum()
 ROUTER_LOGITS = RouterLogits()
-
+BACKENDS = {Op.GROUPED_GEMM: GROUPED_GEMM, Op.GROUPED_GEMM_K: GROUPED_GEMM_K,
+            Op.GROUPED_GEMM_SWIGLU: GROUPED_GEMM_SWIGLU, Op.SWIGLU_ACTIVATION: SWIGLU_ACTIVATION,
+            Op.ROUTE_SLOTS: ROUTE_SLOTS, Op.ROUTE_TOPK: ROUTE_TOPK, Op.SORT_SLOTS: SORT_SLOTS,
+            Op.ROW_SUM: ROW_SUM, Op.ROUTER_LOGITS: ROUTER_LOGITS}
+"""The bf16 families' references, by op family (the FP8 ones: :mod:`ts_moe.fp8.backends`)."""

@@ -23,7 +23,7 @@ from ..checks import check_combine_args, check_experts, check_flag, check_permut
 from ..reference import Dispatch, SlotOrder
 from ..settings import settings
 from . import paths
-from .backend import chosen, run_first
+from .backend import Op, first_taker, run_first
 from .library import define
 
 
@@ -51,33 +51,32 @@ def router_kernel_enabled() -> bool:
 # ------------------------------------------------------------------ kernels
 def _router_logits_impl(x, weight):
     check_router_args(x, weight)
-    device = paths.device_backends(x) if settings.router_kernel else paths.REFERENCE_DEVICE
-    return run_first(device.router_logits, paths.REFERENCE_DEVICE.router_logits, x, weight)
+    return run_first(paths.device_backends(Op.ROUTER_LOGITS, x), x, weight)
 
 
 def _route_slots_impl(logits, top_k):
     check_route_args(logits, top_k)
     logits = logits.contiguous()
-    device = paths.device_backends(logits)
-    backend, config = chosen(device.route_slots, paths.REFERENCE_DEVICE.route_slots,
-                             logits, top_k)
-    if settings.router_kernel and backend is device.route_slots:
-        # a batch the one-CTA kernel takes, large enough for the many-CTA top-k
-        split = device.route_topk.choose_config(logits, top_k)
-        if split is not None:
-            weights, experts = device.route_topk.run(logits, top_k, split)
-            return (weights, experts, *_sort(device, experts, logits.shape[1]))
+    backend, config = first_taker(paths.device_backends(Op.ROUTE_SLOTS, logits), logits, top_k)
+    reference = paths.TABLE[paths.Path.REFERENCE]
+    topk = paths.device_backends(Op.ROUTE_TOPK, logits)[0]
+    if backend is not reference[Op.ROUTE_SLOTS] and topk is not reference[Op.ROUTE_TOPK]:
+        # a batch the one-CTA kernel takes, with the router kernels on: large enough
+        # for the many-CTA top-k, the top-k there and the slot order in a second launch
+        split = topk.choose_config(logits, top_k)
+        if split:
+            weights, experts = topk.run(logits, top_k, split)
+            return (weights, experts, *_sort(experts, logits.shape[1]))
     return backend.run(logits, top_k, config)
 
 
-def _sort(device, experts, num_experts):
-    return run_first(device.sort_slots, paths.REFERENCE_DEVICE.sort_slots, experts, num_experts)
+def _sort(experts, num_experts):
+    return run_first(paths.device_backends(Op.SORT_SLOTS, experts), experts, num_experts)
 
 
 def _sort_slots_impl(experts, num_experts):
     check_experts(experts, num_experts)
-    experts = experts.contiguous()
-    return _sort(paths.device_backends(experts), experts, num_experts)
+    return _sort(experts.contiguous(), num_experts)
 
 
 def _combine_impl(y_sorted, weights, inverse):
@@ -86,8 +85,7 @@ def _combine_impl(y_sorted, weights, inverse):
 
 
 def _row_sum(src, index, weights):
-    return run_first(paths.device_backends(src).row_sum, paths.REFERENCE_DEVICE.row_sum,
-                     src, index, weights)
+    return run_first(paths.device_backends(Op.ROW_SUM, src), src, index, weights)
 
 
 def gather_rows(a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:

@@ -17,12 +17,11 @@ import torch
 from ..checks import check_swiglu_activation_args, check_swiglu_args, check_tensor_types, \
     contiguous_dim, layout_ready
 from ..reference import gather_rows, swiglu, swiglu_double_backward
-from . import gemm, paths, routing
+from . import paths, routing
+from .backend import Op, OutputSpec, first_taker, fused_or_split
 from .gemm import grouped_gemm, scatter_rows, weight_grad
-from .backend import chosen
 from .layout import aligned_rows, empty_output, row_major, row_pad, tma_view
 from .library import below_autograd, define
-from .paths import GemmBackends
 
 GROUPED_SCHEMA = "grouped_gemm_swiglu(Tensor a, Tensor gate_up, Tensor offs, *, " \
                  "Tensor? a_index=None) -> Tensor"
@@ -36,51 +35,57 @@ SWIGLU_KEEPS_H = True
 
 
 # ------------------------------------------------------ grouped_gemm_swiglu
-def run(backends: GemmBackends, a, gate_up, offs, a_index=None) -> torch.Tensor:
-    """A validated call: the empty sizes answered here, the operands in the
-    backends' layout, then :func:`dispatch`."""
+def run(capability, a, gate_up, offs, a_index=None) -> torch.Tensor:
+    """A validated call on a device of ``capability`` (None: the references): the empty
+    sizes answered here, the operands in the backends' layout, then :func:`dispatch`."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, two_i, k = gate_up.shape
     if m == 0 or two_i == 0 or k == 0 or num_experts == 0:
         return empty_output(a, m, two_i // 2, a.dtype).zero_()
     a = tma_view(a, 1) if a_index is None else aligned_rows(a)
-    return dispatch(backends, a, tma_view(gate_up, contiguous_dim(gate_up.shape, gate_up.stride())),
-                    offs, a_index)
+    return dispatch(capability, a,
+                    tma_view(gate_up, contiguous_dim(gate_up.shape, gate_up.stride())), offs,
+                    a_index)
 
 
-def dispatch(backends: GemmBackends, a, gate_up, offs, a_index=None) -> torch.Tensor:
-    """The path's fused backend; where its ``choose_config`` declines (I not a
-    multiple of its tile), the path's GEMM to h (M, 2I) in fp32 and the
-    activation in fp32, one rounding."""
+def dispatch(capability, a, gate_up, offs, a_index=None) -> torch.Tensor:
+    """The first path whose fused backend takes the call; where it declines (I not a
+    multiple of its tile), that path's GEMM to h (M, 2I) in fp32 and the activation
+    in fp32, one rounding (:func:`ts_moe.ops.backend.fused_or_split`)."""
     m = (a if a_index is None else a_index).shape[0]
-    out = empty_output(a, m, gate_up.shape[1] // 2, a.dtype)
-    backend = backends.swiglu
-    config = backend.choose_config(a, gate_up, offs, out, a_index)
-    if config is None:
-        h = gemm.dispatch(backends, a, gate_up.transpose(-2, -1), offs, torch.float32, a_index)
-        return out.copy_(swiglu(h, a.dtype))
+    two_i = gate_up.shape[1]
+    out = empty_output(a, m, two_i // 2, a.dtype)
+    b = gate_up.transpose(-2, -1)
+    backend, config, fused = fused_or_split(
+        paths.pairs(Op.GROUPED_GEMM_SWIGLU, Op.GROUPED_GEMM, capability, a.dtype,
+                    gate_up.shape[0]),
+        (a, gate_up, offs, out, a_index), (a, b, offs, OutputSpec((m, two_i), torch.float32),
+                                           a_index))
     prefetch_weights = False
     if a_index is not None and not backend.gathers:
         # the row gather is the kernel ahead: offs and gate_up are older
         a, a_index, prefetch_weights = routing.gather_rows(a, a_index), None, True
-    return backend.run(a, gate_up, offs, out, config, a_index=a_index,
-                       prefetch_weights=prefetch_weights)
+    if fused:
+        return backend.run(a, gate_up, offs, out, config, a_index=a_index,
+                           prefetch_weights=prefetch_weights)
+    h = backend.run(a, b, offs, empty_output(a, m, two_i, torch.float32), config,
+                    a_index=a_index, prefetch_weights=prefetch_weights)
+    return out.copy_(swiglu(h, a.dtype))
 
 
 def _cpu(a, gate_up, offs, *, a_index=None):
     check_swiglu_args(a, gate_up, offs, a_index=a_index)
-    return run(paths.REFERENCE_GEMMS, a, gate_up, offs, a_index)
+    return run(None, a, gate_up, offs, a_index)
 
 
 def _cuda(a, gate_up, offs, *, a_index=None):
-    index = a.get_device()
-    backends = paths.cuda_path(index, a.dtype, None, offs.numel())[1]
-    if (a_index is None and layout_ready(a, gate_up, offs, None, index, k_dim=2)
+    capability = paths.device_capability(a)
+    if (a_index is None and layout_ready(a, gate_up, offs, None, a.get_device(), k_dim=2)
             and gate_up.shape[1] % 2 == 0):
         # the hot path: valid, and already in the backends' layout
-        return dispatch(backends, a, gate_up, offs)
+        return dispatch(capability, a, gate_up, offs)
     check_swiglu_args(a, gate_up, offs, a_index=a_index)
-    return run(backends, a, gate_up, offs, a_index)
+    return run(capability, a, gate_up, offs, a_index)
 
 
 def _fake(a, gate_up, offs, *, a_index=None):
@@ -140,7 +145,7 @@ def _grouped_with_grad(keyset, a, gate_up, offs, *, a_index=None):
 def _activation_backend(h, dy=None):
     """(backend, config): the device's elementwise kernel where it takes ``h``,
     else the reference."""
-    return chosen(paths.device_backends(h).activation, paths.REFERENCE_DEVICE.activation, h, dy)
+    return first_taker(paths.device_backends(Op.SWIGLU_ACTIVATION, h), h, dy)
 
 
 def _swiglu_impl(h):

@@ -16,16 +16,16 @@ others contiguous), on every path, so the result feeds
 ``torch.ops.ts_moe.quantize_fp8``: on sm_90 after :func:`ts_moe.use_fp8_kernels` an
 activation runs the quantize kernel (one pass; ``csrc_free_kernels.fp8.quantize_fp8_sm90_launch``),
 everything else the plain-torch reference on its device (no host sync either way): the
-paths' quantizers (:mod:`ts_moe.fp8.paths`).  No backward
+paths' quantizers (:mod:`ts_moe.ops.paths`).  No backward
 (:func:`ts_moe.ops.library.define_inference_op`).
 """
 
 import torch
 
-from ..ops.backend import first_taker
-from ..ops.library import define_inference_op
-from .paths import paths_for
-from .recipes import E4M3, Recipe, check_quantize_args, schema_recipe
+from ..fp8.recipes import E4M3, Recipe, check_quantize_args, schema_recipe
+from . import paths
+from .backend import Op, first_taker
+from .library import define_inference_op
 
 
 def _in_fast_layout(scale: torch.Tensor, recipe: Recipe, shape) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _in_fast_layout(scale: torch.Tensor, recipe: Recipe, shape) -> torch.Tensor:
 
 def _quantize_impl(x, recipe):
     recipe = check_quantize_args(x, recipe)
-    backend, config = first_taker((path.quantize for path in paths_for(x)), x, recipe)
+    backend, config = first_taker(paths.device_backends(Op.QUANTIZE_FP8, x), x, recipe)
     q, scale = backend.run(x, recipe, config)
     return q, _in_fast_layout(scale, recipe, x.shape)
 
@@ -57,7 +57,7 @@ _quantize_op = define_inference_op("quantize_fp8(Tensor x, str recipe) -> (Tenso
 def quantize_fp8(x: torch.Tensor, recipe) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_fp8, scale)`` of ``x`` by ``recipe`` (a ``torch.nn.functional.ScalingType``
     member, a :class:`ts_moe.fp8.recipes.Recipe`, or either's name); see
-    :mod:`ts_moe.fp8.quantize`."""
+    :mod:`ts_moe.ops.quantize`."""
     recipe = schema_recipe(recipe, "recipe")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

@@ -28,25 +28,17 @@ the weights once instead).
 Bad input (types, shapes, recipe pairs, K for blockwise, e5m2) is a TypeError or
 ValueError naming the argument before any kernel, on every path and under
 ``torch.compile`` (the fake kernel runs the same checks).  No backward
-(:func:`ts_moe.ops.library.define_inference_op`).  Paths: :mod:`ts_moe.fp8.paths`.
+(:func:`ts_moe.ops.library.define_inference_op`).  Paths: :mod:`ts_moe.ops.paths`.
 """
-
-from typing import NamedTuple
 
 import torch
 
-from ..ops.layout import empty_output
-from ..ops.library import define_inference_op
+from ..fp8.recipes import Pair, check_scaled_args, schema_recipe
 from ..reference import swiglu
-from .paths import Fp8Backends, gemm_path, paths_for
-from .recipes import Pair, check_scaled_args, schema_recipe
-
-class OutputSpec(NamedTuple):
-    """What a backend's ``choose_config`` reads of the output: its shape and dtype (the
-    output itself is allocated once the path is known)."""
-
-    shape: tuple
-    dtype: torch.dtype
+from . import paths
+from .backend import Op, OutputSpec, first_taker, fused_or_split
+from .layout import empty_output
+from .library import define_inference_op
 
 
 _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale_b, "
@@ -56,45 +48,42 @@ _ARGS = ("Tensor a, Tensor {b}, Tensor scale_a, str scale_recipe_a, Tensor scale
 # below keep them keyword-only)
 
 
-def run_gemm(paths: tuple[Fp8Backends, ...], a, b, scale_a, scale_b, offs, out_dtype,
-             pair: Pair, a_index=None) -> torch.Tensor:
-    """A validated ``scaled_grouped_gemm`` on the first of ``paths`` that takes it
-    (:func:`ts_moe.fp8.paths.gemm_path`), the degenerate sizes answered here."""
+def run_gemm(backends: tuple, a, b, scale_a, scale_b, offs, out_dtype, pair: Pair,
+             a_index=None) -> torch.Tensor:
+    """A validated ``scaled_grouped_gemm`` on the first of ``backends`` (its paths', or
+    one a caller names) that takes it, the degenerate sizes answered here."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, k, n = b.shape
     if 0 in (m, n, k, num_experts):
         return empty_output(a, m, n, out_dtype).zero_()
-    backends, config = gemm_path(paths, a, b, scale_a, scale_b, offs,
-                                 OutputSpec((m, n), out_dtype), a_index, pair)
+    backend, config = first_taker(backends, a, b, scale_a, scale_b, offs,
+                                  OutputSpec((m, n), out_dtype), a_index, pair)
     # a backend that returns its own tensor (torch's) is given none to leave unused
-    out = None if backends.gemm.allocates else empty_output(a, m, n, out_dtype)
-    return backends.gemm.run(a, b, scale_a, scale_b, offs, out, config, pair, a_index=a_index)
+    out = None if backend.allocates else empty_output(a, m, n, out_dtype)
+    return backend.run(a, b, scale_a, scale_b, offs, out, config, pair, a_index=a_index)
 
 
-def run_swiglu(paths: tuple[Fp8Backends, ...], a, gate_up, scale_a, scale_b, offs,
-               out_dtype, pair: Pair, a_index=None) -> torch.Tensor:
-    """A validated ``scaled_grouped_gemm_swiglu``: per path in order, its fused backend
-    where it takes the call, else its GEMM to fp32 and the activation apart (one
-    rounding) where that takes it."""
+def run_swiglu(pairs: tuple, a, gate_up, scale_a, scale_b, offs, out_dtype, pair: Pair,
+               a_index=None) -> torch.Tensor:
+    """A validated ``scaled_grouped_gemm_swiglu``: per ``(fused, GEMM)`` pair of backends
+    (a path's), in order, the fused one where it takes the call, else the GEMM to fp32
+    and the activation apart (one rounding) where that takes it
+    (:func:`ts_moe.ops.backend.fused_or_split`)."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, two_i, k = gate_up.shape
     out = empty_output(a, m, two_i // 2, out_dtype)
     if 0 in (m, two_i, k, num_experts):
         return out.zero_()
-    b, wide = gate_up.transpose(-2, -1), None
-    for backends in paths:
-        config = backends.swiglu.choose_config(a, gate_up, scale_a, scale_b, offs, out, a_index,
-                                               pair)
-        if config:
-            return backends.swiglu.run(a, gate_up, scale_a, scale_b, offs, out, config, pair,
-                                       a_index=a_index)
-        wide = empty_output(a, m, two_i, torch.float32) if wide is None else wide
-        config = backends.gemm.choose_config(a, b, scale_a, scale_b, offs, wide, a_index, pair)
-        if config:
-            h = backends.gemm.run(a, b, scale_a, scale_b, offs, wide, config, pair,
-                                  a_index=a_index)
-            return out.copy_(swiglu(h, out_dtype))
-    raise AssertionError(f"the last FP8 path ({backends.path}) declined: {config}")
+    b = gate_up.transpose(-2, -1)
+    backend, config, fused = fused_or_split(
+        pairs, (a, gate_up, scale_a, scale_b, offs, out, a_index, pair),
+        (a, b, scale_a, scale_b, offs, OutputSpec((m, two_i), torch.float32), a_index, pair))
+    if fused:
+        return backend.run(a, gate_up, scale_a, scale_b, offs, out, config, pair,
+                           a_index=a_index)
+    wide = None if backend.allocates else empty_output(a, m, two_i, torch.float32)
+    h = backend.run(a, b, scale_a, scale_b, offs, wide, config, pair, a_index=a_index)
+    return out.copy_(swiglu(h, out_dtype))
 
 
 # --------------------------------------------------------------- the ops
@@ -102,16 +91,18 @@ def _gemm_impl(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                out_dtype=None, a_index=None):
     pair = check_scaled_args(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                              out_dtype, a_index=a_index)
-    return run_gemm(paths_for(a), a, b, scale_a, scale_b, offs, out_dtype or torch.bfloat16,
-                    pair, a_index)
+    return run_gemm(paths.backends(Op.SCALED_GROUPED_GEMM, paths.device_capability(a)),
+                    a, b, scale_a, scale_b, offs, out_dtype or torch.bfloat16, pair, a_index)
 
 
 def _swiglu_impl(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                  out_dtype=None, a_index=None):
     pair = check_scaled_args(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                              out_dtype, a_index=a_index, swiglu=True)
-    return run_swiglu(paths_for(a), a, gate_up, scale_a, scale_b, offs,
-                      out_dtype or torch.bfloat16, pair, a_index)
+    return run_swiglu(paths.pairs(Op.SCALED_GROUPED_GEMM_SWIGLU, Op.SCALED_GROUPED_GEMM,
+                                  paths.device_capability(a)),
+                      a, gate_up, scale_a, scale_b, offs, out_dtype or torch.bfloat16, pair,
+                      a_index)
 
 
 def _gemm_fake(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
@@ -164,7 +155,7 @@ def scaled_grouped_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     """``torch.ops.ts_moe.scaled_grouped_gemm``: ``out[r] = (a[r] x scale_a) @ (b[e] x
     scale_b)`` for the rows of expert ``e``, e4m3 operands, fp32 accumulation;
     (M, N) (or (M', N) with ``a_index``) in ``out_dtype`` (bf16, fp16 or fp32).
-    Conventions, recipes, layouts and paths: :mod:`ts_moe.fp8.scaled_ops`."""
+    Conventions, recipes, layouts and paths: :mod:`ts_moe.ops.scaled`."""
     return _call(_gemm_op, a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                  out_dtype, a_index, "b")
 

@@ -1,0 +1,155 @@
+"""``python -m ts_moe compile``: build every kernel family for its arch without a GPU,
+each build through the pre-flight of the hardware's rules (``csrc_free_kernels.preflight``).
+
+The builds are the families' own (``csrc_free_kernels.families``): those each family
+checks on the CPU (``Kernels.checked``), compiled exactly as a call compiles them
+(``csrc_free_kernels.common.compile.compile_build``), nothing cached.  The DSL takes its
+target arch when it is imported, so each arch builds in a process of its own
+(:func:`run`); a violation, or a build that fails, fails the step, naming the build.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from csrc_free_kernels.families import BY_NAME, FAMILIES
+
+ARCHES = tuple(dict.fromkeys(f.arch for f in FAMILIES))  # sm_90a first
+KEEP = "ptx,cubin"  # what the DSL keeps of each build for the pre-flight
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--arch", choices=ARCHES,
+                        help="one arch (default: every family, each for its arch)")
+    parser.add_argument("--family", choices=sorted(BY_NAME),
+                        help="one family (on its arch)")
+
+
+def _say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def builds(arch: str, only: str | None = None) -> list:
+    """``[(family, [Build])]`` of the families built for ``arch`` (or of the family named
+    ``only``): the builds each checks."""
+    found = []
+    for family in FAMILIES:
+        if family.arch == arch and only in (None, family.name):
+            kernels = family.load()
+            found.append((family, [b for b in kernels.builds() if kernels.checked(b)]))
+    return found
+
+
+def compile_arch(arch: str, only: str | None = None) -> int:
+    """Every family of ``arch`` (or the one named ``only``) built in this process (the DSL
+    imported for ``arch``, its PTX and cubin kept), a line per family, each build through
+    the pre-flight."""
+    from csrc_free_kernels import preflight
+    from csrc_free_kernels.common.compile import compile_build
+
+    from .settings import settings
+
+    dump_dir = os.environ["CUTE_DSL_DUMP_DIR"]
+    settings.disk_cache = False  # build only: nothing written to the cache
+    start = time.perf_counter()
+    built = 0
+    for family, family_builds in builds(arch, only):
+        _say(f"  [{time.perf_counter() - start:5.1f} s] {family.name} ({family.title}): "
+             f"{len(family_builds)} builds")
+        for b in family_builds:
+            try:
+                with preflight.recording() as facts:
+                    compile_build(b)
+                found = preflight.check(b.name, preflight.collect(dump_dir, facts), facts)
+            except Exception as exc:  # say which build, then fail
+                print(f"{b.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+            if found:
+                print("the pre-flight of the hardware's rules failed:", file=sys.stderr)
+                for violation in found:
+                    print(violation, file=sys.stderr)
+                return 1
+        built += len(family_builds)
+    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} builds for {arch}, each through "
+         f"the pre-flight ({', '.join(preflight.RULES)}): no violation")
+    return 0
+
+
+def root() -> str:
+    """The directory this ts_moe package is in: the child imports the same code."""
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def child_env(arch: str, dump_dir: str) -> dict:
+    """This environment, the DSL's arch and its PTX and cubin kept in ``dump_dir`` for
+    the pre-flight (read when ``cutlass`` is imported), and this checkout first on the
+    path."""
+    return dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP=KEEP, CUTE_DSL_DUMP_DIR=dump_dir,
+                PYTHONPATH=os.pathsep.join([root(),
+                                            *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def run(arch: str | None = None, family: str | None = None) -> int:
+    """Build ``arch`` (default: each arch in turn; the arch of ``family`` where one is
+    named), each in a fresh process unless this one was started for it; the first
+    failure's exit status."""
+    arch = BY_NAME[family].arch if family else arch
+    if arch is not None and os.environ.get("CUTE_DSL_ARCH") == arch and \
+            os.environ.get("CUTE_DSL_KEEP") == KEEP and os.environ.get("CUTE_DSL_DUMP_DIR"):
+        return compile_arch(arch, family)
+    for one in (arch,) if arch else ARCHES:
+        with tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
+            status = subprocess.call([sys.executable, "-m", "ts_moe", "compile", "--arch", one,
+                                      *(("--family", family) if family else ())],
+                                     env=child_env(one, scratch))
+        if status:
+            return status
+    return 0
+
+
+def build_in_child() -> str | None:
+    """Every arch built (:func:`run`, in fresh processes), its lines shown as they come;
+    None on success, else what went wrong."""
+    for arch in ARCHES:
+        with tempfile.TemporaryFile("w+") as stderr, \
+                tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
+            # stderr a file: a full pipe would block the child
+            proc = subprocess.Popen([sys.executable, "-m", "ts_moe", "compile", "--arch", arch],
+                                    env=child_env(arch, scratch), stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True)
+            for line in proc.stdout:
+                _say(line.rstrip("\n"))
+            if proc.wait() == 0:
+                continue
+            stderr.seek(0)
+            err = stderr.read()
+        tail = "\n".join(err.strip().splitlines()[-15:])
+        return f"the {arch} build failed (exit status {proc.returncode}):\n{tail}"
+    return None
+
+
+def build_with_ptx_stats() -> str | None:
+    """``--verbose``: each family built with its PTX kept, and each build's statistics."""
+    from csrc_free_kernels import ptx_dump
+
+    start = time.perf_counter()
+    for arch in ARCHES:
+        for family, family_builds in builds(arch):
+            names = [b.name for b in family_builds]
+            _say(f"  [{time.perf_counter() - start:5.1f} s] {family.name}: {len(names)} builds, "
+                 f"PTX kept")
+            with tempfile.TemporaryDirectory() as d:
+                try:
+                    ptx = ptx_dump.dump(arch, names, d)
+                except RuntimeError as exc:
+                    return str(exc)
+                for name in names:
+                    text = ptx[name]
+                    _say(f"      {name:36s} {text.count('mma_async') + text.count('tcgen05.mma'):2d}"
+                         f" MMAs, {text.count('cp.async.bulk.tensor'):d} TMA loads, "
+                         f"{text.count('expect_tx')} expect_tx, {len(text) // 1024} KB PTX")
+    _say(f"  [{time.perf_counter() - start:5.1f} s] built for {', '.join(ARCHES)}")
+    return None
