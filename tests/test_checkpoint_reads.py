@@ -37,13 +37,13 @@ dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size
 results = []
 for path in paths:
     for fn in (ts_moe.MoE.from_pretrained, ExpertParallelMoE.from_pretrained):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: a busy machine stretches wall time only
         try:
             fn(path, 0, device="cpu")
             outcome = "no error"
         except BaseException as exc:
             outcome = f"{type(exc).__name__}: {exc}"
-        results.append([outcome, time.perf_counter() - start])
+        results.append([outcome, time.process_time() - start])
 dist.destroy_process_group()
 print(json.dumps(results))
 """
@@ -160,3 +160,164 @@ def test_a_deeply_nested_json_file_is_a_value_error_naming_it(ckpt, tmp_path, na
         load_fp8_experts(fp8, device="cpu")
     with pytest.raises(ValueError, match=rf"{fp8 / name}: nested too deeply"):
         ts_moe.MoE.from_pretrained(fp8, 0, device="cpu")
+
+
+# ------------------------------------------------------------------ shards
+# A shard is checked, then opened once (no link followed, no blocking), checked again on
+# its descriptor and read by safetensors through that descriptor (/proc/self/fd): no
+# name is looked up twice.  safetensors opens its file with the GIL held, so a blocking
+# open there froze every thread of the process: such a case runs in a subprocess.
+
+_SWAP_SHARD = r"""
+import os, sys
+from pathlib import Path
+import ts_moe
+from ts_moe import checkpoint
+
+ckpt, swap, loads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+real_file = checkpoint._Checkpoint.file
+
+def check_then_swap(self, name, what):
+    real = real_file(self, name, what)
+    if swap == "fifo" and name.endswith(".safetensors") and real is not None:
+        real.unlink()
+        os.mkfifo(real)  # no writer: a blocking open never returns
+    return real
+
+checkpoint._Checkpoint.file = check_then_swap
+for _ in range(loads):
+    try:
+        ts_moe.load_mixtral_experts(ckpt, device="cpu")
+        print("no error", flush=True)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+"""
+
+_EXCHANGE = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+a, b = (os.fsencode(p) for p in sys.argv[1:3])
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+while True:
+    libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
+"""
+
+
+def _load_in_subprocess(ckpt, swap: str, loads: int = 1) -> list[str]:
+    env = dict(os.environ, PYTHONPATH=str(Path(ts_moe.__file__).parents[1]))
+    run = subprocess.run([sys.executable, "-c", _SWAP_SHARD, str(ckpt), swap, str(loads)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+def _shards(ckpt) -> list[Path]:
+    return sorted(ckpt.glob("*.safetensors"))
+
+
+def test_a_shard_swapped_for_a_fifo_after_its_check_is_refused_at_once(ckpt):
+    (outcome,) = _load_in_subprocess(ckpt, "fifo")
+    assert outcome.startswith("ValueError: ") and re.search(
+        rf"{INDEX}: weight_map\[.*\]: '{ckpt}/model-0000\d-of-0000\d\.safetensors' is not a "
+        rf"regular file", outcome), outcome
+
+
+def test_a_shard_exchanged_with_a_fifo_in_a_loop_never_blocks(ckpt):
+    """The attack as run: another process exchanges a shard and a FIFO by
+    ``renameat2(RENAME_EXCHANGE)`` in a loop while the loader runs; every load
+    either reads the shard or refuses the FIFO by name, and returns."""
+    shard = _shards(ckpt)[0]
+    os.mkfifo(ckpt / "fifo")
+    attacker = subprocess.Popen([sys.executable, "-c", _EXCHANGE, str(shard), str(ckpt / "fifo")])
+    try:
+        outcomes = _load_in_subprocess(ckpt, "none", loads=100)
+    finally:
+        attacker.kill()
+        attacker.wait()
+    assert len(outcomes) == 100
+    for outcome in outcomes:
+        assert outcome == "no error" or (outcome.startswith("ValueError: ") and str(shard) in
+                                         outcome and "not a regular file" in outcome), outcome
+
+
+def test_a_shard_swapped_for_a_link_after_its_check_is_not_followed(ckpt, tmp_path,
+                                                                    monkeypatch):
+    """A link to a valid shard outside, put in place between the check and the open:
+    refused on the open, the file behind it never read."""
+    outside = tmp_path / "outside.safetensors"
+    real_file = checkpoint._Checkpoint.file
+    opened = []
+
+    def check_then_swap(self, name, what):
+        real = real_file(self, name, what)
+        if name.endswith(".safetensors") and real is not None:
+            os.rename(real, outside)
+            real.symlink_to(outside)
+        return real
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(os.path.realpath(file))
+        return real_safe_open(file, *args, **kwargs)
+
+    real_safe_open = checkpoint.safe_open
+    monkeypatch.setattr(checkpoint._Checkpoint, "file", check_then_swap)
+    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
+    with pytest.raises(ValueError, match=rf"{INDEX}: weight_map\[.*\.safetensors'? cannot be "
+                                         rf"opened"):
+        ts_moe.load_mixtral_experts(ckpt, device="cpu")
+    assert str(outside) not in opened
+
+
+def test_a_directory_renamed_on_the_way_after_the_check_is_refused(ckpt, tmp_path,
+                                                                   monkeypatch):
+    """Shards in ``sub/``: ``sub`` replaced by a link to a directory outside holding a
+    valid shard of the same name, after the check.  The open follows the directory
+    (only the last component is opened without following a link), so the file it
+    opened is checked: outside, refused."""
+    (ckpt / "sub").mkdir()
+    for shard in _shards(ckpt):
+        shard.rename(ckpt / "sub" / shard.name)
+    index = json.loads((ckpt / INDEX).read_text())
+    index["weight_map"] = {k: f"sub/{v}" for k, v in index["weight_map"].items()}
+    (ckpt / INDEX).write_text(json.dumps(index))
+    shutil.copytree(ckpt / "sub", tmp_path / "outside")
+    real_file = checkpoint._Checkpoint.file
+
+    def check_then_swap(self, name, what):
+        real = real_file(self, name, what)
+        if name.startswith("sub/") and not (ckpt / "sub").is_symlink():
+            os.rename(ckpt / "sub", ckpt / "away")
+            (ckpt / "sub").symlink_to(tmp_path / "outside")
+        return real
+
+    def recording_open(file, *args, **kwargs):
+        opened.append(os.path.realpath(file))
+        return real_safe_open(file, *args, **kwargs)
+
+    opened, real_safe_open = [], checkpoint.safe_open
+    monkeypatch.setattr(checkpoint._Checkpoint, "file", check_then_swap)
+    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
+    with pytest.raises(ValueError) as refused:
+        ts_moe.load_mixtral_experts(ckpt, device="cpu")
+    assert not [f for f in opened if f.startswith(f"{tmp_path / 'outside'}/")], opened
+    assert re.search(rf"{INDEX}: weight_map\[.*sub/.*\.safetensors'? opened "
+                     rf"'{tmp_path / 'outside'}/.*', outside the checkpoint", str(refused.value))
+
+
+@pytest.mark.parametrize("damage", ["header", "empty"])
+def test_a_malformed_shard_is_a_value_error_naming_it(ckpt, damage):
+    shard = _shards(ckpt)[-1]
+    if damage == "header":
+        shard.write_bytes((16).to_bytes(8, "little") + b"{not json at all}")
+    else:
+        shard.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"{INDEX}: weight_map\[.*\]: '{shard}' is not a "
+                                         rf"valid safetensors file \(.*header"):
+        ts_moe.load_mixtral_experts(ckpt, device="cpu")
+    single = make_tiny_fp8_checkpoint(ckpt.parent / "single", naming="mixtral",
+                                      scheme="channel", layers=1, hidden=64, intermediate=32,
+                                      shards=1)
+    (single / "model.safetensors").write_bytes(b"\x01")
+    with pytest.raises(ValueError, match=rf"model\.safetensors: '{single}/model\.safetensors' "
+                                         rf"is not a valid safetensors file"):
+        load_fp8_experts(single, device="cpu")

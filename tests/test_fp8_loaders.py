@@ -2,6 +2,7 @@
 each naming (Mixtral, Qwen3-MoE, DeepSeek-V3) and scheme (blockwise, channel, tensor)."""
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -152,8 +153,8 @@ def test_layer_subset_and_expert_range(checkpoints, monkeypatch):
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     opened, real_open = [], checkpoint.safe_open
 
-    def recording_open(file, *args, **kwargs):
-        opened.append(Path(file).name)
+    def recording_open(file, *args, **kwargs):  # /proc/self/fd/N: the file it names
+        opened.append(Path(os.path.realpath(file)).name)
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "safe_open", recording_open)

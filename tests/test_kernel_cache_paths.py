@@ -63,7 +63,7 @@ def test_a_symlink_another_user_owns_is_not_followed(dsl, tmp_path, monkeypatch,
     """Their symlink (planted in /tmp before first use) to a root-owned directory
     holding files they wrote, as a repository cloned by root would."""
     _, obj = seed_at(tmp_path / "repo" / "cache", monkeypatch)
-    plant(obj)
+    obj = plant(obj)
     if where == "the cache directory":
         link = tmp_path / "link"
         link.symlink_to(tmp_path / "repo" / "cache")
@@ -86,7 +86,7 @@ def test_a_symlink_of_this_uid_is_followed_and_its_target_checked(dsl, tmp_path,
 
     new_process()
     dsl.loaded.clear()
-    plant(obj)
+    obj = plant(obj)
     os.chmod(tmp_path / "real", 0o777)          # the target's parent: anyone can swap it
     assert_refused(dsl, recwarn, obj, f"{tmp_path / 'real'} is writable by its group or others")
 
@@ -107,7 +107,7 @@ def test_a_parent_others_can_write_is_refused(dsl, tmp_path, monkeypatch, recwar
     """A team directory: anyone in it can rename the cache away and put a symlink there."""
     team = tmp_path / "team"
     _, obj = seed_at(team / "cache", monkeypatch)
-    plant(obj)
+    obj = plant(obj)
     os.chmod(team, perms)
     assert_refused(dsl, recwarn, obj, f"{team} is writable by its group or others",
                    f"mode {perms:o}")
@@ -121,7 +121,7 @@ def test_another_users_home_is_refused(dsl, tmp_path, monkeypatch, recwarn, cach
     """``sudo -E``: HOME is another user's, so ``~/.cache/ts_moe`` is theirs to replace."""
     home = tmp_path / "home"
     _, obj = seed_at(home / ".cache" / "ts_moe", monkeypatch)
-    plant(obj)
+    obj = plant(obj)
     os.chmod(home, 0o755)
     for d in (home, home / ".cache"):
         os.chown(d, OTHER_UID, OTHER_UID)
@@ -146,7 +146,7 @@ def test_a_sticky_directory_is_allowed_only_above_the_cache(dsl, tmp_path, monke
         assert get() == (("loaded", b"\x7fELF good"), "loaded")
         assert cache_warnings(recwarn) == []
         return
-    plant(obj)
+    obj = plant(obj)
     if case == "another user's sticky ancestor":
         os.chown(sticky, OTHER_UID, OTHER_UID)
         words = [f"{sticky} is owned by uid {OTHER_UID}"]
@@ -162,14 +162,13 @@ def test_a_sticky_directory_is_allowed_only_above_the_cache(dsl, tmp_path, monke
 
 def test_a_swap_during_the_export_writes_nothing_outside(dsl, tmp_path, monkeypatch):
     """The cache directory renamed away and replaced by a symlink to a victim
-    directory while the kernel compiles: the object and its sha256 still go to
-    the directory that was checked, and the victim's files keep their bytes."""
+    directory while the kernel compiles: the object still goes to the directory
+    that was checked, and the victim's files keep their bytes."""
     build, obj = seed_at(tmp_path / "cache", monkeypatch)
     obj.unlink()
-    Path(f"{obj}.sha256").unlink()
     victim = tmp_path / "victim" / build.name
     victim.mkdir(parents=True)
-    for name in (obj.name, f"{obj.name}.sha256"):
+    for name in (obj.name, f"{obj.name.split('.')[0]}.o"):
         (victim / name).write_bytes(b"precious")
         os.chmod(victim / name, 0o600)
     before = listing(tmp_path / "victim")
@@ -183,8 +182,7 @@ def test_a_swap_during_the_export_writes_nothing_outside(dsl, tmp_path, monkeypa
     assert listing(tmp_path / "victim") == before
     moved = tmp_path / "away" / build.name / obj.name
     assert moved.read_bytes() == b"\x7fELF good"
-    assert Path(f"{moved}.sha256").read_text().split()[0] == \
-        hashlib.sha256(b"\x7fELF good").hexdigest()
+    assert moved.name.split(".")[1] == hashlib.sha256(b"\x7fELF good").hexdigest()
     assert dsl.exported[-1][0].startswith("/proc/self/fd/")  # no name to redirect
 
 
@@ -236,7 +234,7 @@ def test_clear_deletes_nothing_outside_the_cache(dsl, tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert listing(victim) == before
     if case == "symlinks inside the cache":
-        assert code == 0 and "removed 3 files" in out        # the object, its sha, the symlink
+        assert code == 0 and "removed 2 files" in out        # the object, the symlink
         assert [p.name for p in link.rglob("*")] == ["fedcba9876543210"]
     else:
         assert code == 1 and "memory only" in out

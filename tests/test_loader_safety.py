@@ -185,3 +185,59 @@ def test_a_missing_shard_names_the_index_entry(ckpt):
     _point_shard(ckpt, "gone.safetensors")
     with pytest.raises(FileNotFoundError, match=rf"{INDEX}: weight_map\[.*gone\.safetensors"):
         ts_moe.load_mixtral_experts(ckpt, device="cpu")
+
+
+def test_a_nul_in_a_shard_name_is_named(ckpt):
+    _point_shard(ckpt, "model\0.safetensors")
+    with pytest.raises(ValueError, match=rf"{INDEX}: weight_map\[.*\] must map a key to a file "
+                                         rf"name, got 'model\\x00\.safetensors'"):
+        ts_moe.load_mixtral_experts(ckpt, device="cpu")
+
+
+def test_layers_may_be_numpy_integers(ckpt, source):
+    np = pytest.importorskip("numpy")
+    got = ts_moe.load_mixtral_experts(ckpt, layers=np.int64(1), device="cpu")
+    assert list(got) == [1] and type(next(iter(got))) is int
+    assert torch.equal(got[1]["down_proj"], source[1][1]["down_proj"])
+    assert list(ts_moe.load_mixtral_experts(ckpt, layers=[np.int32(0)], device="cpu")) == [0]
+    for bad, what in ((1.0, "got float 1.0"), ("0", "got str '0'"), ([True], "got bool True")):
+        with pytest.raises(TypeError, match=rf"^layers must .*{what}"):
+            ts_moe.load_mixtral_experts(ckpt, layers=bad, device="cpu")
+
+
+def test_the_plan_stops_at_the_first_key_the_index_lacks(tmp_path, monkeypatch):
+    """A hostile index naming one key per expert of a router of many rows, the
+    others missing: refused at the first missing key, before a key of the other
+    experts is made (a 62 MiB index of this kind cost 5.9 s and 0.9 GB when the whole
+    plan was built first)."""
+    from safetensors.torch import save_file
+
+    experts = 5000
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    tmp_path.joinpath("ckpt").mkdir()
+    ckpt = tmp_path / "ckpt"
+    save_file({router: torch.zeros(experts, 8, dtype=torch.bfloat16)}, ckpt / "a.safetensors")
+    weight_map = {router: "a.safetensors"} | {EXPERT_KEY.format(e): "a.safetensors"
+                                              for e in range(experts)}
+    (ckpt / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    made = []
+    real = loaders.Bf16Format.expert_keys
+    monkeypatch.setattr(loaders.Bf16Format, "expert_keys",
+                        staticmethod(lambda base: made.append(base) or real(base)))
+    missing = "model.layers.0.block_sparse_moe.experts.0.w3.weight"
+    with pytest.raises(KeyError, match=rf"key '{missing}' is missing from {ckpt / INDEX}"):
+        ts_moe.load_mixtral_experts(ckpt, device="cpu")
+    assert len(made) <= 3, f"keys of {len(made)} linears made before the refusal"
+
+
+def test_top_k_beyond_the_router_names_config_json(ckpt):
+    """Without an expert count in config.json, the router's rows are the first
+    count top-k meets."""
+    def edit(config):
+        del config["num_local_experts"]
+        config["num_experts_per_tok"] = 5
+
+    _edit_json(ckpt / "config.json", edit)
+    with pytest.raises(ValueError, match=rf"{ckpt / 'config.json'}: num_experts_per_tok = 5 "
+                                         rf"exceeds the router's 4 experts"):
+        ts_moe.MoE.from_pretrained(ckpt, 0, device="cpu")

@@ -1,6 +1,7 @@
 """load_mixtral_experts on tiny Mixtral checkpoints (ts_moe.tiny) in both namings and layouts."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -102,8 +103,8 @@ def test_layer_subset_opens_each_needed_shard_once(checkpoints, names, monkeypat
     opened = []
     real_open = checkpoint.safe_open
 
-    def recording_open(file, *args, **kwargs):
-        opened.append(Path(file).name)
+    def recording_open(file, *args, **kwargs):  # /proc/self/fd/N: the file it names
+        opened.append(Path(os.path.realpath(file)).name)
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "safe_open", recording_open)

@@ -182,6 +182,35 @@ def test_combine_rejects_bad_arguments():
         combine(torch.zeros(4, 8), torch.zeros(2, 2), torch.zeros(4))
 
 
+@pytest.mark.parametrize("fn", [combine, ts_moe.combine, torch.ops.ts_moe.combine],
+                         ids=["reference", "public", "op"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.bool],
+                         ids=str)
+def test_combine_refuses_a_y_sorted_that_is_not_float(fn, dtype):
+    """An integer y_sorted came back truncated (0.5 * 1 + 0.26 * 2 as 1)."""
+    y = torch.tensor([[1], [2]]).to(dtype)
+    with pytest.raises(TypeError, match=rf"y_sorted must be bfloat16, float16, float32 or "
+                                        rf"float64, got {dtype}"):
+        fn(y, torch.tensor([[0.5, 0.26]]), torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("fn", [combine, ts_moe.combine], ids=["reference", "op"])
+def test_combine_in_float64_weighs_in_float64(fn):
+    """fp64 inputs sum and weigh in fp64 (fp32 weights failed gradcheck); bf16 and fp32
+    inputs weigh in fp32 as before, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    inverse = torch.randperm(6, generator=g)
+    exact = _gather_formula(y, w, inverse)
+    torch.testing.assert_close(fn(y, w, inverse), exact, rtol=1e-15, atol=1e-15)
+    assert torch.autograd.gradcheck(lambda y, w: fn(y, w, inverse), (y, w))
+    for dtype in (torch.float32, torch.bfloat16):
+        low = y.detach().to(dtype)
+        want = (low[inverse].view(3, 2, 5) * w.detach().float()[..., None]).sum(1).to(dtype)
+        assert torch.equal(fn(low, w.detach(), inverse), want)
+
+
 @pytest.mark.parametrize("ops", [False, True], ids=["reference", "ops"])
 def test_routing_compiles_fullgraph(ops):
     """No host sync or data-dependent shape: dynamo traces route -> permute ->
@@ -228,27 +257,25 @@ def test_combine_gradient_is_the_gathers_adjoint_for_any_inverse(fn):
                                 dtype=torch.int32 if trial % 2 else torch.int64)
         repeated += inverse.unique().numel() < slots
         y = torch.randn(slots, 8, generator=g, dtype=torch.float64, requires_grad=True)
-        # fp32 values: combine multiplies by the weights in fp32
-        w = torch.rand(tokens, top_k, generator=g).double().requires_grad_()
+        w = torch.rand(tokens, top_k, generator=g, dtype=torch.float64, requires_grad=True)
         grad_out = torch.randn(tokens, 8, generator=g, dtype=torch.float64)
         want = torch.autograd.grad(_gather_formula(y, w, inverse), (y, w), grad_out)
         got = torch.autograd.grad(fn(y, w, inverse), (y, w), grad_out)
         torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
-        # the weights' gradient comes back through their fp32 copy: rounded to fp32
-        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
     assert repeated >= 30  # most trials repeat (and so miss) rows
 
 
 def test_combine_gradient_for_any_inverse_compiles():
     inverse = torch.tensor([0, 0, 3, 1, 1, 1])
     y = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
-    w = torch.rand(3, 2).double().requires_grad_()  # fp32 values, as combine weighs
+    w = torch.rand(3, 2, dtype=torch.float64, requires_grad=True)
     torch._dynamo.reset()
     compiled = torch.compile(ts_moe.combine, fullgraph=True, backend="aot_eager")
     got = torch.autograd.grad(compiled(y, w, inverse).sum(), (y, w))
     want = torch.autograd.grad(_gather_formula(y, w, inverse).sum(), (y, w))
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
     assert torch.equal(got[0][[2, 4, 5]], torch.zeros(3, 8, dtype=torch.float64))
 
 

@@ -256,3 +256,53 @@ def test_a_variable_is_read_as_the_environment_is_now(monkeypatch):
     assert ts_moe.settings.reference is True
     monkeypatch.setenv("TS_MOE_REFERENCE", "0")
     assert ts_moe.settings.reference is False
+
+
+class _BytesPath(os.PathLike):
+    def __fspath__(self):
+        return b"/tmp/ts_moe_cache"
+
+
+@pytest.mark.parametrize("value, error, words", [
+    ("/tmp/a\0b", ValueError, "takes a path without a NUL byte, got '/tmp/a\\x00b'"),
+    (_BytesPath(), TypeError, "takes a str path or None, got <"),
+])
+def test_a_cache_dir_no_build_can_use_is_refused_where_it_is_set(value, error, words):
+    """Either would make every kernel build raise inside get_compiled (the cache's
+    paths are str, and a NUL is in none): refused naming the setting, and the
+    cache keeps what it had."""
+    with pytest.raises(error, match=re.escape(f"settings.cache_dir {words}")):
+        ts_moe.settings.cache_dir = value
+    assert ts_moe.settings.cache_dir is None
+    assert kernel_cache.configured_root()[1] is None  # the default directory, usable
+    with pytest.raises(error, match=re.escape(f"settings.cache_dir {words}")):
+        with ts_moe.settings.override(cache_dir=value):
+            pass
+
+
+def test_an_unknown_variable_is_named_once_with_the_known_ones(monkeypatch, recwarn):
+    monkeypatch.setattr(kernel_settings, "_unknown", set())
+    for name in [n for n in os.environ if n.startswith("TS_MOE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TS_MOE_FP8_KERNELS", "1")   # a setting set from code only
+    monkeypatch.setenv("TS_MOE_DECODE_GRAPH", "0")  # a misspelling
+    monkeypatch.setenv("TS_MOE_REFERENCE", "1")     # known: no word
+    ts_moe.settings.check_environment()
+    ts_moe.settings.check_environment()             # once per process
+    messages = sorted(str(w.message) for w in recwarn)
+    known = ", ".join(sorted(s.env for s in ENV))
+    assert messages == [
+        f"TS_MOE_DECODE_GRAPH is not a ts_moe setting's variable and is ignored; the "
+        f"variables are {known}",
+        f"TS_MOE_FP8_KERNELS is not a ts_moe setting's variable and is ignored; the "
+        f"variables are {known}; fp8_kernels is set from code only "
+        f"(ts_moe.use_fp8_kernels() or ts_moe.settings.fp8_kernels = True)"]
+
+
+def test_an_unknown_variable_is_named_at_import(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import ts_moe"], cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                               "HOME": str(tmp_path), "TS_MOE_FP8_KERNELS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("TS_MOE_FP8_KERNELS is not a ts_moe setting's variable") == 1

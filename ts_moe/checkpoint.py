@@ -12,13 +12,14 @@ which :meth:`ts_moe.MoE.from_pretrained` shares).
 """
 
 import json
+import operator
 import os
 import stat
 from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 # a layer or expert index in a key: canonical decimal, short enough to convert at once
 # (a key with a longer or zero-padded one names no layer or expert and is ignored)
@@ -29,6 +30,17 @@ EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 INTER_FIELDS = ("moe_intermediate_size", "intermediate_size")
 _CONFIG_SIZES = (*EXPERT_FIELDS, "hidden_size", *INTER_FIELDS)
 JSON_LIMIT = 64 << 20  # bytes of a config.json or an index (DeepSeek-V3's index: 9 MB)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
+# where an open descriptor has a name that opens the same file (Linux; /dev/fd elsewhere)
+_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+
+
+def _opened_path(fd: int) -> str | None:
+    """The path of the file open at ``fd`` as the kernel names it, or None where it
+    does not say (no ``/proc``)."""
+    if _FD_DIR != "/proc/self/fd":
+        return None
+    return os.readlink(f"{_FD_DIR}/{fd}").removesuffix(" (deleted)")
 
 
 class _Checkpoint:
@@ -37,10 +49,17 @@ class _Checkpoint:
     (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs``), in
     that repository's ``blobs``.  Checked with ``lstat`` before anything opens
     them, so a FIFO, a device or a path out of the directory is a ValueError
-    naming the file and the field that named it, never a blocked read; the JSON
-    files are read through one descriptor, checked again (``fstat``) and read
-    no further than :data:`JSON_LIMIT`, so a file swapped or grown after the
-    check cannot block or exhaust memory either."""
+    naming the file and the field that named it, never a blocked read.
+
+    Every file is then opened once (:meth:`open`: no link followed, no
+    blocking), checked again on that descriptor (``fstat``, and on Linux the
+    path ``/proc/self/fd`` gives it), and read only through it: the JSON
+    files no further than :data:`JSON_LIMIT`, the shards by safetensors through
+    ``/proc/self/fd`` (:meth:`safetensors`), which opens the very file checked.
+    So a file swapped after the check (a FIFO, a link, a directory on the way
+    renamed) cannot block the process, exhaust its memory, or redirect a read
+    out of the directory: safetensors opens its file with the GIL held, so a
+    blocked open would stop every thread of the process."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -53,7 +72,7 @@ class _Checkpoint:
         """The checked real path of ``name`` in the directory; None if it does not exist."""
         path = self.path / name
         real = Path(os.path.realpath(path))
-        if not any(real.is_relative_to(root) for root in self.roots):
+        if not self.inside(real):
             raise ValueError(f"{what}: {str(path)!r} resolves to {str(real)!r}, outside the "
                              f"checkpoint directory")
         try:
@@ -64,32 +83,67 @@ class _Checkpoint:
             raise ValueError(f"{what}: {str(path)!r} is not a regular file")
         return real
 
-    def read(self, name: str, what: str, limit: int) -> bytes | None:
-        """The bytes of ``name`` (checked as :meth:`file`), at most ``limit`` of them,
-        else a ValueError naming it; None if it does not exist.  Opened without
-        following a link and without blocking, and checked again on the descriptor
-        that is read."""
+    def inside(self, real) -> bool:
+        """Whether the resolved path ``real`` lies in the directory (or its blobs)."""
+        return any(Path(real).is_relative_to(root) for root in self.roots)
+
+    def open(self, name: str, what: str) -> int | None:
+        """A descriptor of ``name`` (checked as :meth:`file`), opened without following
+        a link and without blocking, and checked again on that descriptor; None if it
+        does not exist.  The caller closes it."""
         real = self.file(name, what)
         if real is None:
             return None
         path = str(self.path / name)
         try:
-            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(real, _OPEN_FLAGS)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise ValueError(f"{what}: {path!r} cannot be opened ({exc.strerror})") from None
-        with open(fd, "rb") as f:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError(f"{what}: {path!r} is not a regular file")
-            if info.st_size > limit:
-                raise ValueError(f"{what}: {path!r} holds {info.st_size} bytes, more than the "
+            opened = _opened_path(fd)
+            if opened is not None and not self.inside(opened):
+                raise ValueError(f"{what}: {path!r} opened {opened!r}, outside the checkpoint "
+                                 f"directory")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def read(self, name: str, what: str, limit: int) -> bytes | None:
+        """The bytes of ``name`` (opened as :meth:`open`), at most ``limit`` of them,
+        else a ValueError naming it; None if it does not exist."""
+        fd = self.open(name, what)
+        if fd is None:
+            return None
+        path = str(self.path / name)
+        with open(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise ValueError(f"{what}: {path!r} holds {size} bytes, more than the "
                                  f"{limit} it may")
             data = f.read(limit + 1)
         if len(data) > limit:
             raise ValueError(f"{what}: {path!r} holds more than the {limit} bytes it may")
         return data
+
+    def safetensors(self, name: str, what: str, stack: ExitStack, device: str = "cpu"):
+        """The safetensors file ``name`` open for reading onto ``device`` (on ``stack``),
+        read through the descriptor of :meth:`open`; None if it does not exist.  A
+        header safetensors refuses is a ValueError naming the file and ``what``."""
+        fd = self.open(name, what)
+        if fd is None:
+            return None
+        stack.callback(os.close, fd)  # held while safetensors reads: its name stays this file
+        try:
+            return stack.enter_context(safe_open(f"{_FD_DIR}/{fd}", framework="pt",
+                                                 device=device))
+        except SafetensorError as exc:
+            raise ValueError(f"{what}: {str(self.path / name)!r} is not a valid safetensors "
+                             f"file ({exc})") from None
 
     def json(self, name: str) -> dict | None:
         """A JSON file of the directory, or None if it has none by that name."""
@@ -125,7 +179,7 @@ def local_checkpoint(path, loader: str = "load_mixtral_experts") -> _Checkpoint:
 def _shard_name(index_file: Path, key, shard) -> str:
     """A shard name of the index: a relative path that stays in the directory."""
     field = f"{index_file}: weight_map[{key!r}]"
-    if not isinstance(key, str) or not isinstance(shard, str) or not shard:
+    if not isinstance(key, str) or not isinstance(shard, str) or not shard or "\0" in shard:
         raise ValueError(f"{field} must map a key to a file name, got {shard!r}")
     if os.path.isabs(shard) or ".." in PurePosixPath(shard).parts:
         raise ValueError(f"{field} = {shard!r} is not a file inside the checkpoint directory")
@@ -141,12 +195,16 @@ def weight_index(ckpt: _Checkpoint) -> tuple[dict[str, str], Path]:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_file}: weight_map must be an object of key -> file name")
-        return {key: _shard_name(index_file, key, shard)
-                for key, shard in weight_map.items()}, index_file
-    single = ckpt.file("model.safetensors", "model.safetensors")
-    if single is not None:
-        with safe_open(single, framework="pt") as f:
-            return {key: "model.safetensors" for key in f.keys()}, ckpt.path / "model.safetensors"
+        names = {}  # each shard name checked once: an index names a few shards many times
+        for key, shard in weight_map.items():
+            if not isinstance(key, str) or not isinstance(shard, str) or shard not in names:
+                names[shard] = _shard_name(index_file, key, shard)
+        return weight_map, index_file
+    with ExitStack() as stack:
+        single = ckpt.safetensors("model.safetensors", "model.safetensors", stack)
+        if single is not None:
+            return ({key: "model.safetensors" for key in single.keys()},
+                    ckpt.path / "model.safetensors")
     raise FileNotFoundError(
         f"{ckpt.path} has neither model.safetensors nor model.safetensors.index.json")
 
@@ -155,8 +213,9 @@ def shard_opener(ckpt: _Checkpoint, index: dict[str, str], index_file: Path, dev
                  stack: ExitStack):
     """``handle(key)``: the open safetensors file holding ``key``, each shard opened
     once (on ``stack``, straight onto ``device``) and only as a regular file inside
-    the checkpoint; KeyError naming a key the index lacks, FileNotFoundError naming
-    the index entry of a shard that is not there."""
+    the checkpoint (:meth:`_Checkpoint.safetensors`); KeyError naming a key the
+    index lacks, FileNotFoundError naming the index entry of a shard that is not
+    there, ValueError naming it for a shard that is not a valid safetensors file."""
     handles = {}
 
     def handle(key):
@@ -164,12 +223,10 @@ def shard_opener(ckpt: _Checkpoint, index: dict[str, str], index_file: Path, dev
             raise KeyError(f"key {key!r} is missing from the checkpoint {ckpt.path}")
         shard = index[key]
         if shard not in handles:
-            file = ckpt.file(shard, f"{index_file}: weight_map[{key!r}]")
-            if file is None:
-                raise FileNotFoundError(f"{index_file}: weight_map[{key!r}] = {shard!r}, "
-                                        f"which is not in {ckpt.path}")
-            handles[shard] = stack.enter_context(
-                safe_open(file, framework="pt", device=str(device)))
+            field = f"{index_file}: weight_map[{key!r}]"
+            handles[shard] = ckpt.safetensors(shard, field, stack, str(device))
+            if handles[shard] is None:
+                raise FileNotFoundError(f"{field} = {shard!r}, which is not in {ckpt.path}")
         return handles[shard]
 
     return handle
@@ -236,22 +293,41 @@ def check_experts_range(experts) -> None:
                          f"(step 1), got {experts!r}")
 
 
+def _layer_index(layer) -> int | None:
+    """``layer`` as an int (a Python or NumPy integer, a 0-d integer tensor), or None."""
+    if isinstance(layer, bool) or not hasattr(type(layer), "__index__"):
+        return None
+    try:
+        return operator.index(layer)
+    except TypeError:  # a NumPy bool, a tensor of more than one element
+        return None
+
+
 def selected_layers(layers, present, path) -> list[int]:
-    """``layers`` (None: every MoE layer in ``present``; an int; ints) as a list, each an
-    MoE layer of the checkpoint at ``path``, else a TypeError/KeyError naming it."""
+    """``layers`` (None: every MoE layer in ``present``; an integer; an iterable of
+    them) as a list of ints, each an MoE layer of the checkpoint at ``path``, else a
+    TypeError/KeyError naming ``layers``."""
     if layers is None:
-        layers = sorted(present)
-    elif isinstance(layers, int) and not isinstance(layers, bool):
-        layers = [layers]
+        return sorted(present)
+    single = _layer_index(layers)
+    if single is not None:
+        layers = [single]
     else:
-        layers = list(layers)
+        try:
+            layers = list(layers)
+        except TypeError:
+            raise TypeError(f"layers must be None, an int or an iterable of ints, got "
+                            f"{type(layers).__name__} {layers!r}") from None
+    selected = []
     for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layers must hold ints, got {layer!r}")
-        if layer not in present:
-            raise KeyError(f"layer {layer} is not an MoE layer of the checkpoint {path} "
+        index = _layer_index(layer)
+        if index is None:
+            raise TypeError(f"layers must hold ints, got {type(layer).__name__} {layer!r}")
+        if index not in present:
+            raise KeyError(f"layer {index} is not an MoE layer of the checkpoint {path} "
                            f"(its MoE layers: {sorted(present)})")
-    return layers
+        selected.append(index)
+    return selected
 
 
 def resolve_device(device) -> torch.device:

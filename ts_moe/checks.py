@@ -310,6 +310,9 @@ def check_combine_args(y_sorted, weights, inverse) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
             raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+    if y_sorted.dtype not in DTYPES:  # an integer y would be truncated by the rounding
+        raise TypeError(f"y_sorted must be bfloat16, float16, float32 or float64, got "
+                        f"{y_sorted.dtype}")
     if not weights.is_floating_point():
         raise TypeError(f"weights must be floating point, got {weights.dtype}")
     if inverse.dtype not in (torch.int32, torch.int64):

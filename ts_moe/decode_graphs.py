@@ -40,6 +40,7 @@ A replay gives the eager call's result bit for bit
 """
 
 import collections
+import itertools
 import threading
 import warnings
 
@@ -125,7 +126,10 @@ class DecodeGraphs:
         self._lanes: dict = {}
         self._lock = threading.Lock()
         self._order = threading.Lock()  # the graphs' LRU order; never held over a capture
-        self._tick = 0  # graphable calls so far
+        # graphable calls so far: each call takes its own number (next() of a count is
+        # one step for the interpreter; `+= 1` on a shared attribute loses steps between
+        # threads and can even step back, which would stall every eviction)
+        self._ticks = itertools.count(1)
         self.captures = 0  # graphs captured so far (tests, benchmarks)
 
     @property
@@ -163,10 +167,10 @@ class DecodeGraphs:
         key = self._signature(fn, num_experts, dynamic, fixed, static) if self.enabled else None
         if key is None:
             return fn(*dynamic, *fixed, *static)
-        self._tick += 1
+        tick = next(self._ticks)
         entry = self._graphs.get(key)
         if entry is not None:
-            entry.last_use = self._tick
+            entry.last_use = tick
             with self._order:  # an eviction walks the order under this lock
                 try:
                     self._graphs.move_to_end(key)
@@ -174,7 +178,7 @@ class DecodeGraphs:
                     pass
             return entry.replay(dynamic)
         if key in self._seen:
-            entry = self._capture_once(key, fn, dynamic, fixed, static)
+            entry = self._capture_once(key, fn, dynamic, fixed, static, tick)
             if entry is not None:
                 return entry.replay(dynamic)
         out = fn(*dynamic, *fixed, *static)
@@ -222,7 +226,7 @@ class DecodeGraphs:
         return tuple(parts)
 
     # ------------------------------------------------------------- capture
-    def _capture_once(self, key, fn, dynamic, fixed, static):
+    def _capture_once(self, key, fn, dynamic, fixed, static, tick: int):
         """The graph of a signature met once before, or None: captured already by
         another thread, no room (see the class docstring), or the capture
         failed (the signature then stays eager; an error in ``fn`` is raised
@@ -233,7 +237,7 @@ class DecodeGraphs:
             if len(self._graphs) >= self.max_graphs:
                 with self._order:  # replays reorder the graphs without self._lock
                     oldest = next(iter(self._graphs.values()))
-                    if self._tick - oldest.last_use < self.IDLE_FACTOR * self.max_graphs:
+                    if tick - oldest.last_use < self.IDLE_FACTOR * self.max_graphs:
                         return None
                     self._graphs.popitem(last=False)
             try:
@@ -245,7 +249,7 @@ class DecodeGraphs:
             if entry is None:
                 self._eager.add(key)
                 return None
-            entry.last_use = self._tick
+            entry.last_use = tick
             self._graphs[key] = entry
             self.captures += 1
             return entry

@@ -71,15 +71,27 @@ class LayerPlan(NamedTuple):
         return self.per_expert[(role, self.experts.start)][0]
 
 
-def _layer_plan(layer: int, block: str, stacked: bool, fmt, start: int, stop: int) -> LayerPlan:
-    """The plan of layer ``layer``'s experts ``start .. stop - 1``."""
+def _layer_plan(layer: int, block: str, stacked: bool, fmt, start: int, stop: int,
+                index: dict, index_file) -> LayerPlan:
+    """The plan of layer ``layer``'s experts ``start .. stop - 1``, each key checked
+    against the index as it is made: a KeyError naming the first missing one costs
+    no more than the keys before it (not a plan of every expert first)."""
     prefix = f"model.layers.{layer}.{block}."
+
+    def present(*keys: str) -> tuple:
+        for key in keys:
+            if key not in index:
+                raise KeyError(f"key {key!r} is missing from {index_file}")
+        return keys
+
     if stacked:
         return LayerPlan(prefix + "gate.weight", range(start, stop),
-                         (prefix + "experts.gate_up_proj", prefix + "experts.down_proj"), {})
-    per_expert = {(role, e): fmt.expert_keys(f"{prefix}experts.{e}.{name}.")
-                  for e in range(start, stop)
-                  for role, name in zip(("gate", "up", "down"), ROLES[block])}
+                         present(prefix + "experts.gate_up_proj", prefix + "experts.down_proj"),
+                         {})
+    per_expert = {}
+    for e in range(start, stop):
+        for role, name in zip(("gate", "up", "down"), ROLES[block]):
+            per_expert[(role, e)] = present(*fmt.expert_keys(f"{prefix}experts.{e}.{name}."))
     return LayerPlan(prefix + "gate.weight", range(start, stop), None, per_expert)
 
 
@@ -117,11 +129,9 @@ def _load(path, layers, device, experts, format_of, caller: str) -> dict:
             if experts is not None and experts.stop > count:
                 raise ValueError(f"experts {experts!r} is past the checkpoint's {count} experts")
             chosen = experts or range(count)
-            plans[layer] = _layer_plan(layer, block, stacked, fmt, chosen.start, chosen.stop)
+            plans[layer] = _layer_plan(layer, block, stacked, fmt, chosen.start, chosen.stop,
+                                       index, index_file)
         keys = [key for plan in plans.values() for key in plan.keys()]
-        for key in keys:
-            if key not in index:
-                raise KeyError(f"key {key!r} is missing from the checkpoint {path}")
         headers = {key: handle(key).get_slice(key) for key in keys}
         shapes = {key: tuple(h.get_shape()) for key, h in headers.items()}
         dtypes = {key: h.get_dtype() for key, h in headers.items()}
@@ -360,7 +370,8 @@ def load_mixtral_experts(path, layers=None, device=None,
     allow_patterns=["*.safetensors", "*.json"], local_dir="Mixtral-8x7B")``
     or ``hf download mistralai/Mixtral-8x7B-v0.1 --include "*.safetensors"
     "*.json" --local-dir Mixtral-8x7B``;
-    layers: a layer index, an iterable of them, or None for every MoE layer;
+    layers: a layer index (an int, or a NumPy integer), an iterable of them, or
+    None for every MoE layer;
     device: where the tensors are created (``safe_open(..., device=...)`` reads
     straight there); None: CUDA when there is a GPU, else the CPU;
     experts: None for all, or a ``range`` of consecutive expert indices (an
@@ -384,8 +395,9 @@ def load_mixtral_experts(path, layers=None, device=None,
     index's keys must be exactly ``0 .. E-1``.  The index's shard names,
     config.json and the shards are opened only if they are regular files inside
     the directory (a Hugging Face cache snapshot's links into its repository's
-    ``blobs`` included); the JSON files are read no further than
-    :data:`ts_moe.checkpoint.JSON_LIMIT` bytes.
+    ``blobs`` included), each opened once and read through that descriptor
+    (:class:`ts_moe.checkpoint._Checkpoint`); the JSON files are read no
+    further than :data:`ts_moe.checkpoint.JSON_LIMIT` bytes.
 
     Raises ``ValueError`` for a device that does not exist here (before any
     file is read), ``FileNotFoundError`` without a checkpoint or a shard it
@@ -394,8 +406,9 @@ def load_mixtral_experts(path, layers=None, device=None,
     bf16/fp16/fp32, or not the router's), and ``ValueError`` naming the file
     and the field for a bad config.json size, an expert count that disagrees
     with the router, a JSON file that is not valid (or too large, or nested
-    too deeply), or a shard name that is not a regular file inside the
-    directory (``../x``, an absolute path, a link out of it, a FIFO).
+    too deeply), a shard name that is not a regular file inside the
+    directory (``../x``, an absolute path, a link out of it, a FIFO, a NUL
+    byte), or a shard that is not a valid safetensors file.
     """
     return _load(path, layers, device, experts, _bf16_format, "load_mixtral_experts")
 

@@ -294,5 +294,6 @@ class MoE(nn.Module):
         loaders.resolve_device(device)
         settings = block_settings(path, "MoE.from_pretrained")
         weights = loaders.pretrained_layer(path, layer, device)
+        settings.check_router(weights["router"].shape[0])
         return cls.from_weights(weights, settings.top_k, fused=fused,
                                 renormalize=settings.renormalize)

@@ -16,6 +16,7 @@ Every other model type is refused, naming what its block has that the layer lack
 where ts_moe knows it; so is an activation other than SiLU (``hidden_act``).
 """
 
+from pathlib import Path
 from typing import NamedTuple
 
 from .checkpoint import EXPERT_FIELDS, is_positive_int, local_checkpoint, read_config
@@ -39,11 +40,21 @@ _DEEPSEEK = ("DeepSeek-V3 routes by sigmoid scores with a bias and expert groups
 
 class BlockSettings(NamedTuple):
     """top_k: experts per token; renormalize: whether the top-k weights are divided by
-    their sum; num_experts: the expert count config.json declares (None: none)."""
+    their sum; num_experts: the expert count config.json declares (None: none);
+    config_file: the config.json they come from."""
 
     top_k: int
     renormalize: bool
     num_experts: int | None
+    config_file: Path
+
+    def check_router(self, router_rows: int) -> None:
+        """The router's expert count (E, its rows) against top-k: where config.json
+        declares no expert count, this is the first place top-k meets one, and a
+        ValueError names config.json's field, not the layer's argument."""
+        if self.top_k > router_rows:
+            raise ValueError(f"{self.config_file}: num_experts_per_tok = {self.top_k} exceeds "
+                             f"the router's {router_rows} experts")
 
 
 def _refusal(config_file, model_type, caller: str) -> ValueError:
@@ -101,4 +112,4 @@ def block_settings(path, caller: str) -> BlockSettings:
     if num_experts is not None and top_k > num_experts:
         raise ValueError(f"{config_file}: num_experts_per_tok = {top_k} exceeds the "
                          f"{num_experts} experts")
-    return BlockSettings(top_k, renormalize, num_experts)
+    return BlockSettings(top_k, renormalize, num_experts, config_file)

@@ -310,8 +310,9 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
 
     y_sorted: (T * top_k, H) expert outputs in expert order; weights: (T, top_k).
     The K rows of each token are gathered into a (T, top_k, H) view and summed
-    over K in fp32 with the weights in fp32, then rounded once to
-    ``y_sorted.dtype``: deterministic, no atomics, forward and backward.
+    over K in fp32 with the weights in fp32 (fp64 for fp64 ``y_sorted``:
+    :func:`acc_dtype`), then rounded once to ``y_sorted.dtype``: deterministic,
+    no atomics, forward and backward.
     ``inverse`` need not be a permutation (as :func:`sort_slots` makes it):
     ``y_sorted``'s gradient is the exact adjoint of the gather for any indices
     into its rows (:class:`_GatherSummed`), zero for a row no slot reads.  An
@@ -329,6 +330,6 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
         y = y_sorted.index_select(0, index)
     y = y.view(tokens, top_k, y_sorted.shape[1]).masked_fill(~inside.view(tokens, top_k, 1), 0)
     # bf16 * fp32 promotes inside the multiply: no fp32 copy of y (at T=4096
-    # on the H200 that copy was 2 % of the Mixtral layer's time)
-    out = (y * weights.float().unsqueeze(-1)).sum(dim=1)
+    # on the H200 that copy was 2 % of the Mixtral layer's time); fp64 stays fp64
+    out = (y * weights.to(acc_dtype(y_sorted.dtype)).unsqueeze(-1)).sum(dim=1)
     return out.to(y_sorted.dtype)

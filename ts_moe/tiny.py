@@ -15,12 +15,16 @@
 """
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import secrets
+import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from .ops.quantize import quantize_fp8
 from .loaders import Fp8Scheme
@@ -39,21 +43,71 @@ def _shard_files(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> l
     return shards
 
 
-def _save_sharded(state_dict: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> None:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` and their index."""
+def _sharded_files(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> dict:
+    """``{name: bytes}``: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+    and their index."""
     shards = _shard_files(state_dict, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
-        return
-    weight_map = {}
+        return {"model.safetensors": save(shards[0], metadata={"format": "pt"})}
+    files, weight_map = {}, {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out_dir / name, metadata={"format": "pt"})
+        files[name] = save(shard, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     metadata = {"total_parameters": sum(t.numel() for t in state_dict.values()),
                 "total_size": sum(t.numel() * t.element_size() for t in state_dict.values())}
-    (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2) + "\n")
+    files["model.safetensors.index.json"] = _json_bytes({"metadata": metadata,
+                                                         "weight_map": weight_map})
+    return files
+
+
+def _json_bytes(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()
+
+
+def _publish(out_dir, files: dict[str, bytes]) -> Path:
+    """Write ``files`` into the directory ``out_dir`` (created if missing, its
+    parents too), never through a link, even in a directory another user prepared:
+    the directory is opened without following a link (``out_dir`` a link is a
+    ValueError naming it: pass the directory it links to), and each file is
+    created under a fresh name in it (``O_EXCL``, no link followed) and renamed
+    over its name, so a link planted at a file's name is replaced, not written
+    through."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir()
+    except FileExistsError:
+        pass
+    try:
+        dir_fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        why = ("is a symlink: pass the directory it links to" if out_dir.is_symlink()
+               else f"cannot be opened as a directory ({exc.strerror})")
+        raise ValueError(f"out_dir {str(out_dir)!r} {why}") from None
+    try:
+        for name, data in files.items():
+            _write_new(dir_fd, name, data)
+    finally:
+        os.close(dir_fd)
+    return out_dir
+
+
+def _write_new(dir_fd: int, name: str, data: bytes) -> None:
+    """``data`` at ``name`` in the directory ``dir_fd``: a fresh file, renamed into place."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _check_tiny_args(*, layers, hidden, intermediate, experts, top_k, names, shards,
@@ -228,13 +282,10 @@ def make_tiny_checkpoint(out_dir, *, format: str = "bf16", naming: str = "mixtra
                                 ("down_proj", (hidden, intermediate))):
                 _linear(state, f"{prefix}shared_experts.{name}",
                         torch.randn(*shape, generator=g) * init_std, format)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _save_sharded(state, out_dir, _max_shard_bytes(state, shards))
-    (out_dir / "config.json").write_text(
-        json.dumps(_config(format, naming, layers, hidden, intermediate, experts, top_k,
-                           init_std), indent=2) + "\n")
-    return out_dir
+    files = _sharded_files(state, _max_shard_bytes(state, shards))
+    files["config.json"] = _json_bytes(_config(format, naming, layers, hidden, intermediate,
+                                               experts, top_k, init_std))
+    return _publish(out_dir, files)
 
 
 def _config(format, naming, layers, hidden, intermediate, experts, top_k, init_std) -> dict:
@@ -311,17 +362,18 @@ def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediat
         torch.manual_seed(seed)
         model = MixtralForCausalLM(config).to(torch.bfloat16)
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     state_dict = model.state_dict()
     max_shard_bytes = _max_shard_bytes(state_dict, shards)
-    if names == "v4":
-        model.save_pretrained(out_dir, max_shard_size=max_shard_bytes)
-    else:
-        model.config.save_pretrained(out_dir)
-        model.generation_config.save_pretrained(out_dir)
-        _save_sharded(state_dict, out_dir, max_shard_bytes)
-    return out_dir
+    with tempfile.TemporaryDirectory() as private:  # transformers writes by name: not there
+        if names == "v4":
+            model.save_pretrained(private, max_shard_size=max_shard_bytes)
+        else:
+            model.config.save_pretrained(private)
+            model.generation_config.save_pretrained(private)
+        files = {p.name: p.read_bytes() for p in sorted(Path(private).iterdir())}
+    if names == "v5":
+        files.update(_sharded_files(state_dict, max_shard_bytes))
+    return _publish(out_dir, files)
 
 
 def main(argv=None) -> None:

@@ -21,14 +21,18 @@ its path is.  The rules:
   check redirects nothing;
 - an object is loaded only if it is a regular file of this uid that no one
   else can write, with a single link (another name could change it), and
-  matches the sha256 stored beside it.  The sha256 is a corruption check (a
-  torn or damaged file is a miss, recompiled), not an integrity check: whoever
-  can write the object can write its sha256 too.  The protection is that no
-  one but this uid or root can write anywhere on the path;
-- a file is written under a fresh random name (``O_EXCL``, no symlink
-  followed) created in that directory, the object exported into it through
-  ``/proc/self/fd``, and renamed into place: processes that share the
-  directory, even with one pid each (containers), never write the same file;
+  matches the sha256 its name carries (``k_<key>.<sha256>.o``).  The sha256 is
+  a corruption check (a torn or damaged file is a miss, recompiled), not an
+  integrity check: whoever can write the object can rename it too.  The
+  protection is that no one but this uid or root can write anywhere on the path;
+- an object is written under a fresh random name (``O_EXCL``, no symlink
+  followed) created in that directory, exported into it through
+  ``/proc/self/fd``, hashed, and renamed to the name of its key and sha256 in
+  one step: processes that share the directory, even with one pid each
+  (containers), never write the same file, and no moment exists where an object
+  and its sha256 disagree (concurrent first writes of one kernel each publish a
+  whole object, which any of them may load; a write cut short, by a full disk
+  say, publishes nothing);
 - :func:`clear` removes only our file names, in the fingerprint-named
   subdirectories of a cache directory that passes the same checks, relative to
   their descriptors and never through a symlink;
@@ -58,8 +62,10 @@ from .settings import settings
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # csrc_free_kernels
 _SOURCES = [_PACKAGE, _PACKAGE.parent / "ts_pipeline"]
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
-# our files in a fingerprint directory: objects, their sha256, temporaries
+# our files in a fingerprint directory: objects and temporaries, and the .o.sha256
+# files that other versions' builds keep beside their objects (clear removes them too)
 _OURS = re.compile(r"\.?k_[0-9a-f]{24}(\.[A-Za-z0-9_]+)?\.(o|o\.sha256|tmp)")
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # an object's name: k_<key>.<its sha256>.o
 _DISABLED = "TS_MOE_NO_DISK_CACHE=1 (settings.disk_cache is off)"
 _warned: set = set()
 _unwritable: set = set()  # directories whose writes failed in this process
@@ -184,17 +190,6 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _read_sha(directory: CacheDir, filename: str) -> bytes | None:
-    try:
-        fd = os.open(filename, _READ, dir_fd=directory.fd)
-    except OSError:
-        return None
-    try:
-        return os.pread(fd, 4096, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    finally:
-        os.close(fd)
-
-
 def _not_ours(st) -> str | None:
     """Why an object may not be loaded, or None."""
     if not stat.S_ISREG(st.st_mode):
@@ -208,52 +203,63 @@ def _not_ours(st) -> str | None:
     return None
 
 
+def _objects(directory: CacheDir, name: str) -> list:
+    """``(file name, sha256)`` of each object of ``name`` in the directory."""
+    prefix = f"{name}."
+    return [(f, f[len(prefix):-2]) for f in sorted(os.listdir(directory.fd))
+            if f.startswith(prefix) and f.endswith(".o")
+            and _DIGEST.fullmatch(f[len(prefix):-2])]
+
+
 def load(directory: CacheDir, name: str, loader):
-    """``loader(path)`` of the object ``name`` if it is ours and intact, else None
+    """``loader(path)`` of an object of ``name`` that is ours and intact, else None
     (a miss).  ``path`` names the very file that was checked (``/proc/self/fd``)."""
-    path = directory.path / f"{name}.o"
+    for filename, digest in _objects(directory, name):
+        fn = _load_object(directory, filename, digest, loader)
+        if fn is not None:
+            return fn
+    return None
+
+
+def _load_object(directory: CacheDir, filename: str, digest: str, loader):
+    path = directory.path / filename
     try:
-        fd = os.open(f"{name}.o", _READ, dir_fd=directory.fd)
-    except FileNotFoundError:
+        fd = os.open(filename, _READ, dir_fd=directory.fd)
+    except FileNotFoundError:  # replaced meanwhile by a process that wrote it
         return None
     except OSError as e:
         why = "is a symlink" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
-        warn_once(f"object {directory.path}", f"{path} {why}: not loaded; recompiling")
+        warn_once(f"object {directory.path}", f"{path} {why}: not loaded; recompiling",
+                  stacklevel=4)
         return None
     try:
         why = _not_ours(os.fstat(fd))
         if why:
-            warn_once(f"object {directory.path}", f"{path} {why}: not loaded; recompiling")
+            warn_once(f"object {directory.path}", f"{path} {why}: not loaded; recompiling",
+                      stacklevel=4)
             return None
-        digest = hashlib.sha256(_read_all(fd)).hexdigest()
-        stored = _read_sha(directory, f"{name}.o.sha256")
-        if stored is None or stored.split()[:1] != [digest.encode()]:
+        if hashlib.sha256(_read_all(fd)).hexdigest() != digest:
             warn_once(f"integrity {directory.path}",
-                      f"{path} does not match its sha256 file "
-                      f"({'missing' if stored is None else 'differs'}): not loaded; recompiling "
-                      f"(further mismatches in {directory.path} are not reported)")
+                      f"{path} does not match the sha256 its name carries (a damaged or "
+                      f"torn file): not loaded; recompiling (further mismatches in "
+                      f"{directory.path} are not reported)", stacklevel=4)
             return None
         try:
             return loader(f"/proc/self/fd/{fd}")
         except Exception as e:  # noqa: BLE001 (the kernel is compiled instead)
-            warn_once(f"load {directory.path}", f"{path} could not be loaded ({e}); recompiling")
+            warn_once(f"load {directory.path}", f"{path} could not be loaded ({e}); "
+                                                f"recompiling", stacklevel=4)
             return None
     finally:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _write_new(directory: CacheDir, name: str, suffix: str, write) -> None:
-    """``write(fd)`` into a fresh private file created in the directory, then
-    renamed there to ``name + suffix``."""
+def _write_object(directory: CacheDir, name: str, export) -> None:
+    """``export(path)`` into a fresh private file created in the directory, then
+    renamed there, in one step, to the name of ``name`` and its sha256."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(100):
-        tmp = f".{name}.{secrets.token_hex(4)}{suffix}"
+        tmp = f".{name}.{secrets.token_hex(4)}.tmp"
         try:
             fd = os.open(tmp, flags, 0o600, dir_fd=directory.fd)
             break
@@ -262,8 +268,9 @@ def _write_new(directory: CacheDir, name: str, suffix: str, write) -> None:
     else:
         raise FileExistsError(errno.EEXIST, "no unused temporary name", str(directory.path))
     try:
-        write(fd)
-        os.replace(tmp, f"{name}{suffix}", src_dir_fd=directory.fd, dst_dir_fd=directory.fd)
+        export(f"/proc/self/fd/{fd}")
+        digest = hashlib.sha256(_read_all(fd)).hexdigest()
+        os.replace(tmp, f"{name}.{digest}.o", src_dir_fd=directory.fd, dst_dir_fd=directory.fd)
     except BaseException:
         try:
             os.unlink(tmp, dir_fd=directory.fd)
@@ -275,24 +282,14 @@ def _write_new(directory: CacheDir, name: str, suffix: str, write) -> None:
 
 
 def store(directory: CacheDir, name: str, export) -> bool:
-    """Writes the object ``name`` with ``export(path)``, then its sha256; False
-    (with one warning, and no further writes there) if the directory cannot take
-    it.  ``path`` is ``/proc/self/fd/N`` of the file created for it, so the
-    export cannot be redirected by a name."""
+    """Writes an object of ``name`` with ``export(path)``; False (with one warning,
+    and no further writes there) if the directory cannot take it.  ``path`` is
+    ``/proc/self/fd/N`` of the file created for it, so the export cannot be
+    redirected by a name."""
     if str(directory.path) in _unwritable:
         return False
-    digest = []
-
-    def export_and_hash(fd):
-        export(f"/proc/self/fd/{fd}")
-        digest.append(hashlib.sha256(_read_all(fd)).hexdigest())
-
-    def write_sha(fd):
-        _write_all(fd, f"{digest[0]}  {name}.o\n".encode())
-
     try:
-        _write_new(directory, name, ".o", export_and_hash)
-        _write_new(directory, name, ".o.sha256", write_sha)
+        _write_object(directory, name, export)
     except Exception as e:  # noqa: BLE001 (the compiled kernel works without its copy)
         _unwritable.add(str(directory.path))
         warn_once(f"write {directory.path}", f"cannot write to {directory.path} ({e}); "

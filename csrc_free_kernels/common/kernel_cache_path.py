@@ -104,28 +104,42 @@ def open_child(parent_fd: int, parent: str, name: str, create: bool) -> int | No
 def open_path(path: str, create: bool) -> int | None:
     """A descriptor (``O_RDONLY | O_DIRECTORY``) of the absolute directory
     ``path``, every component checked (see the module's rules); what is missing
-    is created ``0o700`` if ``create``, else None.  Raises :class:`Unsafe`, or
-    ``OSError`` for a path that cannot be walked."""
+    is created ``0o700`` if ``create``, else None.  A missing directory that a
+    later ``..`` leaves (``/d/missing/../c``) is never made: ``..`` cancels it
+    (nothing under it exists, so no symlink there can change what ``..`` means).
+    Raises :class:`Unsafe`, or ``OSError`` for a path that cannot be walked."""
     todo = path.split("/")[::-1]  # a stack: the next component last
     stack = [("/", os.open("/", _WALK))]  # (physical path, descriptor) of each directory
+    missing = []  # components under one that does not exist: not made before the path ends
     links = 0
     try:
         check_ancestor("/", os.fstat(stack[0][1]))
-        while todo:
+        while todo or missing:
+            if not todo:  # every ".." is behind: what is left missing is the path's own
+                if not create:
+                    return None
+                todo, missing = missing[::-1], []
+                continue
             name = todo.pop()
             if name in ("", "."):
                 continue
             if name == "..":
-                if len(stack) > 1:
+                if missing:  # a directory that does not exist, and will not be made
+                    missing.pop()
+                elif len(stack) > 1:
                     os.close(stack.pop()[1])
+                continue
+            if missing:
+                missing.append(name)
                 continue
             parent, parent_fd = stack[-1]
             here = _join(parent, name)
             try:
                 st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
             except FileNotFoundError:
-                if not create:
-                    return None
+                if not create or ".." in todo:  # made only where no ".." comes after it
+                    missing.append(name)
+                    continue
                 try:
                     os.mkdir(name, 0o700, dir_fd=parent_fd)
                 except FileExistsError:

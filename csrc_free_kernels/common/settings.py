@@ -31,6 +31,7 @@ cache on the values the DSL read).
 import contextlib
 import dataclasses
 import os
+import warnings
 
 _UNSET = object()
 # os.environ's own store, by encoded key: an op reads a setting at every call, and
@@ -40,6 +41,7 @@ _STORE = getattr(os.environ, "_data", None)
 _ENCODE = getattr(os.environ, "encodekey", None)
 _DECODE = getattr(os.environ, "decodevalue", None)
 _KEYS: dict = {}
+_unknown: set = set()  # TS_MOE_* variables of no setting, warned about in this process
 
 
 def _environ_get(name: str) -> str | None:
@@ -96,10 +98,19 @@ class Setting:
             return None
         if not isinstance(value, (str, os.PathLike)):
             raise TypeError(f"settings.{self.name} takes a path or None, got {value!r}")
-        value = os.fspath(value)
-        if not os.path.isabs(value):
-            raise ValueError(f"settings.{self.name} takes an absolute path, got {value!r}")
-        return value
+        try:
+            path = os.fspath(value)
+        except TypeError:  # a __fspath__ that returns neither str nor bytes
+            path = None
+        if not isinstance(path, str):  # bytes too: the cache's paths are str
+            raise TypeError(f"settings.{self.name} takes a str path or None, got {value!r}, "
+                            f"whose path is {type(path).__name__}")
+        if "\0" in path:
+            raise ValueError(f"settings.{self.name} takes a path without a NUL byte, got "
+                             f"{path!r}")
+        if not os.path.isabs(path):
+            raise ValueError(f"settings.{self.name} takes an absolute path, got {path!r}")
+        return path
 
     def default_text(self) -> str:
         if self.kind is bool:
@@ -163,9 +174,26 @@ class SettingsBase:
 
     def check_environment(self) -> None:
         """Read every setting's variable now: ``ValueError`` naming the first that holds a
-        value its setting does not take."""
+        value its setting does not take.  A ``TS_MOE_*`` variable that is no setting's
+        (a misspelling, or a setting set from code only) would be ignored without a
+        word: it costs one warning per process, naming the variables there are."""
         for spec in self.SETTINGS:
             spec.from_environment()
+        known = {s.env for s in self.SETTINGS if s.env}
+        for name in sorted(os.environ):
+            if name.startswith("TS_MOE_") and name not in known and name not in _unknown:
+                _unknown.add(name)
+                warnings.warn(self._unknown_variable(name, known), UserWarning, stacklevel=2)
+
+    def _unknown_variable(self, name: str, known: set) -> str:
+        message = (f"{name} is not a ts_moe setting's variable and is ignored; the variables "
+                   f"are {', '.join(sorted(known))}")
+        for spec in self.SETTINGS:
+            if spec.env is None and name == f"TS_MOE_{spec.name.upper()}":
+                setter = f"{spec.api}() or " if spec.api else ""
+                message += (f"; {spec.name} is set from code only "
+                            f"({setter}ts_moe.settings.{spec.name} = True)")
+        return message
 
     def source(self, name: str) -> str:
         """Where ``name``'s value comes from now: "code", its variable, or "default"."""

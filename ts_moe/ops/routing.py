@@ -223,9 +223,9 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatc
 
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``, (T, H) in
-    ``y_sorted``'s dtype: fp32 sums, one rounding, no atomics.  ``inverse``: any
-    indices into ``y_sorted``'s rows (a permutation, as :func:`sort_slots` makes
-    it, or not); under autograd ``y_sorted``'s gradient is the gather's exact
+    ``y_sorted``'s dtype (a float one): fp32 sums (fp64 for fp64), one rounding, no
+    atomics.  ``inverse``: any indices into ``y_sorted``'s rows (a permutation, as
+    :func:`sort_slots` makes it, or not); under autograd ``y_sorted``'s gradient is the gather's exact
     adjoint (:func:`ts_moe.reference.combine`).
 
     ``torch.ops.ts_moe.combine``: one launch on the sm_90 path; where
