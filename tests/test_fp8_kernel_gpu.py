@@ -289,18 +289,24 @@ def test_largest():
 # ------------------------------------------------------------------ quantizer
 def quantize_ref(x, recipe):
     """torch: scale = amax / 448 per group (fp32), q = (x / scale).to(e4m3), zeros where
-    the group is all zeros."""
+    the group is all zeros.  Both true divisions: 448 is a device tensor (torch on CUDA
+    multiplies by the rounded reciprocal of a Python number divisor,
+    aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu: one ulp off for about half the
+    amaxes)."""
     xf = x.float()
     m, k = x.shape
     if recipe == "blockwise_1x128":
         amax = xf.view(m, k // 128, 128).abs().amax(-1)
-        scale = amax / 448.0
+    elif recipe == "rowwise":
+        amax = xf.abs().amax(1)
+    else:
+        amax = xf.abs().amax()
+    scale = amax / torch.full_like(amax, 448.0)
+    if recipe == "blockwise_1x128":
         per = scale.repeat_interleave(128, 1)
     elif recipe == "rowwise":
-        scale = xf.abs().amax(1) / 448.0
         per = scale.unsqueeze(1)
     else:
-        scale = xf.abs().amax() / 448.0
         per = scale
     q = torch.where(per > 0, xf / torch.where(per > 0, per, 1.0), 0.0).to(FP8)
     return q, scale
