@@ -21,6 +21,8 @@ def fp8_kernels():
     yield
     ts_moe.use_fp8_kernels(False)
 
+from .fp8_accumulation_model import LAYER_ROW_TOL, LAYER_TOL
+from .helpers import rel_err
 from .test_fp8_layer import fp8_layer, reference64
 from .test_fp8_ops import BAD, PAIRS, _call, _outcome, assert_rows_close, ref64
 
@@ -191,7 +193,10 @@ def test_layer_on_cuda_and_its_decode_graph(recipe):
     with torch.no_grad():
         eager = ts_moe.moe_forward(x.cuda(), cuda[0], cuda[1], cuda[3], 2, gate_up_scale=cuda[2],
                                    down_scale=cuda[4], scale_recipe=recipe, decode_graphs=False)
-        assert_rows_close(eager.cpu(), ref)
+        # the reference re-quantizes an intermediate that the WGMMA's 14-bit accumulation
+        # moves (tests/fp8_accumulation_model.py, which also derives these tolerances)
+        assert_rows_close(eager.cpu(), ref, LAYER_ROW_TOL)
+        assert rel_err(eager.cpu(), ref) <= LAYER_TOL
         for _ in range(3):
             got = ts_moe.moe_forward(x.cuda(), cuda[0], cuda[1], cuda[3], 2,
                                      gate_up_scale=cuda[2], down_scale=cuda[4],
