@@ -122,13 +122,20 @@ def test_ptxas_no_spills(ptx, name, tmp_path):
 def test_quantize_ptx(ptx, name):
     """One pass: 16-byte vector loads, satfinite e4m3 conversion, true division by the
     scale; blockwise: a 16-lane butterfly (4 shuffles) per group, four groups a thread;
-    rowwise: warp butterflies and a CTA barrier; tensorwise: no reduction at all."""
+    rowwise: warp butterflies and a CTA barrier; tensorwise: no reduction at all.  Every
+    recipe stores its scale, a true division of the amax by 448 (never a multiply by
+    the rounded 1/448, 0f3B124925, which torch on CUDA does for ``amax / 448.0``):
+    tensorwise too, the divisor it used."""
     text = ptx[name]
     recipe, dtype = SPECS[name]
     assert ".target sm_90a" in text and ".local" not in text
     assert_pdl_entry(text)
     assert "cvt.rn.satfinite.e4m3x2.f32" in text
     assert "div.rn.f32" in text
+    scales = re.findall(r"div\.rn\.f32\s+(%r\d+),\s*%r\d+,\s*0f43E00000;", text)
+    assert scales and "0f3B124925" not in text
+    assert any(re.search(rf"st\.global\.b32\s+\[%rd\d+\],\s*{re.escape(r)};", text)
+               for r in scales)
     assert re.search(r"ld\.global(\.nc)?\.v4\.b32", text)
     shuffles = len(re.findall(r"shfl\.sync\.bfly\.b32", text))
     if recipe == "blockwise_1x128":

@@ -5,10 +5,11 @@ validation, opcheck and compile."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ts_moe
 from ts_moe.fp8.recipes import E4M3, Recipe
-from ts_moe.fp8.reference import dequantize
+from ts_moe.fp8.reference import dequantize, quantize_reference
 
 # every recipe on activations (2-D) and weights (3-D), sizes not multiples of 128
 CASES = [("blockwise_1x128", (37, 300)), ("rowwise", (37, 300)), ("tensorwise", (37, 300)),
@@ -69,6 +70,58 @@ def test_scale_is_amax_over_448_and_round_trip_within_e4m3(recipe, shape, dtype)
         # the largest element of a group maps to 448: nothing saturates early
         assert q[elems].float().abs().max() == 448
     assert torch.isfinite(deq).all()
+
+
+class NumberDivisors(TorchDispatchMode):
+    """Records the divisions by a Python number: torch on CUDA computes ``t / 448.0`` as
+    ``t * fl(1 / 448)`` (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), not the
+    correctly rounded quotient the CPU and the quantize kernel (div.rn.f32) give."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_) and \
+                isinstance(args[1], (int, float)):
+            self.found.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe,shape", CASES, ids=[f"{r}-{'x'.join(map(str, s))}"
+                                                     for r, s in CASES])
+def test_divisions_are_true_on_every_device(recipe, shape):
+    """The reference quantizer, and the kernel tests' torch reference of the quantizer,
+    divide by no Python number (so CUDA gives the CPU's bits) and agree bit for bit; the
+    scale is the correctly rounded amax / 448."""
+    from .test_fp8_kernel_gpu import quantize_ref
+
+    x = _data(shape, torch.float32, seed=1)
+    x[..., :1, :] = 0  # a zero group
+    with NumberDivisors() as divisions:
+        q, scale = quantize_reference(x, recipe)
+        kernel_test = len(shape) == 2 and recipe != "blockwise_128x128" and \
+            (recipe != "blockwise_1x128" or shape[1] % 128 == 0)
+        if kernel_test:
+            rq, rs = quantize_ref(x, recipe)
+    assert divisions.found == []
+    if kernel_test:
+        assert torch.equal(rs, scale) and torch.equal(rq.view(torch.uint8), q.view(torch.uint8))
+    for s_idx, elems in _groups(recipe, shape):
+        assert scale[s_idx] == (x[elems].abs().max().double() / 448).float()
+
+
+def test_a_reciprocal_multiply_is_not_amax_over_448():
+    """Why the divisor must be a tensor: fl(amax * fl(1 / 448)) misses the correctly
+    rounded amax / 448 by one ulp for about half the amaxes (what torch on CUDA
+    computes for ``amax / 448.0``)."""
+    amax = torch.rand(10000, generator=torch.Generator().manual_seed(2)) * 100
+    true = (amax.double() / 448).float()
+    assert torch.equal(amax / amax.new_full((), 448.0), true)
+    recip = amax * (torch.ones(()) / 448)
+    off = recip != true
+    assert 0.3 < off.float().mean() < 0.7
+    assert ((recip.view(torch.int32) - true.view(torch.int32)).abs() <= 1).all()
 
 
 @pytest.mark.parametrize("recipe", ["blockwise_1x128", "rowwise", "tensorwise",

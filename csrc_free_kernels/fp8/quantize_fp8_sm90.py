@@ -9,7 +9,12 @@ dequantization scales, ``scale = amax / 448`` per group, ``q = satfinite_rn(x / 
   (``grouped_gemm_fp8_sm90``'s module docstring);
 - ``rowwise``: a group is a row, scales (M,);
 - ``tensorwise``: one group; its amax comes in (a device tensor), the kernel divides by
-  ``amax / 448``.
+  ``amax / 448`` and CTA 0 writes that scale (the scale returned is the divisor used:
+  torch's ``amax / 448.0`` on CUDA multiplies by a rounded reciprocal instead, one ulp
+  off for about half the amaxes; ``bench/notes/2026-12-06-fp8-first-gpu-pass.md``).
+
+Every scale is ``div.rn.f32(amax, 448)`` and every element ``div.rn.f32(x, scale)``:
+IEEE divisions, equal bit for bit to torch's tensor division on the CPU and on CUDA.
 
 See :class:`QuantizeFp8Sm90` for how the threads share the work.
 """
@@ -57,7 +62,7 @@ class QuantizeFp8Sm90:
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor,
                  mAmax: cute.Tensor, max_ctas: cutlass.Int32, stream):
         """mX (M, K), mQ (M, K) e4m3; mScale: blockwise (M, K/128) M-major, rowwise (M,),
-        tensorwise unused (pass the amax); mAmax: tensorwise (1,) amax, else unused."""
+        tensorwise (1,) (written by CTA 0); mAmax: tensorwise (1,) amax, else unused."""
         # (VEC, (M, K / VEC)): mode 1 indexes 16-byte vectors
         gX = cute.zipped_divide(mX, (1, VEC))
         gQ = cute.zipped_divide(mQ, (1, VEC))
@@ -146,6 +151,10 @@ class QuantizeFp8Sm90:
         lane = cute.arch.lane_idx()
         smem = cutlass.utils.SmemAllocator()
         partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.warps + 1))
+        if cutlass.const_expr(self.recipe == "tensorwise"):
+            if bidx == 0:
+                if tidx == 0:  # the divisor of every row below, computed the same way
+                    mScale[0] = mAmax[0] / FP8_MAX
         for row in cutlass.range(bidx, total, grid, unroll=1):
             if cutlass.const_expr(self.recipe == "tensorwise"):
                 amax = mAmax[0]

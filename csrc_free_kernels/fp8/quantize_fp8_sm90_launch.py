@@ -25,7 +25,7 @@ import torch
 from ..common import compile as kcompile
 from ..common.family import Build, Kernels, Op
 from ..common.kernel_config import Declined
-from .quantize_fp8_sm90 import FP8_MAX, GROUP, RECIPES, QuantizeFp8Sm90
+from .quantize_fp8_sm90 import GROUP, RECIPES, QuantizeFp8Sm90
 
 ALIGN = 16  # bytes: the kernel's row strides and pointers
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,17 +100,18 @@ def quantize(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
       M rounded up to 4 (a view of a contiguous (K/128, Mp) tensor): the FP8 GEMM's
       fast layout;
     - ``rowwise``: scale (M,); ``tensorwise``: scale a 0-d tensor (the amax comes from
-      one device reduction, ``x.abs().amax()``, before the quantizing launch).
+      one device reduction, ``x.abs().amax()``, before the quantizing launch; the kernel
+      writes the scale it divides by).
     """
     x = _rows(x)
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     fn = compiled_kernel(recipe, x.dtype)
-    if recipe == "tensorwise":  # the kernel writes no scale: the amax is its input
+    if recipe == "tensorwise":  # the amax is the kernel's input, the scale its output
         amax = x.abs().amax().float().reshape(1)
-        scale = (amax / FP8_MAX).reshape(())
-        fn(one_row_view(x), one_row_view(q), amax, amax, _max_ctas(x.get_device()))
-        return q, scale
+        scale = torch.empty(1, dtype=torch.float32, device=x.device)
+        fn(one_row_view(x), one_row_view(q), scale, amax, _max_ctas(x.get_device()))
+        return q, scale.reshape(())
     if recipe == "blockwise_1x128":
         mp = -(-m // 4) * 4
         scale = torch.empty(k // GROUP, mp, dtype=torch.float32, device=x.device)[:, :m].t()

@@ -5,7 +5,11 @@ Quantization (:func:`quantize_reference`): per group (:mod:`ts_moe.fp8.recipes`)
 ``scale = amax / 448`` in fp32 and ``x_fp8 = satfinite(x / scale)`` (round to
 nearest even), as the sm_90 quantize kernel does; a group whose scale is 0 (all
 zeros, or an amax so small that amax / 448 underflows) gets scale 0 and zero
-elements, so that it dequantizes to exactly 0 and nothing is NaN.
+elements, so that it dequantizes to exactly 0 and nothing is NaN.  Both are true
+divisions on every device: the divisor 448 is a tensor on x's device, since torch on
+CUDA turns a division by a Python number into a multiply by its rounded reciprocal
+(one ulp off for about half the amaxes;
+``bench/notes/2026-12-06-fp8-first-gpu-pass.md``).
 """
 
 import torch
@@ -61,7 +65,8 @@ def quantize_reference(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torc
     (contiguous), scale fp32 of :func:`ts_moe.fp8.recipes.scale_shape` (contiguous)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
-    scale = (_amax(xf, recipe) / E4M3_MAX).to(torch.float32)
+    amax = _amax(xf, recipe)
+    scale = (amax / amax.new_full((), E4M3_MAX)).to(torch.float32)
     full = expand_scale(scale.to(acc), recipe, x.shape)
     q = torch.where(full > 0, xf / torch.where(full > 0, full, 1), 0)
     return q.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale.contiguous()
