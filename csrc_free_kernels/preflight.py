@@ -22,16 +22,17 @@ RULES = ("missing-fact", "tma-coordinate", "tensor-map", "tma-smem", "expect-tx"
          "warpgroup-uniform", "warp-uniform", "named-barrier", "bulk-copy", "cluster",
          "proxy-fence", "wgmma-descriptor", "tcgen05")
 
-# each rule family, in the order it runs (the facts first: the rules stand on them)
-_CHECKS = (preflight_budget.check_facts, preflight_tma.check_maps, preflight_tma.check_tma,
-           preflight_bulk.check_bounds, preflight_mbarrier.check_align,
-           preflight_mbarrier.check_init, preflight_mbarrier.check_expect_tx,
-           preflight_mbarrier.check_fence, preflight_budget.check_budget,
-           preflight_budget.check_setmaxnreg, preflight_collective.check_warpgroup,
-           preflight_collective.check_warp, preflight_collective.check_named,
-           preflight_bulk.check_bulk, preflight_bulk.check_cluster,
-           preflight_bulk.check_proxy_fence, preflight_wgmma.check_descriptors,
-           preflight_tcgen05.check_tcgen05)
+# the rules that stand on the PTX and the facts alone, then those that count threads
+# (which a build without .reqntid, already reported as missing-fact, cannot feed)
+_FIRST = (preflight_budget.check_facts, preflight_tma.check_maps, preflight_tma.check_tma,
+          preflight_mbarrier.check_align, preflight_budget.check_budget,
+          preflight_bulk.check_bulk)
+_COUNTING = (preflight_bulk.check_bounds, preflight_mbarrier.check_init,
+             preflight_mbarrier.check_expect_tx, preflight_mbarrier.check_fence,
+             preflight_budget.check_setmaxnreg, preflight_collective.check_warpgroup,
+             preflight_collective.check_warp, preflight_collective.check_named,
+             preflight_bulk.check_cluster, preflight_bulk.check_proxy_fence,
+             preflight_wgmma.check_descriptors, preflight_tcgen05.check_tcgen05)
 
 
 def check(build: str, ptx: str, facts: BuildFacts) -> list:
@@ -39,8 +40,11 @@ def check(build: str, ptx: str, facts: BuildFacts) -> list:
     ``.entry``), ``facts`` what its trace and cubin recorded; ``build`` names it in the
     violations.  Empty: the build may meet a GPU."""
     pf = Preflight(build, ptx, facts)
-    for rule in _CHECKS:
+    for rule in _FIRST:
         rule(pf)
+    if pf.k.declares_threads:
+        for rule in _COUNTING:
+            rule(pf)
     return pf.found
 
 

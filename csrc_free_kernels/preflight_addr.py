@@ -234,6 +234,7 @@ class BarrierArray:
             return False
         off = s.const
         return off.denominator == 1 and self.start <= off < self.start + 8 * self.size \
+            and (off - self.start) % 8 == 0 \
             and all(c.denominator == 1 and c % 8 == 0 for _, c in s.registers())
 
     def __str__(self) -> str:

@@ -21,8 +21,7 @@ Notes: ``bench/notes/2026-12-06-preflight-rules.md``.
 import re
 
 from .preflight_mbarrier import barrier_operand
-from .preflight_ranges import (footprint, operand_range, register_range, shared_size,
-                               sym_range)
+from .preflight_ranges import footprint, operand_range, shared_size, sym_range
 
 PORTABLE_CLUSTER = 8
 
@@ -242,6 +241,3 @@ def _meeting_point(pf, ins):
         return ("mbar", id(arr)) if arr is not None else None
     return None
 
-
-__all__ = ["check_bulk", "check_bounds", "check_cluster", "check_proxy_fence",
-           "box_region", "register_range"]

@@ -19,7 +19,7 @@ instruction).  Notes: ``bench/notes/2026-12-06-preflight-rules.md``.
 
 import re
 
-from .preflight_ptx import CTA, LEVEL_NAMES, WARP, WARPGROUP, _imm
+from .preflight_ptx import CTA, LEVEL_NAMES, WARP, WARPGROUP
 
 _WARP_OPS = ("elect.sync", "shfl.sync", "vote.sync", "match.", "redux.sync",
              "bar.warp.sync", "ldmatrix", "stmatrix", "movmatrix", "mma.sync",

@@ -18,7 +18,9 @@ stage's (or another pipeline's) barrier names a different one.  Rules:
   barrier;
 - ``mbarrier-fence``: in a cluster launch, a barrier that another CTA signals
   (a multicast or pair load, a remote arrive, a multicast commit) is initialised, then
-  ``fence.mbarrier_init.release.cluster``, then a cluster barrier wait, before.
+  ``fence.mbarrier_init.release.cluster``, then the signalling thread synchronises
+  (a cluster barrier, a CTA barrier or an mbarrier wait: the acquire that the release
+  fence pairs with), before the signal.
 """
 
 import re

@@ -24,8 +24,6 @@ that offset wrote the operand; then:
   are in its run-time instruction descriptor, so its leading offset is not checked.
 """
 
-from .preflight_ranges import sym_range
-
 _SWIZZLE_SM90 = {3: 1, 2: 2, 1: 3, 0: 0}    # Swizzle<B,4,3> -> descriptor mode
 _SWIZZLE_SM100 = {3: 2, 2: 4, 1: 6, 0: 0}
 _FIELD = 0x3FFF
@@ -143,5 +141,3 @@ def _mn_bytes(ins, which: str):
     size = {"bf16": 2, "f16": 2, "tf32": 4, "e4m3": 1, "e5m2": 1}.get(m.group(3))
     return None if size is None else int(m.group(1 if which == "A" else 2)) * size
 
-
-__all__ = ["check_descriptors", "sym_range"]
