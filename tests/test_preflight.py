@@ -121,6 +121,14 @@ def test_an_unmasked_scale_row_fails(builds):
     assert _rules(found) == ["tma-coordinate"]
 
 
+def test_a_stricter_mask_on_the_scale_row_passes(builds):
+    text, _ = builds["fp8_decode16_blockwise"]
+    (mask,) = re.findall(r"and\.b32\s+(%r\d+),\s*(%r\d+),\s*-4;", text)
+    found = _mutated(builds, "fp8_decode16_blockwise", f"and.b32 \t{mask[0]}, {mask[1]}, -4;",
+                     f"and.b32 \t{mask[0]}, {mask[1]}, -8;")
+    assert found == [], found
+
+
 def test_a_wrong_armed_byte_count_fails(builds):
     text, _ = builds["gemm_prefill_c2"]
     arm = re.search(r"expect_tx\.shared\.b64 \S+, \[\S+\], (%r\d+);", text).group(1)
@@ -136,10 +144,21 @@ def test_setmaxnreg_outside_the_budget_fails(builds, new, why):
     assert _rules(found) == ["setmaxnreg"] and why in str(found)
 
 
-def test_local_memory_fails(builds):
-    text, facts = builds["route_slots"]
-    found = preflight.check("route_slots", text, dataclasses.replace(facts, frame_bytes=16))
-    assert _rules(found) == ["budget"]
+@pytest.mark.parametrize("change, why", [
+    ({"frame_bytes": 16}, "local memory"),
+    ({"smem_bytes": 232449}, "over 232448"),
+    ({"registers": 176}, "176 registers x 384 threads > 65536"),
+])
+def test_a_build_over_budget_fails(builds, change, why):
+    text, facts = builds["gemm_prefill"]
+    found = preflight.check("gemm_prefill", text, dataclasses.replace(facts, **change))
+    assert "budget" in _rules(found) and why in str(found), found
+
+
+def test_a_build_at_its_budget_passes(builds):
+    text, facts = builds["gemm_prefill"]
+    found = preflight.check("gemm_prefill", text, dataclasses.replace(facts, smem_bytes=232448))
+    assert found == [], found
 
 
 def test_a_misaligned_tma_destination_and_barrier_fail(builds):
@@ -185,6 +204,16 @@ def test_a_bad_tensor_map_fails(builds, change, why):
     maps[0] = dataclasses.replace(maps[0], **change)
     found = preflight.check("x", text, dataclasses.replace(facts, maps=maps))
     assert "tensor-map" in _rules(found) and why in str(found)
+
+
+@pytest.mark.parametrize("change", [{"strides": (1, ("div", 8))}, {"box": (64, 256)},
+                                    {"align": 32}])
+def test_a_tensor_map_at_its_limits_passes(builds, change):
+    text, facts = builds["gemm_decode16"]
+    maps = list(facts.maps)
+    maps[0] = dataclasses.replace(maps[0], **change)
+    found = preflight.check("x", text, dataclasses.replace(facts, maps=maps))
+    assert "tensor-map" not in _rules(found), found
 
 
 # ------------------------------------------------------------- the readers

@@ -198,6 +198,12 @@ def test_a_named_barrier_with_a_wrong_count_fails(builds, new, count, why):
     assert _rules(found) == ["named-barrier"] and why in str(found), found
 
 
+def test_a_cta_barrier_under_a_warp_test_fails(builds):
+    found = _check(builds, C2, (r"bar\.sync \t0;", _wrap("bar.sync \t0;",
+                                                          "setp.eq.u32 \t%p9990, %r9991, 2;")))
+    assert "named-barrier" in _rules(found) and "every thread of the CTA" in str(found)
+
+
 def test_a_named_barrier_under_a_thread_test_fails(builds):
     found = _check(builds, C2, (BAR, _wrap("bar.sync \t1, 256;",
                                            "setp.eq.u32 \t%p9990, %r9990, 300;")))
