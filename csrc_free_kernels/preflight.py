@@ -40,11 +40,12 @@ def check(build: str, ptx: str, facts: BuildFacts) -> list:
     ``.entry``), ``facts`` what its trace and cubin recorded; ``build`` names it in the
     violations.  Empty: the build may meet a GPU."""
     pf = Preflight(build, ptx, facts)
-    for rule in _FIRST:
-        rule(pf)
-    if pf.k.declares_threads:
-        for rule in _COUNTING:
+    for rule in _FIRST + (_COUNTING if pf.k.declares_threads else ()):
+        try:
             rule(pf)
+        except Exception as exc:  # a rule that cannot read the build is no pass
+            pf.fail("missing-fact", pf.k.name, f"{rule.__module__}.{rule.__name__} could "
+                                               f"not read this build: {exc!r}")
     return pf.found
 
 

@@ -40,7 +40,7 @@ def barrier_operand(ins):
         return next((a for a in ins.args if a.startswith("[")), None)
     if op.startswith(("cp.async.bulk", "cp.reduce.async.bulk")) and "mbarrier::" in op:
         brackets = [a for a in ins.args if a.startswith("[")]
-        return brackets[-1] if len(brackets) >= 3 or ".tensor" not in op else brackets[2]
+        return brackets[2] if len(brackets) >= 3 else None
     return None
 
 
@@ -290,7 +290,7 @@ def _per_barrier(pf, sites):
 # ------------------------------------------------------------------ fence
 def _cluster_scope(pf, ins) -> bool:
     op = ins.op
-    if "multicast::cluster" in op or ".cta_group::2" in op and "complete_tx" in op:
+    if "multicast::cluster" in op or (".cta_group::2" in op and "complete_tx" in op):
         return True
     if op.startswith("tcgen05.commit") and ".cta_group::2" in op:
         return True

@@ -45,6 +45,8 @@ def _operands(ins):
         trans = [x.strip() for x in a[3:]]
         if fp8:
             majors = (False, False)
+        elif len(trans) < 2:
+            majors = (None, None)
         elif rs:
             majors = (None, trans[-1] == "1")
         else:
