@@ -8,7 +8,7 @@ flow-insensitive dataflows over the virtual registers to a fixed point:
   (constants, ``shl``, ``mul``/``mad`` by constants, ``and`` with a mask, sums; anything
   else is "not known to be aligned");
 - how far a register's value is the same across threads (the CTA, each warpgroup,
-  each warp or no further) is :mod:`.preflight_uniform`'s, over this reader.
+  each warp or no further) is :mod:`.uniform`'s, over this reader.
 
 Inline-asm scopes (``{ ... }`` inside the body, e.g. the DSL's mbarrier wait loops) are
 read as straight-line code: their local labels and branches stay inside them.  The
@@ -16,14 +16,15 @@ analyses are conservative: what they cannot follow is reported as unknown, never
 """
 
 import dataclasses
+import functools
 import re
 
 INF = 64                         # "a multiple of 2**64": zero, or nothing written
 CTA, WARPGROUP, WARP, THREAD = range(4)
 LEVEL_NAMES = ("CTA-uniform", "warpgroup-uniform", "warp-uniform", "per-thread")
 
-_REG = re.compile(r"%[A-Za-z_$][\w$]*")
-_CTA_SPECIAL = re.compile(r"%(ctaid|nctaid|ntid|cluster_\w+|clusterid|nclusterid|smid|nsmid|"
+REG = re.compile(r"%[A-Za-z_$][\w$]*")
+CTA_SPECIAL = re.compile(r"%(ctaid|nctaid|ntid|cluster_\w+|clusterid|nclusterid|smid|nsmid|"
                           r"gridid|is_explicit_cluster|dynamic_smem_size|total_smem_size)"
                           r"(\.[xyzw])?$")
 _NO_DEF = ("st.", "stmatrix", "cp.", "red.", "bra", "ret", "exit", "bar.", "barrier.",
@@ -46,7 +47,7 @@ class Instr:
     block: int = -1
     in_asm: bool = False
 
-    @property
+    @functools.cached_property
     def defs(self) -> list:
         """The registers this instruction writes (its first operand, for most)."""
         if not self.args or self.op.startswith(_NO_DEF) or self.op.startswith("@"):
@@ -54,12 +55,12 @@ class Instr:
         first = self.args[0]
         if first.startswith("["):
             return []
-        return [r for r in _REG.findall(first)]
+        return [r for r in REG.findall(first)]
 
-    @property
+    @functools.cached_property
     def uses(self) -> list:
         start = 0 if not self.defs else 1
-        regs = [r for a in self.args[start:] for r in _REG.findall(a)]
+        regs = [r for a in self.args[start:] for r in REG.findall(a)]
         if self.guard:
             regs.append(self.guard.lstrip("!"))
         return regs
@@ -82,7 +83,7 @@ def _split_args(text: str) -> list:
     return out
 
 
-def _imm(text: str):
+def imm(text: str):
     """An integer immediate (decimal or 0x hex, PTX's forms), else None."""
     t = text.strip()
     m = re.fullmatch(r"(-?)(0[xX][0-9a-fA-F]+|\d+)U?", t)
@@ -108,7 +109,10 @@ class Kernel:
         self.params = [(m.group(2), int(m.group(1) or 0), int(m.group(3) or 0))
                        for m in re.finditer(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.\w+\s+(\w+)"
                                             r"(?:\[(\d+)\])?", ptx[head.end():close])]
-        threads = re.search(r"\.reqntid\s+(\d+)(?:,\s*(\d+))?(?:,\s*(\d+))?", ptx[close:])
+        self.entries = len(re.findall(r"\.entry\s+\w+\s*\(", ptx))
+        body = ptx.index("{", close)
+        threads = re.search(r"\.reqntid\s+(\d+)(?:,\s*(\d+))?(?:,\s*(\d+))?", ptx[close:body])
+        self.declares_threads = threads is not None
         self.threads = 1
         for g in (threads.groups() if threads else ()):
             self.threads *= int(g or 1)
@@ -117,7 +121,7 @@ class Kernel:
         self.has_local = bool(re.search(r"\.local\b", ptx))
         self.instrs: list = []
         self.labels: dict = {}
-        self._parse(ptx, ptx.index("{", close))
+        self._parse(ptx, body)
         self._blocks()
         self._control_dependence()
         self.writes = {}
@@ -287,15 +291,26 @@ class Kernel:
         return self.writes.get(reg, [])
 
     # -------------------------------------------------------------- alignment
-    def alignment(self) -> dict:
-        """``{register: k}``: every value of the register is a multiple of ``2**k``."""
+    def alignment(self, params: dict | None = None) -> dict:
+        """``{register: k}``: every value of the register is a multiple of ``2**k``.
+
+        ``params``: ``{(parameter, byte offset): k}``, what the launch promises of values
+        loaded from the kernel's parameters (a tensor's base address, a stride's
+        divisibility: :func:`~.addr.param_alignment`); any other load is
+        unknown.  A 64-bit value unpacked into halves (``mov.b64 {lo, hi}, x``) gives
+        the low half at most 32 bits of its alignment and the high half what is left
+        above bit 32; packing takes the halves' least."""
+        params = params or {}
         align = {r: INF for r in self.writes}
 
         def of(arg: str) -> int:
             arg = arg.strip().lstrip("-")
-            v = _imm(arg)
+            v = imm(arg)
             if v is not None:
                 return _tz(v)
+            pair = re.fullmatch(r"\{\s*(%\w+)\s*,\s*(%\w+)\s*\}", arg)
+            if pair:  # {lo, hi} packed into 64 bits
+                return min(of(pair.group(1)), of(pair.group(2)) + 32, INF)
             base = re.fullmatch(r"(\w+)(?:\+(\d+))?", arg)
             if base and base.group(1) in self.shared_align:
                 off = int(base.group(2) or 0)
@@ -305,6 +320,9 @@ class Kernel:
         def step(ins: Instr) -> int:
             op, a = ins.op, ins.args
             name = op.split(".")[0]
+            if name == "ld" and ".param" in op and len(a) >= 2:
+                m = re.fullmatch(r"\[\s*(\w+)\s*(?:\+\s*(\d+))?\s*\]", a[1])
+                return params.get((m.group(1), int(m.group(2) or 0)), 0) if m else 0
             if name in ("mov", "cvt", "cvta", "neg", "abs") and len(a) >= 2:
                 return of(a[1])
             if name in ("add", "sub", "min", "max", "or", "xor") and len(a) >= 3:
@@ -318,18 +336,48 @@ class Kernel:
             if name == "mad" and (".lo" in op or ".wide" in op) and len(a) >= 4:
                 return min(of(a[1]) + of(a[2]), of(a[3]), INF)
             if name == "shl" and len(a) >= 3:
-                s = _imm(a[2])
+                s = imm(a[2])
                 return min(of(a[1]) + (s if s is not None else 0), INF)
+            if name == "shr" and len(a) >= 3 and imm(a[2]) is not None:
+                return max(of(a[1]) - imm(a[2]), 0)
+            if name == "mapa" and len(a) >= 2:
+                return min(of(a[1]), 24)  # the rank goes above the offset's bits
             if name == "shfl" and len(a) >= 2:
                 return of(a[1])  # another lane's value of the same register
+            return 0
+
+        def written(ins: Instr, reg: str) -> int:
+            """The alignment ``ins`` gives ``reg``: one part of a vector destination
+            takes its share of the source's bits (an unpack) or its own element of a
+            vector load."""
+            dst = ins.args[0] if ins.args else ""
+            if not dst.startswith("{"):
+                return step(ins)
+            parts = [p.strip() for p in dst.strip("{}").split(",")]
+            i = parts.index(reg)
+            name = ins.op.split(".")[0]
+            if name == "ld" and ".param" in ins.op:
+                m = re.fullmatch(r"\[\s*(\w+)\s*(?:\+\s*(\d+))?\s*\]", ins.args[1])
+                width = max(_bits(ins.op) // 8, 1)
+                return params.get((m.group(1), int(m.group(2) or 0) + i * width), 0) if m else 0
+            if name == "mov" and len(ins.args) >= 2:
+                width = _bits(ins.op) // len(parts)
+                k = of(ins.args[1]) - i * width
+                return INF if k >= width else max(k, 0)
             return 0
 
         for _ in range(200):
             changed = False
             for reg, defs in self.writes.items():
-                new = min(step(ins) for ins in defs)
+                new = min(written(ins, reg) for ins in defs)
                 if new < align[reg]:
                     align[reg], changed = new, True
             if not changed:
                 return align
         raise RuntimeError("the alignment dataflow did not settle")
+
+
+def _bits(op: str) -> int:
+    """The width of an instruction's type (``mov.b64`` -> 64, ``ld.param.v2.b32`` -> 32)."""
+    m = re.search(r"\.[bsuf](\d+)$", op)
+    return int(m.group(1)) if m else 32

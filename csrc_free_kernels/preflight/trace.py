@@ -60,14 +60,22 @@ class TmaMap:
 class BuildFacts:
     """A build's TMA maps in the order the DSL made them; ``map_params``: for each
     tensor-map parameter of the kernel, in parameter order, the index of its map (an
-    atom passed twice is two parameters); its shared-memory bytes; and, from the cubin
-    the DSL produced, the registers per thread and the stack frame (0: no local memory)."""
+    atom passed twice is two parameters); its shared-memory bytes; from the cubin the
+    DSL produced, the registers per thread and the stack frame (0: no local memory);
+    from the launch, the cluster shape (x, y, z) and the printed types of the kernel's
+    operands in order (a tensor's address alignment and strides' divisibility); and the
+    shared-memory allocations (each field of an allocated struct) as ``[start, end)``
+    byte ranges.  None: not recorded,
+    which the pre-flight reports wherever a rule needs it."""
 
     maps: list = dataclasses.field(default_factory=list)
     map_params: list = dataclasses.field(default_factory=list)
     smem_bytes: int = 0
     registers: int | None = None
     frame_bytes: int | None = None
+    cluster: list | None = None
+    operands: list | None = None
+    smem_regions: list | None = None
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self),
@@ -115,7 +123,7 @@ def _stride(text: str):
     return ("div", int(m.group(1) or 1))
 
 
-def _leaves(text: str, path=()) -> dict:
+def leaves(text: str, path=()) -> dict:
     """A printed (nested) tuple's leaves by their mode path: ``"((a,b),c)"`` ->
     ``{(0, 0): "a", (0, 1): "b", (1,): "c"}``."""
     items = _split_top(text)
@@ -123,7 +131,7 @@ def _leaves(text: str, path=()) -> dict:
         return {path: text}
     found = {}
     for i, item in enumerate(items):
-        found.update(_leaves(item, (*path, i)))
+        found.update(leaves(item, (*path, i)))
     return found
 
 
@@ -147,12 +155,12 @@ def parse_atom(kind: str, gmem_type: str, atom_type: str, smem: str,
     if dtype not in ELEMENT_BITS:
         raise ValueError(f"unknown element type {dtype!r} in {gmem_type}")
     gshape, gstride = layout.split(":")
-    strides = {path: _stride(s) for path, s in _leaves(gstride).items()}
-    if strides.keys() != _leaves(gshape).keys():
+    strides = {path: _stride(s) for path, s in leaves(gstride).items()}
+    if strides.keys() != leaves(gshape).keys():
         raise ValueError(f"unreadable global layout {layout!r}")
     bshape, bbasis = atom.group(3).split(":")
-    box = tuple(int(v) for v in _leaves(bshape).values())
-    dims = [_basis_path(b) for b in _leaves(bbasis).values()]
+    box = tuple(int(v) for v in leaves(bshape).values())
+    dims = [_basis_path(b) for b in leaves(bbasis).values()]
     if len(dims) != len(box) or any(d not in strides for d in dims):
         raise ValueError(f"TMA basis {atom.group(3)!r} does not fit the layout {layout!r}")
     sw = _SWIZZLE.search(smem)
@@ -197,6 +205,9 @@ def recording():
         align = max(byte_alignment, dtype.width // 8)
         start = -(-facts.smem_bytes // align) * align
         facts.smem_bytes = start + cute.cosize(layout) * max(dtype.width // 8, 1)
+        fields = kwargs.get("struct_fields") or [("", facts.smem_bytes - start, 0)]
+        facts.smem_regions = (facts.smem_regions or []) + [
+            [start + offset, start + offset + size] for _, size, offset in fields]
         return alloca(self, layout, dtype, byte_alignment, *args, **kwargs)
 
     launch = CutlassBaseDSL.cuda_launch_func
@@ -207,6 +218,13 @@ def recording():
         facts.map_params = [next(i for i, v in enumerate(atoms) if v == op)
                             for op in operands
                             if str(getattr(op, "type", "")).startswith(_ATOM_TYPE)]
+        kernel_operands = args[8] if len(args) > 8 else kwargs.get("kernel_operands", [])
+        facts.operands = [str(getattr(v, "type", "")) for v in kernel_operands]
+        dims = [kwargs.get(f"cluster_size_{d}") for d in "xyz"]
+        facts.cluster = [1 if v is None else v if isinstance(v, int) else None
+                         for v in dims]
+        if None in facts.cluster:  # a dynamic cluster shape: not known here
+            facts.cluster = None
         return launch(*args, **kwargs)
 
     for name, make in saved.items():

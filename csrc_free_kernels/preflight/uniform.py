@@ -15,7 +15,7 @@ writes may reach also takes the level of the branches that choose among those wr
 
 import operator
 
-from .ptx import _CTA_SPECIAL, _REG, CTA, THREAD, WARP, WARPGROUP, Kernel, _imm
+from .ptx import CTA_SPECIAL, REG, CTA, THREAD, WARP, WARPGROUP, Kernel, imm
 
 
 def granularity(values) -> int:
@@ -51,32 +51,72 @@ def _signed(v: int, w: int) -> int:
 
 class ThreadValues:
     """The exact per-thread values of the registers computed from ``%tid.x`` and
-    constants (single writes only): ``{register: tuple over threads}``."""
+    constants (every write of the register giving the same values):
+    ``{register: tuple over threads}``.
 
-    def __init__(self, kernel: Kernel):
+    With ``cluster`` (the launch's cluster shape), over every thread of every CTA of a
+    cluster instead (lane ``rank * threads + tid``): ``%cluster_ctarank`` and the
+    cluster-relative ``%ctaid.x`` bits (``%ctaid.x & (cluster_x - 1)``: clusters tile
+    the grid, CUDA programming guide) are then known too."""
+
+    def __init__(self, kernel: Kernel, cluster: tuple | None = None):
         self.k = kernel
-        self.n = max(kernel.threads, 1)
-        self.values: dict = {}
+        self.threads = max(kernel.threads, 1)
+        self.cluster = tuple(cluster) if cluster else None
+        self.ranks = 1
+        for c in self.cluster or ():
+            self.ranks *= c
+        self.n = self.threads * self.ranks
+        self.values: dict = {}   # register -> values, the same at every write
+        self.by_def: dict = {}   # instruction index -> the values it writes
+        self._at = None
+        writers = [ins for ins in kernel.instrs if len(ins.defs) == 1 and not ins.guard]
         for _ in range(50):
-            before = len(self.values)
-            for reg, defs in kernel.writes.items():
-                if reg not in self.values and len(defs) == 1 and not defs[0].guard:
-                    v = self._eval(defs[0])
+            changed = False
+            for ins in writers:
+                if ins.index not in self.by_def:
+                    self._at = ins
+                    v = self._eval(ins)
                     if v is not None:
-                        self.values[reg] = v
-            if len(self.values) == before:
+                        self.by_def[ins.index], changed = v, True
+            self._at = None
+            for reg, defs in kernel.writes.items():
+                if reg in self.values or not all(d.index in self.by_def for d in defs):
+                    continue
+                found = {self.by_def[d.index] for d in defs}  # several writes, one value
+                if len(found) == 1:
+                    self.values[reg], changed = found.pop(), True
+            if not changed:
                 break
+
+    def at(self, reg: str, ins):
+        """``reg``'s values as ``ins`` reads it: its only value, or that of the one
+        write that reaches ``ins`` (reaching definitions)."""
+        reg = reg.strip()
+        if reg in self.values:
+            return self.values[reg]
+        if ins is None or not reg.startswith("%"):
+            return None
+        defs = self.k.reaching().get(ins.index, {}).get(reg)
+        if defs and len(defs) == 1:
+            return self.by_def.get(next(iter(defs)))
+        return None
 
     def operand(self, arg: str, w: int):
         arg = arg.strip()
         if arg == "%tid.x":
-            return tuple(range(self.n))
+            return tuple(i % self.threads for i in range(self.n))
+        if arg == "%laneid":
+            return tuple(i % self.threads % 32 for i in range(self.n))
         if arg in ("%tid.y", "%tid.z"):
             return (0,) * self.n
-        v = _imm(arg)
+        if self.cluster and arg in ("%cluster_ctarank", "%cluster_nctarank"):
+            return tuple(i // self.threads if arg == "%cluster_ctarank" else self.ranks
+                         for i in range(self.n))
+        v = imm(arg)
         if v is not None:
             return (v % (1 << w),) * self.n
-        return self.values.get(arg)
+        return self.at(arg, self._at)
 
     def _eval(self, ins):
         op, args = ins.op, ins.args
@@ -96,8 +136,8 @@ class ThreadValues:
                     src = tuple(_signed(v, src_w) for v in src)
             return tuple(v & mask for v in src)
         if name == "shfl" and ".idx" in op and len(args) >= 3:
-            src, lane = self.operand(args[1], 32), _imm(args[2])
-            if src is None or lane is None or (len(args) > 4 and _imm(args[4]) != -1):
+            src, lane = self.operand(args[1], 32), imm(args[2])
+            if src is None or lane is None or (len(args) > 4 and imm(args[4]) != -1):
                 return None
             return tuple(src[(t // 32) * 32 + lane % 32] for t in range(self.n))
         if name == "not" and len(args) == 2:
@@ -123,10 +163,27 @@ class ThreadValues:
             return tuple(int(test(x, y)) for x, y in zip(a, b))
         if len(args) != 3 and not (name == "mad" and len(args) == 4):
             return None
+        if name == "and" and self.cluster:
+            low = self._cluster_x_bits(args[1], args[2])
+            if low is not None:
+                return low
         vals = [self.operand(a, w) for a in args[1:]]
         if any(v is None for v in vals):
             return None
         return self._arith(name, op, vals, w, signed, mask)
+
+    def _cluster_x_bits(self, a: str, b: str):
+        """``%ctaid.x & m`` with ``m + 1`` a power of two dividing the cluster's x extent:
+        the CTA's x position in its cluster, masked."""
+        for reg, mask in ((a, b), (b, a)):
+            m, src = imm(mask), reg.strip()
+            defs = self.k.writes.get(src, [])
+            if len(defs) == 1 and defs[0].op.startswith("mov") and len(defs[0].args) == 2:
+                src = defs[0].args[1].strip()
+            if src == "%ctaid.x" and m is not None and m >= 0 and (m + 1) & m == 0 \
+                    and self.cluster[0] % (m + 1) == 0:
+                return tuple(i // self.threads % self.cluster[0] & m for i in range(self.n))
+        return None
 
     @staticmethod
     def _arith(name, op, vals, w, signed, mask):
@@ -175,7 +232,7 @@ class UniformityFlow:
             return granularity(self.exact.values[reg])
         defs = self.k.reaching()[ins.index].get(reg)
         if not defs:
-            return CTA if _CTA_SPECIAL.match(reg) else (
+            return CTA if CTA_SPECIAL.match(reg) else (
                 THREAD if reg not in self.k.writes else CTA)
         level = max(self.def_level.get(d, CTA) for d in defs)
         if len(defs) > 1:
@@ -189,17 +246,17 @@ class UniformityFlow:
     def operand(self, ins, arg: str) -> int:
         """The level of one operand of ``ins``."""
         arg = arg.strip().lstrip("!")
-        if _imm(arg) is not None:
+        if imm(arg) is not None:
             return CTA
         if arg.startswith(("[", "{")):
-            return max([self.operand(ins, r) for r in _REG.findall(arg)] or [CTA])
+            return max([self.operand(ins, r) for r in REG.findall(arg)] or [CTA])
         if not arg.startswith("%"):
             return CTA  # a symbol (a parameter, a shared array)
         if arg in self.k.writes:
             return self.use_level(ins, arg)
         if arg.startswith("%tid"):
             return THREAD
-        return CTA if _CTA_SPECIAL.match(arg) else THREAD
+        return CTA if CTA_SPECIAL.match(arg) else THREAD
 
     def evaluate(self, ins) -> int:
         """The level ``ins`` gives its destination."""

@@ -4,7 +4,7 @@ the warps that issue a TMA load site (the bytes a stage receives) and the warpgr
 
 Every warp enters at the first block.  A conditional branch whose predicate is computed
 from ``%tid.x`` and constants alone and is the same across each warp (a role test on
-the warp index: :class:`~.preflight_uniform.ThreadValues`) sends each warp down the
+the warp index: :class:`~.uniform.ThreadValues`) sends each warp down the
 side its threads take; any other branch may send every warp either way.
 """
 
