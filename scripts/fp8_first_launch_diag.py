@@ -100,6 +100,7 @@ def launch(config_name, recipe, layout, a, w, sa, sw, offs):
     import torch
 
     from csrc_free_kernels.common import compile as kcompile
+    from csrc_free_kernels.common.family import Build
     from csrc_free_kernels.fp8 import grouped_gemm_fp8_sm90_launch as glue
     from csrc_free_kernels.fp8.grouped_gemm_fp8_sm90_config import CONFIGS
     from csrc_free_kernels.fp8.quantize_fp8_sm90_launch import one_row_view
@@ -111,9 +112,12 @@ def launch(config_name, recipe, layout, a, w, sa, sw, offs):
         backend = paths.TABLE[paths.Path.KERNEL_SM90][Op.SCALED_GROUPED_GEMM]
         return backend.run(a, w.transpose(-2, -1), sa, sw, offs, out, cfg, recipe)
     old = old_scale_box_class()
-    fn = kcompile.get_compiled(("diag_old_scale_box", cfg, recipe), lambda: (
-        old(cfg, recipe), (*glue.fake_args(recipe, cutlass.BFloat16), cutlass.Int32(1),
-                           kcompile.fake_stream())))
+    # the old layout breaks the pre-flight's tma-coordinate rule, so it is compiled past
+    # the run-time gate (compile_build), as the diagnosis needs it to reach the GPU
+    fn = kcompile.compile_build(Build("diag_old_scale_box", ("diag_old_scale_box", cfg, recipe),
+                                      lambda: (old(cfg, recipe), (
+                                          *glue.fake_args(recipe, cutlass.BFloat16),
+                                          cutlass.Int32(1), kcompile.fake_stream()))))
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     fn(one_row_view(a), w.transpose(-2, -1), one_row_view(out), offs, glue.fast_scale_a(sa),
        sw.contiguous(), sms // cfg.cluster_m * cfg.cluster_m)

@@ -46,7 +46,7 @@ builds = [b for _, family in compile_cli.builds("sm_90a") for b in family]
 shard, shards = int(sys.argv[2]), int(sys.argv[3])
 t0 = time.perf_counter()
 for b in builds[shard::shards]:
-    get_compiled(b.key, b.make)
+    get_compiled(b)
 print(f"WARM {len(builds[shard::shards])} {time.perf_counter() - t0:.1f}")
 '''
 

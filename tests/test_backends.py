@@ -92,7 +92,7 @@ def test_the_paths_of_a_grouped_gemm(capability, dtype, want):
     assert [p.name for p in got] == want
 
 
-def test_the_paths_of_the_fp8_ops_and_the_small_kernels(monkeypatch):
+def test_the_paths_of_the_fp8_ops_and_the_small_kernels():
     import torch
 
     from ts_moe.settings import settings
@@ -104,12 +104,12 @@ def test_the_paths_of_the_fp8_ops_and_the_small_kernels(monkeypatch):
     assert paths.paths_for(Op.ROW_SUM, (9, 0)) == (paths.Path.KERNEL_SM90, paths.Path.REFERENCE)
     assert paths.paths_for(Op.ROW_SUM, (10, 0)) == (paths.Path.REFERENCE,)
     assert paths.paths_for(Op.ROUTER_LOGITS, (9, 0)) == (paths.Path.REFERENCE,)  # opt-in
-    monkeypatch.setattr(settings, "fp8_kernels", True)
-    monkeypatch.setattr(settings, "router_kernel", True)
-    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0))[0] is paths.Path.KERNEL_SM90
-    assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0))[0] is paths.Path.KERNEL_SM90
-    assert paths.paths_for(Op.ROUTER_LOGITS, (9, 0))[0] is paths.Path.KERNEL_SM90
-    assert paths.paths_for(Op.GROUPED_GEMM, (9, 0), torch.bfloat16)[0] is paths.Path.KERNEL_SM90
+    with settings.override(fp8_kernels=True, router_kernel=True):
+        assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0))[0] is paths.Path.KERNEL_SM90
+        assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0))[0] is paths.Path.KERNEL_SM90
+        assert paths.paths_for(Op.ROUTER_LOGITS, (9, 0))[0] is paths.Path.KERNEL_SM90
+        assert paths.paths_for(Op.GROUPED_GEMM, (9, 0), torch.bfloat16)[0] is \
+            paths.Path.KERNEL_SM90
 
 
 def test_the_kernels_choose_from_shapes_the_references_take_everything():

@@ -21,8 +21,9 @@ import cutlass
 import cutlass.cute as cute
 import pytest
 
-from csrc_free_kernels.common import compile as kcompile
 from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.common import compile as kcompile
+from csrc_free_kernels.common.family import Build
 from csrc_free_kernels.common import kernel_cache
 from ts_moe import __main__ as ts_moe_main
 
@@ -92,6 +93,8 @@ def dsl(fresh, monkeypatch):
     """The stand-in DSL, in a fresh process."""
     fake = FakeDSL()
     monkeypatch.setattr(kcompile, "cute", fake)
+    # a stand-in compiles no PTX: the pre-flight's gate is tests/test_preflight_gate.py's
+    monkeypatch.setattr(kcompile, "_compile_checked", lambda b: kcompile._compile(*b.make()))
     return fake
 
 
@@ -99,7 +102,7 @@ def get(payload=b"\x7fELF good", key="k0"):
     """The kernel for ``key`` (built from ``payload``) and how it was obtained:
     "compiled", "loaded" (from disk) or "memory"."""
     seen = len(kcompile.stats)
-    fn = kcompile.get_compiled(("TestKernel", key), lambda: (payload, ()))
+    fn = kcompile.get_compiled(Build("test", ("TestKernel", key), lambda: (payload, ())))
     return fn, kcompile.stats[-1][2] if len(kcompile.stats) > seen else "memory"
 
 
@@ -273,6 +276,7 @@ def test_the_code_generation_environment_is_in_the_key(dsl, tmp_path, monkeypatc
 _ARCH_SCRIPT = textwrap.dedent("""
     import os, types
     from csrc_free_kernels.common import compile as kcompile
+    from csrc_free_kernels.common.family import Build
 
     class Compiled:
         def __init__(self, payload):
@@ -288,7 +292,9 @@ _ARCH_SCRIPT = textwrap.dedent("""
     kcompile.cute = types.SimpleNamespace(
         compile=lambda payload, *args, options="": Compiled(payload),
         runtime=types.SimpleNamespace(load_module=load_module))
-    fn = kcompile.get_compiled(("TestKernel",), lambda: (os.environ["CUTE_DSL_ARCH"].encode(), ()))
+    kcompile._compile_checked = lambda b: kcompile._compile(*b.make())
+    fn = kcompile.get_compiled(Build("test", ("TestKernel",),
+                                     lambda: (os.environ["CUTE_DSL_ARCH"].encode(), ())))
     print(kcompile.stats[-1][2], fn.payload.decode())
 """)
 
@@ -361,7 +367,7 @@ def test_a_real_object_round_trips_and_a_tampered_one_is_refused(fresh, tmp_path
 
     def obtain():
         kcompile._memory.clear()
-        fn = kcompile.get_compiled(("TestFill",), build)
+        fn = kcompile.get_compiled(Build("fill", ("TestFill",), build))
         return fn, kcompile.stats[-1][2]
 
     assert obtain()[1] == "compiled"

@@ -1,4 +1,5 @@
-"""Compile CuTeDSL kernels once: an in-memory cache, backed by object files on disk.
+"""Compile CuTeDSL kernels once, each through the pre-flight of the hardware's rules: an
+in-memory cache, backed by object files on disk.
 
 A kernel is compiled from fake (symbolic-shape) tensors through TVM-FFI, so the
 compiled function takes torch tensors directly, reads the current torch stream
@@ -9,6 +10,7 @@ so a new process loads it in milliseconds instead of recompiling.
 """
 
 import os
+import tempfile
 import threading
 import time
 
@@ -83,25 +85,52 @@ def fake_stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def _compile(kernel, args):
-    return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+def _compile(kernel, args, options: str = ""):
+    return cute.compile(kernel, *args, options="--enable-tvm-ffi" + options)
 
 
 def compile_build(build):
-    """Compile a :class:`.family.Build` exactly as a call does (no cache): the PTX
-    tests and the pre-flight read what ships."""
+    """Compile a :class:`.family.Build` exactly as a call does (no cache, no gate): the
+    PTX tests and ``python -m ts_moe compile`` read what ships and run the pre-flight
+    themselves."""
     return _compile(*build.make())
 
 
-def get_compiled(key: tuple, build):
-    """The compiled function for ``key``; ``build()`` returns ``(kernel, fake_args)``.
+class PreflightError(RuntimeError):
+    """A build breaks a hardware rule the pre-flight checks: it is refused before it can
+    reach a GPU (where most such faults are a sticky illegal instruction or a hang)."""
 
-    ``key`` must name everything the compiled code depends on besides the
+
+def _compile_checked(build):
+    """``build`` compiled, its PTX and cubin kept in a scratch folder and put through the
+    pre-flight (``csrc_free_kernels.preflight``, about 0.2 s, a fifth of a compile);
+    a violation raises :class:`PreflightError` naming the build, the rule and the PTX
+    line, and nothing is cached."""
+    from .. import preflight
+
+    with tempfile.TemporaryDirectory(prefix="ts_moe_preflight_") as dump, \
+            preflight.recording() as facts:
+        fn = _compile(*build.make(), options=f" --keep-ptx --keep-cubin --dump-dir {dump}")
+        found = preflight.check(build.name, preflight.collect(dump, facts), facts)
+    if found:
+        raise PreflightError(
+            f"ts_moe: the {build.name} kernel build breaks the hardware's rules and is not "
+            f"launched (csrc_free_kernels.preflight):\n" + "\n".join(map(str, found)))
+    return fn
+
+
+def get_compiled(build):
+    """The compiled function of a :class:`.family.Build`, memoized, from the disk cache
+    where it holds one, else compiled through the pre-flight (:func:`_compile_checked`).
+
+    ``build.key`` must name everything the compiled code depends on besides the
     sources (dtypes, layouts, tile configuration, arch); whether the kernels
     use programmatic dependent launch (:mod:`.pdl`) and the DSL's code-generation
-    settings (:func:`codegen_environment`) are added here.
+    settings (:func:`codegen_environment`) are added here.  The cache holds only builds
+    that passed: its directory is named after the sources, the pre-flight's rules among
+    them (:func:`.kernel_cache.fingerprint`), so a loaded object carries its verdict.
     """
-    key = (*key, ("pdl", pdl.ENABLED), ("dsl", codegen_environment()))
+    key = (*build.key, ("pdl", pdl.ENABLED), ("dsl", codegen_environment()))
     fn = _memory.get(key)
     if fn is not None:
         return fn
@@ -118,7 +147,7 @@ def get_compiled(key: tuple, build):
                 lambda path: cute.runtime.load_module(path, enable_tvm_ffi=True)[name])
             if fn is None:
                 how = "compiled"
-                fn = _compile(*build())
+                fn = _compile_checked(build)
                 if directory is not None:
                     kernel_cache.store(directory, name, lambda path: fn.export_to_c(
                         object_file_path=path, function_name=name))

@@ -140,7 +140,7 @@ def compiled_kernel(config: TileConfig, recipe: str, out_dtype: torch.dtype,
     """The compiled kernel of one configuration, recipe (its plain name), output dtype
     (memoized)."""
     b = build(config, recipe, out_dtype, swiglu)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 @functools.cache

@@ -71,7 +71,7 @@ def builds():
 def compiled_kernel(recipe: str, dtype: torch.dtype):
     """The compiled quantizer for ``recipe`` (its plain name) and input dtype (memoized)."""
     b = build(recipe, dtype)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 @functools.cache

@@ -70,7 +70,7 @@ def builds():
 def compiled_kernel(config: DwConfig, ab_dtype, c_dtype):
     """The compiled kernel (memoized: it is on every call's path)."""
     b = build(config, ab_dtype, c_dtype)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 @functools.cache

@@ -113,7 +113,7 @@ def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
     """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
     b = build(config, a_dtype, c_dtype, b_n_major, kernel_cls is GroupedGemmSwigluSm90,
               prefetch_weights)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 @functools.cache

@@ -60,7 +60,7 @@ def builds():
 def compiled_kernel(dtype: torch.dtype, backward: bool):
     """The compiled kernel for torch ``dtype`` (memoized: it is on every call's path)."""
     b = build(dtype, backward)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 def _normalized(t: torch.Tensor) -> torch.Tensor:

@@ -124,13 +124,13 @@ def checked(b: Build) -> bool:
 @functools.cache
 def _route_kernel(from_logits: bool, dtype: torch.dtype, per_lane: int = 1):
     b = route_build(from_logits, dtype, per_lane)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 @functools.cache
 def _rowsum_kernel(weighted: bool, dtype: torch.dtype, index_dtype: torch.dtype):
     b = rowsum_build(weighted, dtype, index_dtype)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 def fits(slots: int, num_experts: int) -> bool:

@@ -89,13 +89,13 @@ def checked(b: Build) -> bool:
 @functools.cache
 def _router_kernel(dtype: torch.dtype):
     b = logits_build(dtype)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 @functools.cache
 def _topk_kernel(dtype: torch.dtype, per_lane: int):
     b = topk_build(dtype, per_lane)
-    return kcompile.get_compiled(b.key, b.make)
+    return kcompile.get_compiled(b)
 
 
 def router_read_bytes(tokens: int, experts: int, hidden: int) -> int:

@@ -141,6 +141,7 @@ def copy_through_ring(x, num_producer_warps: int, num_stages: int, num_ctas: int
     import cutlass.cute as cute
 
     from csrc_free_kernels.common import compile as kcompile
+    from csrc_free_kernels.common.family import Build
 
     probe = PipelineProbeSm90(num_producer_warps, num_stages)
     stages_per_cta = x.shape[0] // (num_ctas * probe.stage_rows)
@@ -155,7 +156,8 @@ def copy_through_ring(x, num_producer_warps: int, num_stages: int, num_ctas: int
                                                    assumed_align=16)
         return probe, (fx, fy, cutlass.Int32(1), cutlass.Int32(1), kcompile.fake_stream())
 
-    fn = kcompile.get_compiled(("PipelineProbeSm90", num_producer_warps, num_stages), build)
+    fn = kcompile.get_compiled(Build(f"probe90_P{num_producer_warps}_s{num_stages}",
+                                     ("PipelineProbeSm90", num_producer_warps, num_stages), build))
     y = x.new_empty(x.numel())
     fn(x, y, stages_per_cta, num_ctas)
     return y

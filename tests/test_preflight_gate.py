@@ -1,0 +1,106 @@
+"""CPU: the pre-flight gates every build that can reach a GPU.  A call's compile
+(``csrc_free_kernels.common.compile.get_compiled``) puts the build through the
+pre-flight and refuses one that breaks a rule, naming the build, the rule and the PTX
+line; CI compiles each family's checked builds (``Kernels.checked``), and every build a
+call can reach that CI leaves out shares its kernel and configuration with a checked
+one, the gate checking it at its first call."""
+
+import pytest
+import torch
+
+from csrc_free_kernels import preflight
+from csrc_free_kernels.common import compile as kcompile
+from csrc_free_kernels.families import FAMILIES
+
+
+@pytest.fixture
+def memory_only(monkeypatch):
+    """Compiles in this process, nothing read from or written to the disk cache."""
+    from csrc_free_kernels.common import settings as ksettings
+
+    monkeypatch.setattr(ksettings.settings, "disk_cache", False)
+    monkeypatch.setattr(kcompile, "_memory", {})
+
+
+def _swiglu_build():
+    from csrc_free_kernels.hopper import swiglu_sm90_launch as s
+
+    return s.build(torch.bfloat16, False)
+
+
+def test_a_call_compiles_through_the_preflight(memory_only, monkeypatch):
+    checked = []
+    real = preflight.check
+
+    def spy(build, ptx, facts):
+        checked.append((build, ".entry" in ptx, facts.registers))
+        return real(build, ptx, facts)
+
+    monkeypatch.setattr(preflight, "check", spy)
+    b = _swiglu_build()
+    fn = kcompile.get_compiled(b)
+    assert fn is not None and kcompile.stats[-1][2] == "compiled"
+    (seen,) = checked
+    assert seen[0] == "swiglu_ew_fwd" and seen[1] and seen[2] > 0
+    assert kcompile.get_compiled(b) is fn and len(checked) == 1  # once per build
+
+
+REFUSED = """
+import json
+from csrc_free_kernels import preflight
+from csrc_free_kernels.common import compile as kcompile
+from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
+from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as g
+
+real = preflight.collect
+
+
+def planted(dump, facts):  # setmaxnreg off its multiple of 8: refused by the GPU
+    return real(dump, facts).replace("setmaxnreg.inc.sync.aligned.u32 \\t240;",
+                                     "setmaxnreg.inc.sync.aligned.u32 \\t244;")
+
+
+preflight.collect = planted
+try:
+    kcompile.get_compiled(g.build(c.DECODE16))
+    said = None
+except kcompile.PreflightError as exc:
+    said = str(exc)
+print(json.dumps({"said": said, "kept": len(kcompile._memory)}))
+"""
+
+
+def test_a_build_that_breaks_a_rule_is_refused_before_any_launch():
+    """A build whose PTX carries a setmaxnreg the GPU refuses raises, naming the
+    build and the rule; nothing is kept for a later call (sm_90a, a process of its own)."""
+    import json
+
+    from .ptxas import run_for_arch
+
+    got = json.loads(run_for_arch("sm_90a", ["-c", REFUSED]).strip().splitlines()[-1])
+    assert got["kept"] == 0 and got["said"] is not None
+    assert "gemm_decode16" in got["said"] and "not launched" in got["said"]
+    assert "setmaxnreg" in got["said"]
+
+
+def test_every_reachable_build_is_checked_or_shares_its_kernel_with_one():
+    """CI compiles each family's checked builds; a reachable build it leaves out differs
+    from a checked one only in its element types, weight layout or prefetch (the kernel
+    class and configuration, its barriers and warp roles, the same), and the run-time
+    gate checks it at its first call.  Every family says why in its ``checked``."""
+    for family in FAMILIES:
+        kernels = family.load()
+        builds = list(kernels.builds())
+        checked = [b for b in builds if kernels.checked(b)]
+        assert checked, family.name
+        assert kernels.checked.__doc__, family.name  # the family's reason, in words
+
+        def kernel_of(b):
+            spec = b.spec
+            return (b.key[0], spec.get("config"), spec.get("recipe"), spec.get("swiglu"),
+                    spec.get("from_logits"), spec.get("weighted"), spec.get("backward"),
+                    spec.get("gather"))
+
+        covered = {kernel_of(b) for b in checked}
+        left_out = [b.name for b in builds if kernel_of(b) not in covered]
+        assert not left_out, (family.name, left_out)
