@@ -142,7 +142,9 @@ def _bad(recipe="blockwise_128x128"):
     (dict(scale_recipe="blockwise_1x128"), ValueError, "scale_recipe blockwise_1x128 is an "
                                                       "activation recipe"),
     (dict(scale_recipe=("rowwise",)), ValueError, "scale_recipe must be one recipe or a"),
-    (dict(scale_recipe=F.ScalingType.BlockWise1x32), ValueError, "scale_recipe 'BlockWise1x32'"),
+    (dict(scale_recipe=F.ScalingType.BlockWise1x32), ValueError,
+     "scale_recipe mx_1x32 is not a weight recipe of the layer"),
+    (dict(scale_recipe=F.ScalingType.BlockWise1x16), ValueError, "scale_recipe 'BlockWise1x16'"),
     (dict(scale_recipe=7), TypeError, "scale_recipe must be a str"),
     (dict(scale_recipe="rowwise"), ValueError, "gate_up_scale has shape"),  # not by rank
 ])

@@ -93,8 +93,11 @@ def test_recipe_is_one_value():
         st = member.scaling_type
         assert Recipe.parse(st) is Recipe.parse(st.name) is Recipe.parse(member.value) is member
         assert member == member.value and getattr(F.ScalingType, st.name) == st
-    assert [Pair.of(Recipe.parse(a), Recipe.parse(b)) for a, b in PAIRS] == list(Pair)
-    assert [(p.a, p.b) for p in Pair] == [tuple(map(Recipe, pair)) for pair in PAIRS]
+    # the kernels' pairs (PAIRS), then MXFP8, which the references and the fallback serve
+    assert [Pair.of(Recipe.parse(a), Recipe.parse(b)) for a, b in PAIRS] + [Pair.MX] == \
+        list(Pair)
+    assert [(p.a, p.b) for p in Pair] == [tuple(map(Recipe, pair)) for pair in PAIRS] + [
+        (Recipe.MX_1X32, Recipe.MX_1X32)]
     assert Pair.BLOCKWISE == "blockwise" and Recipe.BLOCKWISE_128X128.activation is \
         Recipe.BLOCKWISE_1X128
     assert Recipe.TENSORWISE.activation is Recipe.ROWWISE is Recipe.ROWWISE.activation
@@ -199,7 +202,8 @@ def _bad_cases():
         "pair": (dict(ok, rb="rowwise"), "ValueError", "scale_recipe_a/scale_recipe_b"),
         "recipe_name": (dict(ok, ra="blockwise"), "ValueError", "scale_recipe_a"),
         "recipe_type": (dict(ok, rb=5), "TypeError", "scale_recipe_b"),
-        "mx_recipe": (dict(ok, ra=F.ScalingType.BlockWise1x32), "ValueError", "scale_recipe_a"),
+        "nvfp4_recipe": (dict(ok, ra=F.ScalingType.BlockWise1x16), "ValueError",
+                         "scale_recipe_a"),
         "k_blockwise": (dict(a=a_r, b=w_r.mT, sa=torch.ones(20, 1), ra="blockwise_1x128",
                              sb=torch.ones(4, 2, 1), rb="blockwise_128x128", offs=offs),
                         "ValueError", "a"),

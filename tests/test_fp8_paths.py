@@ -185,8 +185,8 @@ def test_validation_runs_before_any_kernel(h200):
     with pytest.raises(TypeError, match="^a_index must be int32"):
         ts_moe.scaled_grouped_gemm(a, w.mT, sa, *PAIRS[0][:1], sw, PAIRS[0][1], offs,
                                    a_index=torch.arange(3))
-    with pytest.raises(ValueError, match="^scale_recipe_a 'BlockWise1x32'"):
-        ts_moe.scaled_grouped_gemm(a, w.mT, sa, torch.nn.functional.ScalingType.BlockWise1x32,
+    with pytest.raises(ValueError, match="^scale_recipe_a 'BlockWise1x16'"):
+        ts_moe.scaled_grouped_gemm(a, w.mT, sa, torch.nn.functional.ScalingType.BlockWise1x16,
                                    sw, PAIRS[0][1], offs)
     assert h200.calls == []
 

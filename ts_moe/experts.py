@@ -263,8 +263,10 @@ def parse_scale_recipe(value) -> tuple[Recipe, Recipe]:
     recipes = tuple(Recipe.parse(r, "scale_recipe") for r in pair)
     for recipe in recipes:
         if recipe not in WEIGHT_RECIPES:
-            raise ValueError(f"scale_recipe {recipe!s} is an activation recipe; the weights' "
-                             f"recipes: {', '.join(WEIGHT_RECIPES)}")
+            what = ("an activation recipe" if recipe is Recipe.BLOCKWISE_1X128 else
+                    "not a weight recipe of the layer (the scaled ops take it)")
+            raise ValueError(f"scale_recipe {recipe!s} is {what}; the weights' recipes: "
+                             f"{', '.join(WEIGHT_RECIPES)}")
     return recipes
 
 

@@ -18,13 +18,17 @@ on a GPU (no FP8 run yet).
 
 import dataclasses
 
+from ..common.formats import FORMATS
 from ..hopper.grouped_gemm_sm90_config import TileConfig
 
 # the scale pairs, by the plain names the kernels take (ts_moe's parsed pair is a str enum
 # of these names: the kernels do not import ts_moe)
 RECIPES = ("blockwise", "rowwise", "tensorwise")
-# the blockwise recipe's scale block: 128 K (a ring stage) by 128 weight rows
-SCALE_BLOCK = 128
+# the blockwise recipe's scale block (its weights' format): 128 K (a ring stage) by 128
+# weight rows
+SCALE_BLOCK = FORMATS["blockwise_128x128"].block[1]
+# the blockwise tokens' scales: M-major, the rows padded to this many (one 16-byte column)
+SCALE_A = FORMATS["blockwise_1x128"]
 
 # Decode: a 16-row token box on a 64 x 128 tile (one MMA warpgroup), eight 24 KB stages;
 # the same ring bytes as the bf16 decode16, so the weights stream as deep

@@ -69,7 +69,7 @@ from ..common.family import Build, Kernels, Op
 from ..common.kernel_config import Declined
 from ..hopper.grouped_gemm_sm90_config import MAX_EXPERTS
 from .grouped_gemm_fp8_sm90 import GroupedGemmFp8Sm90, GroupedGemmFp8SwigluSm90
-from .grouped_gemm_fp8_sm90_config import (CONFIGS, RECIPES, SCALE_BLOCK, TileConfig,
+from .grouped_gemm_fp8_sm90_config import (CONFIGS, RECIPES, SCALE_A, SCALE_BLOCK, TileConfig,
                                            choose_config, swiglu_supported)
 from .quantize_fp8_sm90_launch import one_row_view
 
@@ -89,7 +89,8 @@ def fake_args(recipe: str, c_dtype, swiglu: bool = False) -> tuple:
     fake, compact = cute.runtime.make_fake_tensor, cute.runtime.make_fake_compact_tensor
     if recipe == "blockwise":
         kb, nb = kcompile.sym_dims(2)
-        sfa = fake(f32, (m, kb), (1, cute.sym_int64(divisibility=4)), assumed_align=16)
+        sfa = fake(f32, (m, kb), (1, cute.sym_int64(divisibility=SCALE_A.row_align)),
+                   assumed_align=16)
         sfb = compact(f32, (e, nb, kb), stride_order=(2, 1, 0), assumed_align=4)
     elif recipe == "rowwise":
         sfa = compact(f32, (m,), assumed_align=4)
@@ -154,11 +155,10 @@ def fast_scale_a(scale_a: torch.Tensor) -> torch.Tensor:
     """Blockwise ``scale_a`` (M, KB) in the kernel's layout: M-major with a 16-byte
     column stride and a 16-byte aligned start (returned as is when it already is)."""
     m, kb = scale_a.shape
-    if (scale_a.stride(0) == 1 and scale_a.stride(1) % 4 == 0 and scale_a.stride(1) >= m
-            and scale_a.data_ptr() % 16 == 0) or m == 0 or kb == 0:
+    if (scale_a.stride(0) == 1 and scale_a.stride(1) % SCALE_A.row_align == 0
+            and scale_a.stride(1) >= m and scale_a.data_ptr() % 16 == 0) or m == 0 or kb == 0:
         return scale_a
-    mp = -(-m // 4) * 4
-    return scale_a.new_empty(kb, mp)[:, :m].t().copy_(scale_a)
+    return scale_a.new_empty(kb, SCALE_A.padded_rows(m))[:, :m].t().copy_(scale_a)
 
 
 def _gather(a, scale_a, a_index, recipe):
@@ -175,8 +175,7 @@ def _gather(a, scale_a, a_index, recipe):
     if recipe == "rowwise":
         return rows, scale_a.index_select(0, safe).masked_fill_(~valid[:, 0], 0)
     kb = scale_a.shape[1]
-    mp = -(-index.shape[0] // 4) * 4
-    out = scale_a.new_empty(kb, mp)[:, :index.shape[0]].t()
+    out = scale_a.new_empty(kb, SCALE_A.padded_rows(index.shape[0]))[:, :index.shape[0]].t()
     out.copy_(scale_a.index_select(0, safe).masked_fill_(~valid, 0))
     return rows, out
 
@@ -244,6 +243,9 @@ class ScaledGroupedGemmBackend:
 
     def choose_config(self, a, b, scale_a, scale_b, offs, out, a_index, pair):
         num_experts, k, n = b.shape
+        if pair not in RECIPES:
+            return Declined(f"{pair}: the sm_90 FP8 kernel serves the {', '.join(RECIPES)} "
+                            f"pairs")
         if num_experts > MAX_EXPERTS:
             return Declined(f"{num_experts} experts: the sm_90 FP8 kernel takes at most "
                             f"{MAX_EXPERTS}")

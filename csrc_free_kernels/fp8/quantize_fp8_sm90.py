@@ -23,8 +23,10 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common import pdl
-FP8_MAX = 448.0
-GROUP = 128   # blockwise group: elements of a row
+from ..common.formats import FORMATS
+
+FP8_MAX = FORMATS["blockwise_1x128"].element_max  # e4m3's largest finite value
+GROUP = FORMATS["blockwise_1x128"].block[1]  # blockwise group: elements of a row
 VEC = 8       # elements a thread loads at once (16 bytes of bf16)
 RECIPES = ("blockwise_1x128", "rowwise", "tensorwise")
 

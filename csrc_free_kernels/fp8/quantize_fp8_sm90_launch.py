@@ -24,10 +24,12 @@ import torch
 
 from ..common import compile as kcompile
 from ..common.family import Build, Kernels, Op
+from ..common.formats import FORMATS
 from ..common.kernel_config import Declined
 from .quantize_fp8_sm90 import GROUP, RECIPES, QuantizeFp8Sm90
 
 ALIGN = 16  # bytes: the kernel's row strides and pointers
+SCALE_A = FORMATS["blockwise_1x128"]  # the blockwise scales' layout (M-major, rows padded)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def fake_args(recipe: str, dtype) -> tuple:
@@ -41,8 +43,8 @@ def fake_args(recipe: str, dtype) -> tuple:
     q = fake(cutlass.Float8E4M3FN, (m, k), (cute.sym_int64(divisibility=16), 1),
              assumed_align=16)
     if recipe == "blockwise_1x128":
-        scale = fake(cutlass.Float32, (m, cute.sym_int()), (1, cute.sym_int64(divisibility=4)),
-                     assumed_align=16)
+        scale = fake(cutlass.Float32, (m, cute.sym_int()),
+                     (1, cute.sym_int64(divisibility=SCALE_A.row_align)), assumed_align=16)
     elif recipe == "rowwise":
         scale = compact(cutlass.Float32, (m,), assumed_align=4)
     else:
@@ -113,8 +115,8 @@ def quantize(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
         fn(one_row_view(x), one_row_view(q), scale, amax, _max_ctas(x.get_device()))
         return q, scale.reshape(())
     if recipe == "blockwise_1x128":
-        mp = -(-m // 4) * 4
-        scale = torch.empty(k // GROUP, mp, dtype=torch.float32, device=x.device)[:, :m].t()
+        scale = torch.empty(k // GROUP, SCALE_A.padded_rows(m), dtype=torch.float32,
+                            device=x.device)[:, :m].t()
     else:
         scale = torch.empty(m, dtype=torch.float32, device=x.device)
     fn(one_row_view(x), one_row_view(q), scale, _unused(x.get_device()),

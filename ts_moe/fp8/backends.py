@@ -180,7 +180,8 @@ class ReferenceQuantize:
         if x.dim() == 2:
             return quantize_reference(x, recipe)
         q = torch.empty(x.shape, dtype=E4M3, device=x.device)
-        scale = torch.empty(recipe.scale_shape(x.shape), dtype=torch.float32, device=x.device)
+        scale = torch.empty(recipe.scale_shape(x.shape), dtype=recipe.scale_dtype,
+                            device=x.device)
         stack = math.prod(x.shape[:-2])
         flat_q = q.view(stack, *x.shape[-2:])
         flat_s = scale.view(stack, *scale.shape[x.dim() - 2:])

@@ -26,7 +26,7 @@ at DeepSeek-V3, Qwen3 and Mixtral sizes on fake tensors.
 import torch
 
 from ..reference import segment_ends, swiglu
-from .recipes import BLOCK, Recipe
+from .recipes import Recipe
 CHUNK_BYTES = 1 << 30   # bf16 weights of one chunk (of the used experts), at most
 STEP_BYTES = 32 << 20   # the fp32 temporary of one dequantization step, at most
 _ROW_ALIGN = 8          # bf16 elements per 16 bytes: the GEMM's row stride
@@ -49,29 +49,31 @@ def used_experts(offs: torch.Tensor, m_rows: int) -> tuple[torch.Tensor, torch.T
 
 
 def _dequantize_into(dst: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                     blocked: bool) -> None:
+                     block_cols: int | None) -> None:
     """``dst`` <- ``q`` (..., rows, K) e4m3 times ``scale`` in fp32, rounded once:
-    ``scale`` broadcasts over ``q``, or (``blocked``) over its 128-column blocks
-    (..., rows, K / 128); one fp32 temporary of ``q``'s size."""
+    ``scale`` (..., rows or 1, K / block_cols or 1) broadcasts over ``q``'s column blocks
+    (:func:`_block_scales`); one fp32 temporary of ``q``'s size."""
     t = q.float()
-    if blocked:
-        t.unflatten(-1, (-1, BLOCK)).mul_(scale.unsqueeze(-1))
+    if block_cols:
+        t.unflatten(-1, (-1, block_cols)).mul_(scale.unsqueeze(-1))
     else:
         t.mul_(scale)
     dst.copy_(t)
 
 
-def _weight_scales(scale, recipe: str, ids, r0: int, r1: int):
-    """The fp32 scales of rows ``r0:r1`` of experts ``ids``: (U, 1, 1), (U, rows, 1), or
-    per 128-column block (U, rows, K / 128)."""
-    if recipe == Recipe.TENSORWISE:
-        return scale[ids].float().view(-1, 1, 1)
-    if recipe == Recipe.ROWWISE:
-        return scale[ids, r0:r1].float().unsqueeze(-1)
-    if recipe != Recipe.BLOCKWISE_128X128:
-        raise ValueError(f"not a weight recipe: {recipe!r}")
-    blocks = torch.arange(r0, r1, device=scale.device) // BLOCK
-    return scale[ids][:, blocks].float()
+def _block_scales(scale: torch.Tensor, recipe: str, r0: int, r1: int) -> torch.Tensor:
+    """The fp32 scales of rows ``r0:r1`` of an operand of ``recipe``, (..., r1 - r0 or 1,
+    column blocks or 1), from its format's block: whatever the recipe, one multiply
+    (:func:`_dequantize_into`)."""
+    br, bc = Recipe(recipe).format.block
+    s = scale.float()
+    s = s.unsqueeze(-1) if bc is None else s  # one column block
+    s = s.unsqueeze(-2) if br is None else s  # one row block: broadcast over the rows
+    if br == 1:
+        s = s[..., r0:r1, :]
+    elif br is not None:
+        s = s[..., torch.arange(r0, r1, device=s.device) // br, :]
+    return s
 
 
 def _rows_per_step(experts: int, rows: int, cols: int) -> int:
@@ -85,14 +87,14 @@ def _rows_per_step(experts: int, rows: int, cols: int) -> int:
 def dequantize_weight_rows(dst: torch.Tensor, b_stored: torch.Tensor, scale, recipe: str,
                            ids, r0: int, r1: int) -> None:
     """``dst`` (U, r1 - r0, K) bf16 <- rows ``r0:r1`` of the experts ``ids`` of the
-    (E, N, K) e4m3 stack, times their scales, a step of rows at a time (blockwise K is
-    whole 128-column blocks: the op's checks)."""
+    (E, N, K) e4m3 stack, times their scales, a step of rows at a time (K is whole column
+    blocks of the recipe's format: the op's checks)."""
     step = _rows_per_step(ids.shape[0], b_stored.shape[1], b_stored.shape[2])
+    block_cols = Recipe(recipe).format.block[1]
     for s in range(r0, r1, step):
         e = min(s + step, r1)
         _dequantize_into(dst[:, s - r0:e - r0], b_stored[ids, s:e],
-                         _weight_scales(scale, recipe, ids, s, e),
-                         recipe == Recipe.BLOCKWISE_128X128)
+                         _block_scales(scale[ids], recipe, s, e), block_cols)
 
 
 def dequantize_tokens(a: torch.Tensor, scale_a: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -101,16 +103,10 @@ def dequantize_tokens(a: torch.Tensor, scale_a: torch.Tensor, recipe: str) -> to
     m, k = a.shape
     out = a.new_empty((m, -(-k // _ROW_ALIGN) * _ROW_ALIGN), dtype=torch.bfloat16)[:, :k]
     step = _rows_per_step(1, max(m, 1), k)
+    block_cols = Recipe(recipe).format.block[1]
     for s in range(0, m, step):
         e = min(s + step, m)
-        if recipe == Recipe.TENSORWISE:
-            sa = scale_a.reshape(1, 1).float()
-        elif recipe in (Recipe.ROWWISE, Recipe.BLOCKWISE_1X128):
-            sa = scale_a[s:e].float()
-            sa = sa.unsqueeze(-1) if recipe == Recipe.ROWWISE else sa
-        else:
-            raise ValueError(f"not an activation recipe: {recipe!r}")
-        _dequantize_into(out[s:e], a[s:e], sa, recipe == Recipe.BLOCKWISE_1X128)
+        _dequantize_into(out[s:e], a[s:e], _block_scales(scale_a, recipe, s, e), block_cols)
     return out
 
 

@@ -12,11 +12,19 @@ A recipe says how one fp32 scale covers the elements of a matrix ``(..., R, C)``
 - ``BLOCKWISE_1X128``: one per row per 128 columns, ``(..., R, ceil(C/128))``
   (activations per token per 128 channels, as DeepSeek-V3 quantizes them);
 - ``BLOCKWISE_128X128``: one per 128x128 block, ``(..., ceil(R/128), ceil(C/128))``
-  (the checkpoints' ``weight_scale_inv``).
+  (the checkpoints' ``weight_scale_inv``);
+- ``MX_1X32``: MXFP8, an e8m0 (power of two) scale per row per 32 columns,
+  ``(..., R, ceil(C/32))`` (OCP Microscaling v1.0); served by the references and the
+  dequantize fallback (no FP8 kernel takes it yet).
+
+Each recipe is a format descriptor (:attr:`Recipe.format`,
+``csrc_free_kernels.common.formats``): element and scale types, the block one scale
+covers, the scale's layout.  Shapes, strides, checks, the references and the fallback
+read the descriptor, as the kernels' scale layouts do.
 
 Scales are dequantization multipliers, as checkpoints store them: real ~ fp8 x scale.
 The public spelling is ``torch.nn.functional.ScalingType`` (``TensorWise``, ``RowWise``,
-``BlockWise1x128``, ``BlockWise128x128``); :meth:`Recipe.parse` takes a member, its name,
+``BlockWise1x128``, ``BlockWise128x128``, ``BlockWise1x32``); :meth:`Recipe.parse` takes a member, its name,
 a :class:`Recipe` or ts_moe's name (``"blockwise_1x128"``, ...).  It runs once where a
 call enters ts_moe: in the FP8 ops' kernels and fake kernels (their schemas carry a
 recipe as a string), in the layer's expert-weights value and in the loaders (which read
@@ -35,14 +43,14 @@ import enum
 import torch
 
 from ..checks import _check_a_index as check_a_index
+from ..ops.kernels import FORMATS, ScaleFormat
 
-BLOCK = 128  # the blockwise recipes' block edge
+BLOCK = FORMATS["blockwise_128x128"].block[1]  # the blockwise recipes' block edge
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+E4M3_MAX = FORMATS["blockwise_128x128"].element_max
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUANTIZE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 MAX_ROWS = 2**31 - 1  # offs is int32
-SCALE_ALIGN = 4  # fp32 elements per 16 bytes: the padded M of an M-major 1x128 scale
 _ScalingType = getattr(torch.nn.functional, "ScalingType", None)
 
 
@@ -64,6 +72,7 @@ class Recipe(NamedEnum):
     ROWWISE = "rowwise"
     BLOCKWISE_1X128 = "blockwise_1x128"
     BLOCKWISE_128X128 = "blockwise_128x128"
+    MX_1X32 = "mx_1x32"
 
     @classmethod
     def parse(cls, value, name: str = "recipe") -> "Recipe":
@@ -90,47 +99,39 @@ class Recipe(NamedEnum):
         return None if _ScalingType is None else getattr(_ScalingType, _SCALING_NAMES[self])
 
     @property
+    def format(self) -> ScaleFormat:
+        """This recipe's format descriptor: element and scale types, block, layout."""
+        return FORMATS[self.value]
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The torch dtype of this recipe's scales (fp32, or e8m0 for MX)."""
+        return getattr(torch, self.format.scale)
+
+    @property
     def activation(self) -> "Recipe":
-        """The activation recipe the layer pairs with this weight recipe: per token per
-        128 channels for blockwise weights, per token otherwise (a per-expert weight
-        scale is then served per channel)."""
-        return Recipe.BLOCKWISE_1X128 if self is Recipe.BLOCKWISE_128X128 else Recipe.ROWWISE
+        """The activation recipe paired with this weight recipe: per token per 128
+        channels for blockwise weights, MX with MX, per token otherwise (a per-expert
+        weight scale is then served per channel)."""
+        return {Recipe.BLOCKWISE_128X128: Recipe.BLOCKWISE_1X128,
+                Recipe.MX_1X32: Recipe.MX_1X32}.get(self, Recipe.ROWWISE)
 
     def scale_shape(self, shape) -> tuple:
         """The scale shape of this recipe over a tensor of ``shape`` (..., R, C)."""
-        *lead, rows, cols = shape
-        lead = tuple(lead)
-        if self is Recipe.TENSORWISE:
-            return lead
-        if self is Recipe.ROWWISE:
-            return (*lead, rows)
-        if self is Recipe.BLOCKWISE_1X128:
-            return (*lead, rows, -(-cols // BLOCK))
-        return (*lead, -(-rows // BLOCK), -(-cols // BLOCK))
+        return self.format.scale_shape(shape)
 
     def scale_strides(self, shape) -> tuple:
         """The strides of a fresh scale of this recipe for a tensor of ``shape``: the
-        kernels' fast layout.  ``BLOCKWISE_1X128``: M-major (stride 1 on the rows, the
-        row count padded to 16 bytes), the transpose of a contiguous (..., ceil(C/128),
-        Rp) tensor, so that one k-block's scales of a tile of rows are one TMA box; the
-        others contiguous."""
-        sshape = self.scale_shape(shape)
-        if self is Recipe.BLOCKWISE_1X128:
-            *lead, rows, blocks = sshape
-            padded = -(-rows // SCALE_ALIGN) * SCALE_ALIGN
-            inner, step = (1, padded), padded * blocks
-        else:
-            lead, inner, step = sshape, (), 1
-        outer = []
-        for size in reversed(lead):
-            outer.insert(0, step)
-            step *= size
-        return (*outer, *inner)
+        kernels' fast layout (:meth:`ScaleFormat.scale_strides`: ``BLOCKWISE_1X128``
+        M-major, its rows padded to 16 bytes, so that one k-block's scales of a tile of
+        rows are one TMA box; the others contiguous)."""
+        return self.format.scale_strides(shape)
 
 
 _SCALING_NAMES = {Recipe.TENSORWISE: "TensorWise", Recipe.ROWWISE: "RowWise",
                   Recipe.BLOCKWISE_1X128: "BlockWise1x128",
-                  Recipe.BLOCKWISE_128X128: "BlockWise128x128"}
+                  Recipe.BLOCKWISE_128X128: "BlockWise128x128",
+                  Recipe.MX_1X32: "BlockWise1x32"}
 _BY_NAME = {**{r.value: r for r in Recipe}, **{n: r for r, n in _SCALING_NAMES.items()}}
 RECIPES = tuple(Recipe)
 WEIGHT_RECIPES = (Recipe.BLOCKWISE_128X128, Recipe.ROWWISE, Recipe.TENSORWISE)
@@ -143,6 +144,7 @@ class Pair(NamedEnum):
     BLOCKWISE = "blockwise"
     ROWWISE = "rowwise"
     TENSORWISE = "tensorwise"
+    MX = "mx"
 
     @property
     def a(self) -> Recipe:
@@ -165,7 +167,8 @@ class Pair(NamedEnum):
 
 _RECIPES_OF = {Pair.BLOCKWISE: (Recipe.BLOCKWISE_1X128, Recipe.BLOCKWISE_128X128),
                Pair.ROWWISE: (Recipe.ROWWISE, Recipe.ROWWISE),
-               Pair.TENSORWISE: (Recipe.TENSORWISE, Recipe.TENSORWISE)}
+               Pair.TENSORWISE: (Recipe.TENSORWISE, Recipe.TENSORWISE),
+               Pair.MX: (Recipe.MX_1X32, Recipe.MX_1X32)}
 _PAIR_OF = {recipes: pair for pair, recipes in _RECIPES_OF.items()}
 
 
@@ -198,10 +201,12 @@ def _check_fp8(name: str, t: torch.Tensor) -> None:
 
 
 def check_scale(name: str, t, expected: tuple, recipe: Recipe, what: str) -> None:
-    """``t`` a fp32 scale of shape ``expected`` (a tensorwise 0-d one may be (1,))."""
+    """``t`` a scale of the recipe's scale type and of shape ``expected`` (a tensorwise
+    0-d one may be (1,))."""
     _check_types(**{name: t})
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32 (dequantization multipliers), got {t.dtype}")
+    if t.dtype != recipe.scale_dtype:
+        raise TypeError(f"{name} must be {str(recipe.scale_dtype).split('.')[-1]} for the "
+                        f"{recipe} recipe (dequantization multipliers), got {t.dtype}")
     shape = tuple(t.shape)
     ok = shape == expected or (recipe is Recipe.TENSORWISE and expected == () and shape == (1,))
     if not ok:
@@ -255,8 +260,9 @@ def check_scaled_args(a, b, scale_a, recipe_a, scale_b, recipe_b, offs, out_dtyp
         raise ValueError("offs must be contiguous")
     if m > MAX_ROWS:
         raise ValueError(f"a has {m} rows; at most 2**31 - 1 are supported (offs is int32)")
-    if pair is Pair.BLOCKWISE and k % BLOCK:
-        raise ValueError(f"a: K = {k} must be a multiple of {BLOCK} for the blockwise recipes")
+    k_block = pair.a.format.block[1]
+    if k_block is not None and k % k_block:
+        raise ValueError(f"a: K = {k} must be a multiple of {k_block} for the {pair} recipes")
     check_scale("scale_a", scale_a, pair.a.scale_shape((m, k)), pair.a, f"a is {tuple(a.shape)}")
     check_scale("scale_b", scale_b, pair.b.scale_shape((num_experts, n, k)), pair.b,
                 f"the weights are (E, N, K) = {(num_experts, n, k)}")

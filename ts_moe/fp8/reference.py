@@ -1,9 +1,10 @@
 """Plain-torch references of the FP8 ops: the CPU kernels, the fallback's dequantization,
 and the tests' yardstick (any accumulation dtype: fp32 for the op, float64 for checks).
 
-Quantization (:func:`quantize_reference`): per group (:mod:`ts_moe.fp8.recipes`)
-``scale = amax / 448`` in fp32 and ``x_fp8 = satfinite(x / scale)`` (round to
-nearest even), as the sm_90 quantize kernel does; a group whose scale is 0 (all
+Quantization (:func:`quantize_reference`): per group of the recipe's format
+(:mod:`ts_moe.fp8.recipes`) ``scale = amax / 448`` in fp32 (MX: a power of two) and
+``x_fp8 = satfinite(x / scale)`` (round to nearest even), as the sm_90 quantize kernel
+does; a group whose scale is 0 (all
 zeros, or an amax so small that amax / 448 underflows) gets scale 0 and zero
 elements, so that it dequantizes to exactly 0 and nothing is NaN.  Both are true
 divisions on every device: the divisor 448 is a tensor on x's device, since torch on
@@ -15,21 +16,23 @@ CUDA turns a division by a Python number into a multiply by its rounded reciproc
 import torch
 
 from ..reference import gather_rows, segment_ends, swiglu
-from .recipes import BLOCK, E4M3, E4M3_MAX, Recipe
+from .recipes import E4M3, Recipe
 
 
 def expand_scale(scale: torch.Tensor, recipe: str, shape) -> torch.Tensor:
     """``scale`` of ``recipe`` broadcast to every element of a tensor of ``shape``
-    (..., R, C) (a view where it can be one)."""
+    (..., R, C), from its format's block (a view where it can be one)."""
     *lead, rows, cols = shape
-    if recipe == Recipe.TENSORWISE:
-        return scale.reshape(*lead, 1, 1).expand(shape)
-    if recipe == Recipe.ROWWISE:
-        return scale.unsqueeze(-1).expand(shape)
-    if recipe == Recipe.BLOCKWISE_1X128:
-        return scale.repeat_interleave(BLOCK, dim=-1)[..., :cols]
-    return scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[
-        ..., :rows, :cols]
+    recipe = Recipe(recipe)
+    br, bc = recipe.format.block
+    full = scale.reshape(recipe.scale_shape(shape))  # a one-element tensorwise scale too
+    full = full.unsqueeze(-1) if bc is None else full  # the column dim
+    full = full.unsqueeze(-2) if br is None else full  # the row dim
+    if br not in (None, 1):
+        full = full.repeat_interleave(br, dim=-2)[..., :rows, :]
+    if bc not in (None, 1):
+        full = full.repeat_interleave(bc, dim=-1)[..., :cols]
+    return full.expand(shape)
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor, recipe: str,
@@ -41,35 +44,48 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, recipe: str,
 
 
 def _amax(x: torch.Tensor, recipe: str) -> torch.Tensor:
-    """Largest magnitude per group of ``recipe`` over x (..., R, C), fp32 (or float64)."""
+    """Largest magnitude per group of ``recipe`` (its format's block) over x (..., R, C),
+    in x's dtype; 0 for an empty group."""
     mag = x.abs()
-    if recipe == Recipe.TENSORWISE:
-        return mag.amax(dim=(-2, -1)) if mag.numel() else mag.new_zeros(mag.shape[:-2])
-    if recipe == Recipe.ROWWISE:
-        return mag.amax(dim=-1) if mag.shape[-1] else mag.new_zeros(mag.shape[:-1])
+    br, bc = Recipe(recipe).format.block
     *lead, rows, cols = mag.shape
-    pad_c = -cols % BLOCK
-    pad_r = -rows % BLOCK if recipe == Recipe.BLOCKWISE_128X128 else 0
-    mag = torch.nn.functional.pad(mag, (0, pad_c, 0, pad_r))
-    blocks = mag.unflatten(-1, (-1, BLOCK))  # (..., R, C/128, 128)
-    if recipe == Recipe.BLOCKWISE_1X128:
-        return blocks.amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:-1])
-    tiles = blocks.unflatten(-3, (-1, BLOCK))  # (..., R/128, 128, C/128, 128)
-    if not tiles.numel():
-        return tiles.new_zeros(*lead, tiles.shape[-4], tiles.shape[-2])
-    return tiles.amax(dim=(-3, -1))
+    mag = torch.nn.functional.pad(mag, (0, 0 if bc is None else -cols % bc,
+                                        0, 0 if br is None else -rows % br))
+    mag = mag.unflatten(-1, (1, -1) if bc is None else (-1, bc))  # (..., R, Cb, bc)
+    mag = mag.unflatten(-3, (1, -1) if br is None else (-1, br))  # (..., Rb, br, Cb, bc)
+    amax = (mag.amax(dim=(-3, -1)) if mag.numel()
+            else mag.new_zeros(*mag.shape[:-3], mag.shape[-2]))  # (..., Rb, Cb)
+    if bc is None:  # a whole row is one group: no column dim
+        amax = amax.squeeze(-1)
+    if br is None:  # the whole column: no row dim
+        amax = amax.squeeze(-1 if bc is None else -2)
+    return amax
+
+
+def _scale_of(amax: torch.Tensor, fmt) -> torch.Tensor:
+    """The scale of a group of largest magnitude ``amax``: ``amax / element_max`` in fp32
+    (a true division: torch on CUDA would multiply by a rounded reciprocal of a Python
+    number), or, for power-of-two scales, ``2 ** (floor(log2 amax) - floor(log2
+    element_max))`` (OCP Microscaling v1.0; an all-zero group the smallest scale)."""
+    if not fmt.power_of_two:
+        return (amax / amax.new_full((), fmt.element_max)).to(torch.float32)
+    emax = float(torch.tensor(fmt.element_max).log2().floor())
+    exponent = torch.where(amax > 0, amax.log2().floor() - emax, amax.new_full((), -127.0))
+    return torch.exp2(exponent.clamp(-127, 127)).to(getattr(torch, fmt.scale))
 
 
 def quantize_reference(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_fp8, scale)`` of ``x`` (..., R, C) by ``recipe``: x_fp8 e4m3 of x's shape
-    (contiguous), scale fp32 of :func:`ts_moe.fp8.recipes.scale_shape` (contiguous)."""
+    (contiguous), scale of the recipe's scale type and :meth:`Recipe.scale_shape`
+    (contiguous)."""
+    fmt = Recipe(recipe).format
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
-    amax = _amax(xf, recipe)
-    scale = (amax / amax.new_full((), E4M3_MAX)).to(torch.float32)
+    scale = _scale_of(_amax(xf, recipe), fmt)
     full = expand_scale(scale.to(acc), recipe, x.shape)
     q = torch.where(full > 0, xf / torch.where(full > 0, full, 1), 0)
-    return q.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale.contiguous()
+    return (q.clamp_(-fmt.element_max, fmt.element_max).to(getattr(torch, fmt.element))
+            .contiguous(), scale.contiguous())
 
 
 def gather_fp8_rows(a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:

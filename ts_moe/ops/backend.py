@@ -156,7 +156,8 @@ class ScaledGroupedGemm(Protocol):
     indices out of range: every backend gathers), zeros past ``offs[-1]``, fp32 sums.
 
     a (M, K) e4m3 and b (E, K, N) e4m3 with the strides the caller gave (a backend
-    brings them to its own layout); scale_a, scale_b fp32 of the recipes of ``pair``
+    brings them to its own layout); scale_a, scale_b of the recipes of ``pair`` (their
+    formats give the scale types: fp32, or e8m0 for MX)
     (``ts_moe.fp8.recipes.Pair``, parsed: a ``str`` enum whose members are the
     kernels' names for the pairs); offs int32 (E,); out (M', N) in the output dtype
     (bf16, fp16 or fp32) with 16-byte rows, written whole (or a tensor of its shape,

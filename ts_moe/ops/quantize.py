@@ -47,7 +47,7 @@ def _quantize_fake(x, recipe):
     recipe = check_quantize_args(x, recipe)
     return (x.new_empty(x.shape, dtype=E4M3),
             x.new_empty_strided(recipe.scale_shape(x.shape), recipe.scale_strides(x.shape),
-                                dtype=torch.float32))
+                                dtype=recipe.scale_dtype))
 
 
 _quantize_op = define_inference_op("quantize_fp8(Tensor x, str recipe) -> (Tensor, Tensor)",
