@@ -1,12 +1,14 @@
 """``python -m ts_moe info`` (``ts-moe info``): each kernel family's record
 (``csrc_free_kernels.families``) beside whether it loaded and the path its ops take
-on this machine's GPU (on a machine without one: the reference), then every setting
-of ``ts_moe.settings`` and where its value comes from."""
+on this machine's GPU (on a machine without one: the reference), the DSL toolchain and
+whether the statuses hold for it (:mod:`ts_moe.toolchain`), then every setting of
+``ts_moe.settings`` and where its value comes from."""
 
 import sys
 
 import torch
 
+from . import toolchain
 from .ops import kernels, paths
 from .ops.kernels import Family
 from .settings import settings
@@ -68,6 +70,7 @@ def lines(description: str, capability: tuple[int, int] | None) -> list[str]:
         out.append(f"      evidence: {f.evidence}")
         if f.name in kernels.FAILED:
             out.append(f"      import failed: {kernels.FAILED[f.name]}")
+    out += ["", *toolchain.lines()]
     out += ["", "settings (ts_moe.settings):"]
     for s in settings.SETTINGS:
         env = f"  {s.env}" if s.env else ""

@@ -82,13 +82,25 @@ def warn_once(topic: str, message: str, stacklevel: int = 3) -> None:
                       stacklevel=stacklevel)
 
 
+def dsl_flavor() -> str:
+    """The CUDA flavour ("cu12", "cu13") of the DSL compiler this process loaded.  With
+    ``nvidia-cutlass-dsl[cu13]`` installed the DSL takes its cu13 compiler on a CUDA 13
+    driver and its cu12 one on an older driver, and the two make different cubins from
+    one release (bench/notes/2026-12-06-dsl-4.8.0-and-cu13.md)."""
+    from cutlass._mlir._mlir_libs import _cutlass_ir
+
+    found = re.search(r"_cutlass_ir\.(cu\d+)\.", pathlib.Path(_cutlass_ir.__file__).name)
+    return found.group(1) if found else "unknown"
+
+
 @functools.cache
 def fingerprint() -> str:
-    """The kernel sources and the toolchain's versions: a new build, a new directory."""
+    """The kernel sources and the toolchain (the DSL's release and flavour, TVM-FFI's
+    release): a new build, a new directory."""
     import cutlass
     import tvm_ffi
 
-    h = hashlib.sha256(f"{cutlass.__version__}|{tvm_ffi.__version__}".encode())
+    h = hashlib.sha256(f"{cutlass.__version__}|{dsl_flavor()}|{tvm_ffi.__version__}".encode())
     for root in _SOURCES:
         for path in sorted(root.rglob("*.py")):
             h.update(path.relative_to(root).as_posix().encode())
