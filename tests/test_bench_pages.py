@@ -177,19 +177,20 @@ def test_targets_warns_about_a_stale_run(tmp_path, capsys, monkeypatch):
 
 
 def test_the_path_tables_follow_the_family_status(monkeypatch):
-    """The README's path and family tables are generated from ts_moe.ops.kernel_status:
-    a family's new record (here: the sm_100a kernel verified on a B200) changes them."""
+    """The README's path and family tables are generated from the families' records: a
+    family's new record (here: the sm_100a kernel verified on a B200) changes them."""
     import dataclasses
 
-    from ts_moe.ops import kernel_status as ks
+    from csrc_free_kernels.common.family import Proof, Run
+    from csrc_free_kernels.sm100 import GEMM_SM100
 
     before = readme_tables.paths_markdown()
     assert "ts_moe's sm_100a kernel (**compiled and model-checked only**)" in before
-    verified = dataclasses.replace(ks.GEMM_SM100, proof=ks.Proof.VERIFIED,
-                                   run=ks.Run("abcdef1", "NVIDIA B200", "2027-01-01", "ok"))
-    monkeypatch.setattr(ks, "GEMM_SM100", verified)
-    monkeypatch.setattr(ks, "STATUS", tuple(verified if f.name == "gemm_sm100" else f
-                                            for f in ks.STATUS))
+    verified = dataclasses.replace(GEMM_SM100, proof=Proof.VERIFIED,
+                                   run=Run("abcdef1", "NVIDIA B200", "2027-01-01", "ok"))
+    monkeypatch.setattr(readme_tables, "GEMM_SM100", verified)
+    monkeypatch.setattr(readme_tables, "FAMILIES", tuple(
+        verified if f.name == "gemm_sm100" else f for f in readme_tables.FAMILIES))
     after = readme_tables.paths_markdown()
     assert "ts_moe's sm_100a kernel (**verified on hardware: NVIDIA B200, abcdef1**)" in after
     assert "| NVIDIA B200, abcdef1, 2027-01-01: ok |" in after

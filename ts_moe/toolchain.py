@@ -1,6 +1,6 @@
 """The DSL toolchain the kernels are compiled with, and how far their GPU runs carry to it.
 
-A kernel family's GPU status (:mod:`ts_moe.ops.kernel_status`) holds for the code that
+A kernel family's GPU status (its record, ``csrc_free_kernels.families``) holds for the code that
 GPU ran: the PTX the DSL generated and the cubin the DSL's assembler made from it.  Both
 depend on the ``nvidia-cutlass-dsl`` release and on its CUDA flavour: a plain install
 has the cu12 compiler; ``nvidia-cutlass-dsl[cu13]``, which vLLM and SGLang install, adds
@@ -52,7 +52,7 @@ class Framework:
     torch: str
 
 
-# the toolchain of the GPU runs in kernel_status: their provenance names the DSL release
+# the toolchain of the families' GPU runs: their provenance names the DSL release
 # only; the flavour is the one a plain install has (``ts-moe info`` on the GPU machine says)
 VERIFIED = Toolchain("4.8.1", "cu12")
 TVM_FFI_VERIFIED = "0.1.15"  # the GPU runs' TVM-FFI, calling the compiled kernels
@@ -78,7 +78,7 @@ def current() -> Toolchain:
     the compiler it loaded."""
     import cutlass
 
-    from csrc_free_kernels.kernel_cache import dsl_flavor
+    from csrc_free_kernels.common.kernel_cache import dsl_flavor
 
     return Toolchain(cutlass.__version__, dsl_flavor())
 

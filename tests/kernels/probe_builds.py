@@ -1,6 +1,7 @@
 """The probes' PTX builds, beside the kernels' own (``csrc_free_kernels.ptx_dump.BUILDS``):
 the ``ts_pipeline`` probes, and kernel builds no call reaches that the tests read (a
-configuration without raster bands; FP8 mainloops under a lowered register cap).
+configuration without raster bands; the store-warp epilogue, the pre-flight's bulk-copy
+probe; FP8 mainloops under a lowered register cap).
 
     CUTE_DSL_ARCH=sm_90a python -m tests.kernels.probe_builds OUT_DIR '["probe90_P1", ...]'
 
@@ -64,6 +65,25 @@ def _whole_experts():
     return dataclasses.replace(b, name="gemm_prefill_whole_experts")
 
 
+def _store_warp():
+    """The prefill GEMM whose output tiles a warp of their own stores, row by row, with
+    bulk copies (a variant that lost its A/B; :mod:`.store_warp_probe`)."""
+    import cutlass
+
+    from csrc_free_kernels.common import compile as kcompile
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper.grouped_gemm_sm90_launch import _fake_args
+
+    from .store_warp_probe import GroupedGemmStoreWarpSm90
+
+    def make():
+        return GroupedGemmStoreWarpSm90(c.PREFILL), (
+            *_fake_args(cutlass.BFloat16, cutlass.BFloat16, True, GroupedGemmStoreWarpSm90),
+            cutlass.Int32(1), kcompile.fake_stream())
+
+    return Build("gemm_prefill_sw", ("probe", "gemm_prefill_sw"), make, {})
+
+
 def _capped(config, regs):
     """The widest FP8 mainloop (SwiGLU, blockwise) with its MMA warpgroups capped at
     ``regs`` registers: it must still not spill."""
@@ -90,7 +110,7 @@ BUILDS = {b.name: b for b in (
     _probe100("probe100_async_load_2cta", "async_load"),
     _probe100("probe100_umma_umma_2cta", "umma_umma"),
     _probe100("probe100_umma_umma_1cta", "umma_umma", 1),
-    _whole_experts(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
+    _whole_experts(), _store_warp(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
 ALL_BUILDS = {**BUILDS, **ptx_dump.BUILDS}
 """Every build the PTX tests compile: the probes, then the kernels'."""
 SM100 = [n for n in ALL_BUILDS if n.startswith("probe100_") or (
