@@ -23,7 +23,7 @@ def test_committed_pages_are_what_the_command_writes():
 def test_check_flag_writes_nothing_and_says_what_differs(tmp_path, monkeypatch, capsys):
     readme = tmp_path / "README.md"
     results_md = tmp_path / "RESULTS.md"
-    readme.write_text(f"# x\n\n{pages.STATUS_BEGIN}\nold\n{pages.STATUS_END}\n\n"
+    readme.write_text(f"# x\n\n{pages.STATUS_BEGIN}\nstale placeholder\n{pages.STATUS_END}\n\n"
                       f"{readme_tables.PATHS_BEGIN}\n{readme_tables.PATHS_END}\n"
                       f"{readme_tables.SETTINGS_BEGIN}\n{readme_tables.SETTINGS_END}\nafter\n")
     real = pages.pages
@@ -34,7 +34,7 @@ def test_check_flag_writes_nothing_and_says_what_differs(tmp_path, monkeypatch, 
     text = readme.read_text()
     assert text.startswith("# x\n\n" + pages.STATUS_BEGIN) and text.endswith(
         readme_tables.SETTINGS_END + "\nafter\n")
-    assert "old" not in text and "**Grouped GEMM, N-major weights**" in text
+    assert "stale placeholder" not in text and "**Grouped GEMM, N-major weights**" in text
     assert readme_tables.paths_markdown() in text and readme_tables.settings_markdown() in text
     assert results_md.read_text() == pages.results_md()
     assert cli.main(["report", "--readme", "--check"]) == 0

@@ -225,21 +225,30 @@ def _args(m=64, k=32, n=48, e=4, dtype=torch.bfloat16, out_dtype=None):
     return a, dy, offs, out
 
 
-@pytest.mark.parametrize("corrupt, msg", [
-    (lambda a, dy, o, out: (a, dy[:-1], o, out), "do not agree"),
-    (lambda a, dy, o, out: (a, dy, o, out[:, :, :-8]), "do not agree"),
-    (lambda a, dy, o, out: (a, dy, o[:-1], out), "do not agree"),
-    (lambda a, dy, o, out: (a.float(), dy.float(), o, out.float()), "bf16/fp16"),
-    (lambda a, dy, o, out: (a, dy.half(), o, out), "bf16/fp16"),
-    (lambda a, dy, o, out: (a, dy, o, out.half()), "out must be"),
-    (lambda a, dy, o, out: (a, dy, o.long(), out), "int32"),
-    (lambda a, dy, o, out: (a, dy, o, out), "CUDA device"),  # CPU tensors
+@pytest.mark.parametrize("a, dy, reason", [
+    (torch.randn(32, 64), torch.randn(64, 48), "bf16 or fp16"),           # fp32 operands
+    (torch.randn(36, 64).bfloat16(), torch.randn(64, 48).bfloat16(), "multiples of 8"),
+    (torch.randn(32, 64).bfloat16(), torch.randn(64, 44).bfloat16(), "multiples of 8"),
 ])
-def test_entry_rejects_other_layouts(corrupt, msg):
-    with pytest.raises(ValueError, match=msg):
-        from csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch import grouped_gemm_k
+def test_backend_declines_what_it_cannot_run(a, dy, reason):
+    """The op validated the call; the backend declines, with its reason, what its kernel
+    cannot take, before anything compiles (the op then runs the next path)."""
+    from csrc_free_kernels.common.kernel_config import Declined
+    from csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch import GROUPED_GEMM_K
 
-        grouped_gemm_k(*corrupt(*_args()))
+    offs = torch.tensor([10, 40, 64], dtype=torch.int32)
+    out = torch.empty(3, a.shape[0], dy.shape[1])
+    got = GROUPED_GEMM_K.choose_config(a, dy, offs, out)
+    assert isinstance(got, Declined) and reason in got.reason
+
+
+def test_backend_takes_16_bit_multiples_of_8():
+    from csrc_free_kernels.hopper.grouped_gemm_dw_sm90_launch import GROUPED_GEMM_K
+
+    a, dy = torch.randn(32, 64).bfloat16(), torch.randn(64, 48).bfloat16()
+    offs = torch.tensor([10, 40, 64], dtype=torch.int32)
+    cfg = GROUPED_GEMM_K.choose_config(a, dy, offs, torch.empty(3, 32, 48))
+    assert cfg.name in dwc().CONFIGS
 
 
 def test_reference_matches_ts_moe_convention():

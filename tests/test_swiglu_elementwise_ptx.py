@@ -99,18 +99,18 @@ def test_references_agree_with_autograd(dtype):
     assert swiglu_ref(h).dtype == torch.float32
 
 
-def test_entry_points_check_arguments():
-    s = swl()
-    h = torch.zeros(4, 32, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        s.swiglu_forward(torch.zeros(4, 24, dtype=torch.bfloat16),
-                         torch.zeros(4, 12, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
-        s.swiglu_forward(h.float(), torch.zeros(4, 16))
-    with pytest.raises(ValueError, match="out: expected"):
-        s.swiglu_forward(h, torch.zeros(4, 32, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="dh: expected"):
-        s.swiglu_backward(torch.zeros(4, 16, dtype=torch.bfloat16), h,
-                          torch.zeros(4, 32, dtype=torch.float16))
-    with pytest.raises(ValueError, match="CUDA"):
-        s.swiglu_forward(h, torch.zeros(4, 16, dtype=torch.bfloat16))
+@pytest.mark.parametrize("h, reason", [
+    (torch.randn(4, 32), "bf16 or fp16"),
+    (torch.randn(4, 24).bfloat16(), "multiple of 8"),
+    (torch.randn(4, 36).bfloat16()[:, 4:], "16-byte aligned"),
+])
+def test_backend_declines_what_it_cannot_run(h, reason):
+    """The op validated the call; the backend declines, with its reason, rows its
+    16-byte vectors cannot read (the op then runs the next path)."""
+    from csrc_free_kernels.common.kernel_config import Declined
+
+    got = swl().SWIGLU_ACTIVATION.choose_config(h, None)
+    assert isinstance(got, Declined) and reason in got.reason, got
+    assert swl().SWIGLU_ACTIVATION.choose_config(torch.randn(4, 32).bfloat16(), None) \
+        == torch.bfloat16
+
