@@ -140,7 +140,7 @@ def reference(case: Case, device: torch.device) -> Bind:
 
 def ts_moe_fp8(case: Case, device: torch.device) -> Bind:
     """:func:`ts_moe.scaled_grouped_gemm` with the case's recipe, ts_moe's FP8 kernels
-    turned on (:func:`ts_moe.use_fp8_kernels`: opt-in until they pass on a GPU); on a
+    turned on (:func:`ts_moe.use_fp8_kernels`, whatever the settings say); on a
     CUDA device where it would not run them (its fallback would be timed): unavailable."""
     import ts_moe
     from ts_moe.fp8.recipes import Pair, Recipe
@@ -247,7 +247,7 @@ def dequant_grouped_mm(case: Case, device: torch.device) -> Bind:
 
 def ts_moe_fp8_fallback(case: Case, device: torch.device) -> Bind:
     """ts_moe's FP8 fallback, where no FP8 kernel serves a call (sm_100, other GPUs,
-    sm_90 blockwise while the FP8 kernels are opt-in): the routed experts' weights
+    sm_90 with the FP8 kernels switched off): the routed experts' weights
     dequantized to bf16 in chunks, then ts_moe's bf16 grouped GEMM.  Its records carry
     the transient bytes and bytes moved, and the whole stack's, against the FP8 weight
     bytes (:mod:`bench.fp8_fallback`)."""

@@ -2,8 +2,8 @@
 
 The fallback (``ts_moe/fp8/dequantize_path.py``: the routed experts' weights dequantized
 to bf16 in chunks, then ts_moe's bf16 grouped GEMM) runs where no FP8 kernel serves a
-call: sm_100, other GPUs, and sm_90's blockwise calls while ts_moe's FP8 kernels are
-opt-in.  :func:`measure` runs it on fake tensors of a case's shapes under
+call: sm_100, other GPUs, and sm_90's blockwise calls with ts_moe's FP8 kernels switched
+off.  :func:`measure` runs it on fake tensors of a case's shapes under
 :class:`~bench.memory_meter.MemoryMeter` (no memory, and any host read of a device value
 would raise: a sync-free path), beside :func:`whole_stack_gemm`, the fallback's former
 shape (every expert dequantized on every call), and returns both against the FP8 weight

@@ -298,7 +298,7 @@ def fp8_summary(result: dict) -> str:
                   if key[4] == recipe and pick(key[2]) and peer in ms and "ts_moe_fp8" in ms]
         if ratios:
             parts.append(f"{recipe} at {where} {_span(ratios)} against `{peer}`")
-    text = ("**FP8 grouped GEMM** (e4m3, the kernel opted in): ts_moe's speed "
+    text = ("**FP8 grouped GEMM** (e4m3, ts_moe's FP8 kernels): ts_moe's speed "
             + ("; ".join(parts) if parts else "not timed"))
     vs = _verdicts(result)
     return text + (f"; {_met(vs)} targets met" if vs else "")

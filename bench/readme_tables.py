@@ -36,6 +36,13 @@ def turn_on(setting: str) -> str:
     return f"`ts_moe.settings.{setting} = True`" + (f" (or `{api}()`)" if api else "")
 
 
+def switched(setting: str) -> str:
+    """How a family's setting stands: turned on by it, or on unless it is set False."""
+    if _SPEC[setting].default:
+        return f"on by default (`ts_moe.settings.{setting} = False` turns it off)"
+    return turn_on(setting)
+
+
 def _table(header: tuple, rows: list) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
             *("| " + " | ".join(row) + " |" for row in rows)]
@@ -63,14 +70,13 @@ def bf16_table() -> list[str]:
 def fp8_table() -> list[str]:
     gemm, quantizer = GEMM_FP8_SM90, QUANTIZE_FP8_SM90
     return _table(("device", "FP8 path"), [
-        (f"sm_90 (H100, H200), with {turn_on(gemm.setting)}",
+        ("sm_90 (H100, H200)",
          "**ts_moe's CuTeDSL FP8 kernels**: e4m3 WGMMA with fp32 accumulation, the blockwise "
          "scales promoted every 128 K, rowwise/tensorwise scales in the epilogue, the fused "
-         "SwiGLU, the activation quantizer; `offs` read on the device. **Opt-in. The GEMM: "
-         f"{gemm.proof.value} (on an {gemm.run.device} at {gemm.run.commit}, "
-         f"{gemm.run.result}); the quantizer: {proof(quantizer)}**. More than 512 experts "
-         "or K % 16 != 0: as the next row"),
-        ("sm_90 (default)", "rowwise with bf16 out: `torch.nn.functional.scaled_grouped_mm` "
+         "SwiGLU, the activation quantizer; `offs` read on the device. **The GEMM: "
+         f"{proof(gemm)}; the quantizer: {proof(quantizer)}**; {switched(gemm.setting)}. "
+         "More than 512 experts or K % 16 != 0: as the next row"),
+        (f"sm_90, `ts_moe.settings.{gemm.setting} = False`", "rowwise with bf16 out: `torch.nn.functional.scaled_grouped_mm` "
                             "(`torch._scaled_grouped_mm` where torch lacks it); otherwise as the "
                             "next row"),
         ("sm_100 / sm_103", "the weights of the experts the rows use (at most min(rows, E)) "
@@ -89,7 +95,7 @@ def families_table() -> list[str]:
     def on(f):
         if not f.in_ops:
             return "never by the ops; the harness names it"
-        return f"`ts_moe.settings.{f.setting} = True`" if f.setting else "on by default"
+        return switched(f.setting) if f.setting else "on by default"
 
     def where(f):
         return "csrc_free_kernels/" + f.load.__module__.split(".", 1)[1].replace(".", "/") + "/"

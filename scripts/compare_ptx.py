@@ -41,8 +41,11 @@ def only_version_line(ptx_a: bytes, ptx_b: bytes) -> bool:
 
 def expected(tc_a, tc_b, names) -> set | None:
     """The builds that should differ, from ``toolchain.COMPARED`` (None: it cannot say,
-    neither side having the GPU runs' PTX)."""
+    neither side having the GPU runs' PTX nor being named the same as the other)."""
     found = {tc: toolchain.COMPARED[tc].differs for tc in (tc_a, tc_b)}
+    if tc_b in (toolchain.COMPARED[tc_a].same_as, tc_a) or \
+            toolchain.COMPARED[tc_b].same_as == tc_a:
+        return set()
     for this, other in ((tc_a, tc_b), (tc_b, tc_a)):
         if found[this] == ():
             d = found[other]

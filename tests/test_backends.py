@@ -98,8 +98,14 @@ def test_the_paths_of_the_fp8_ops_and_the_small_kernels():
     from ts_moe.settings import settings
 
     assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0)) == (
-        paths.Path.TORCH_SCALED, paths.Path.DEQUANTIZE, paths.Path.REFERENCE)
-    assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (paths.Path.REFERENCE,)
+        paths.Path.KERNEL_SM90, paths.Path.TORCH_SCALED, paths.Path.DEQUANTIZE,
+        paths.Path.REFERENCE)
+    assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (
+        paths.Path.KERNEL_SM90, paths.Path.REFERENCE)
+    with settings.override(fp8_kernels=False):
+        assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0)) == (
+            paths.Path.TORCH_SCALED, paths.Path.DEQUANTIZE, paths.Path.REFERENCE)
+        assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (paths.Path.REFERENCE,)
     assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (10, 0))[0] is paths.Path.DEQUANTIZE
     assert paths.paths_for(Op.ROW_SUM, (9, 0)) == (paths.Path.KERNEL_SM90, paths.Path.REFERENCE)
     assert paths.paths_for(Op.ROW_SUM, (10, 0)) == (paths.Path.REFERENCE,)

@@ -17,11 +17,10 @@ from ts_moe.fp8.reference import quantize_reference
 
 @pytest.fixture(autouse=True)
 def fp8_kernels():
-    """The op's sm_90 FP8 kernel path is opt-in (ts_moe.use_fp8_kernels): these
-    tests are what takes it out of opt-in."""
-    ts_moe.use_fp8_kernels(True)
-    yield
-    ts_moe.use_fp8_kernels(False)
+    """The op's sm_90 FP8 kernel path (``ts_moe.settings.fp8_kernels``, on by default),
+    whatever the process's settings; restored after each test."""
+    with ts_moe.settings.override(fp8_kernels=True):
+        yield
 
 from .fp8_accumulation_model import LAYER_ROW_TOL, LAYER_TOL
 from .helpers import rel_err

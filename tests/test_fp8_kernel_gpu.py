@@ -223,12 +223,9 @@ def test_degenerate_offs():
         a0, sa0 = a[:0], (sa[:0] if recipe != "tensorwise" else sa)
         pair = {"blockwise": ("blockwise_1x128", "blockwise_128x128")}.get(recipe,
                                                                           (recipe, recipe))
-        ts_moe.use_fp8_kernels()  # M = 0 is the op's to answer: the launch takes none
-        try:
+        with ts_moe.settings.override(fp8_kernels=True):  # M = 0: the op answers it
             out = ts_moe.scaled_grouped_gemm(a0, w.transpose(-2, -1), sa0, pair[0], sw, pair[1],
                                              zero)
-        finally:
-            ts_moe.use_fp8_kernels(False)
         assert out.shape == (0, 128)
 
 

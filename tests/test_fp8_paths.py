@@ -333,22 +333,24 @@ def test_reference_switch_read_at_each_call(monkeypatch):
     assert paths.device_capability(torch.ones(4, 128)) is None  # a CPU tensor
 
 
-def test_the_fp8_kernels_are_opt_in(monkeypatch):
-    """Until they pass on a GPU, sm_90 FP8 calls take the kernels only after
-    ts_moe.use_fp8_kernels() (bench/notes/2026-12-05-fp8-kernel-first-gpu-run.md)."""
-    ts_moe.use_fp8_kernels(False)  # the default
-    assert not paths.fp8_kernels_enabled()
-    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0)) == (
-        Path.TORCH_SCALED, Path.DEQUANTIZE, Path.REFERENCE)
-    assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (Path.REFERENCE,)
-    ts_moe.use_fp8_kernels()
+def test_the_fp8_kernels_are_on_by_default_and_switch_off():
+    """They passed the whole GPU suite (bench/notes/2026-12-06-h100-run.md): sm_90 FP8
+    calls take them first; ts_moe.use_fp8_kernels(False) leaves torch's and the
+    dequantize path."""
+    from ts_moe.settings import FP8_KERNELS
+
+    assert FP8_KERNELS.default is True and paths.fp8_kernels_enabled()
+    for op in (Op.SCALED_GROUPED_GEMM, Op.SCALED_GROUPED_GEMM_SWIGLU, Op.QUANTIZE_FP8):
+        assert paths.paths_for(op, (9, 0))[0] is Path.KERNEL_SM90
+    table = paths.TABLE[Path.KERNEL_SM90]
+    assert table[Op.SCALED_GROUPED_GEMM] is L.GROUPED_GEMM
+    assert table[Op.SCALED_GROUPED_GEMM_SWIGLU] is L.GROUPED_GEMM_SWIGLU
+    assert table[Op.QUANTIZE_FP8] is QL.QUANTIZE
+    ts_moe.use_fp8_kernels(False)
     try:
-        for op in (Op.SCALED_GROUPED_GEMM, Op.SCALED_GROUPED_GEMM_SWIGLU, Op.QUANTIZE_FP8):
-            assert paths.paths_for(op, (9, 0))[0] is Path.KERNEL_SM90
-        table = paths.TABLE[Path.KERNEL_SM90]
-        assert table[Op.SCALED_GROUPED_GEMM] is L.GROUPED_GEMM
-        assert table[Op.SCALED_GROUPED_GEMM_SWIGLU] is L.GROUPED_GEMM_SWIGLU
-        assert table[Op.QUANTIZE_FP8] is QL.QUANTIZE
+        assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0)) == (
+            Path.TORCH_SCALED, Path.DEQUANTIZE, Path.REFERENCE)
+        assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (Path.REFERENCE,)
     finally:
-        ts_moe.use_fp8_kernels(False)
-    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0))[0] is Path.TORCH_SCALED
+        ts_moe.use_fp8_kernels(True)
+    assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0))[0] is Path.KERNEL_SM90

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from csrc_free_kernels import kernel_cache
+from csrc_free_kernels.common import kernel_cache
 
 from .test_kernel_cache import cache_warnings, dsl, fresh, get, new_process  # noqa: F401
 

@@ -43,7 +43,7 @@ def test_every_switch_and_variable_is_a_setting():
     assert isinstance(ts_moe.settings, Settings)
     assert repr(ts_moe.settings) == (
         "Settings(pdl=True, disk_cache=True, cache_dir=None, reference=False, "
-        "decode_graphs=True, sm100_kernel=False, router_kernel=False, fp8_kernels=False)")
+        "decode_graphs=True, sm100_kernel=False, router_kernel=False, fp8_kernels=True)")
 
 
 @pytest.mark.parametrize("spec", [s for s in ENV if s.values], ids=lambda s: s.env)
@@ -144,6 +144,7 @@ def test_the_public_switches_are_setters_of_the_settings():
     assert ts_moe.settings.fp8_kernels is True and ts_moe.fp8_kernels_enabled()
     ts_moe.settings.fp8_kernels = False
     assert not ts_moe.fp8_kernels_enabled()
+    ts_moe.settings.reset("fp8_kernels")  # the default, for the tests after this one
 
 
 def test_the_paths_read_the_settings_at_each_call(monkeypatch):
@@ -296,7 +297,7 @@ def test_an_unknown_variable_is_named_once_with_the_known_ones(monkeypatch, recw
         f"variables are {known}",
         f"TS_MOE_FP8_KERNELS is not a ts_moe setting's variable and is ignored; the "
         f"variables are {known}; fp8_kernels is set from code only "
-        f"(ts_moe.use_fp8_kernels() or ts_moe.settings.fp8_kernels = True)"]
+        f"(ts_moe.use_fp8_kernels(False) or ts_moe.settings.fp8_kernels = False)"]
 
 
 def test_an_unknown_variable_is_named_at_import(tmp_path):

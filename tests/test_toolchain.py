@@ -73,7 +73,8 @@ def test_every_toolchain_named_is_compared_with_the_gpu_runs_one():
     for f in toolchain.FRAMEWORKS:
         assert f.dsl in toolchain.COMPARED, f
     assert "statuses hold" in toolchain.verdict(toolchain.VERIFIED)
-    assert "every kernel unproven" in toolchain.verdict(toolchain.Toolchain("4.8.0", "cu13"))
+    assert "the statuses hold" in toolchain.verdict(toolchain.Toolchain("4.8.0", "cu13"))
+    assert "every kernel unproven" in toolchain.verdict(toolchain.Toolchain("4.8.0", "cu12"))
     assert "not compared" in toolchain.verdict(toolchain.Toolchain("9.9.9", "cu12"))
 
 
@@ -116,23 +117,28 @@ def compare():
     return _script("compare_ptx")
 
 
-PTX = ".version 8.8\n.target sm_90a\nmov.u32 %r1, 1;\n"
+PTX = ".version 9.4\n.target sm_90a\nmov.u32 %r1, 1;\n"  # the cu13 flavour's
 
 
 def test_compare_ptx_passes_what_the_table_says(compare, tmp_path, capsys):
     newest = _kept(tmp_path, "a", toolchain.VERIFIED, {"g1": PTX, "g2": PTX})
-    same = _kept(tmp_path, "b", toolchain.Toolchain("4.8.0", "cu12"), {"g1": PTX, "g2": PTX})
-    cu13 = PTX.replace("8.8", "9.4")
-    other = _kept(tmp_path, "c", toolchain.Toolchain("4.8.0", "cu13"), {"g1": cu13, "g2": cu13})
+    same = _kept(tmp_path, "b", toolchain.Toolchain("4.8.0", "cu13"), {"g1": PTX, "g2": PTX})
+    cu12 = PTX.replace("9.4", "8.8")
+    other = _kept(tmp_path, "c", toolchain.Toolchain("4.8.0", "cu12"), {"g1": cu12, "g2": cu12})
     assert compare.main([newest, same]) == 0
     assert compare.main([newest, other]) == 0
+    plain = _kept(tmp_path, "d", toolchain.Toolchain("4.8.1", "cu12"), {"g1": cu12, "g2": cu12})
+    assert compare.main([plain, other]) == 0  # 4.8.0 cu12 is named the same as 4.8.1 cu12
+    drifted = _kept(tmp_path, "e", toolchain.Toolchain("4.8.0", "cu12"),
+                    {"g1": cu12, "g2": cu12.replace("1;", "2;")})
+    assert compare.main([plain, drifted]) == 1
     assert "2 of 2 builds differ: 2 in their PTX (2 only in its .version directive)" in \
         capsys.readouterr().out
 
 
 def test_compare_ptx_fails_where_the_table_is_wrong(compare, tmp_path, capsys):
     newest = _kept(tmp_path, "a", toolchain.VERIFIED, {"g1": PTX, "g2": PTX})
-    one_differs = _kept(tmp_path, "b", toolchain.Toolchain("4.8.0", "cu12"),
+    one_differs = _kept(tmp_path, "b", toolchain.Toolchain("4.8.0", "cu13"),
                         {"g1": PTX, "g2": PTX.replace("1;", "2;")})
     assert compare.main([newest, one_differs]) == 1
     assert "these differ but are not named: ['g2']" in capsys.readouterr().out
@@ -140,7 +146,7 @@ def test_compare_ptx_fails_where_the_table_is_wrong(compare, tmp_path, capsys):
     assert compare.main([newest, unknown]) == 1
     assert "nvidia-cutlass-dsl 4.7.1 (cu12) not in ts_moe/toolchain.py COMPARED" in \
         capsys.readouterr().out
-    fewer = _kept(tmp_path, "d", toolchain.Toolchain("4.8.0", "cu12"), {"g1": PTX})
+    fewer = _kept(tmp_path, "d", toolchain.Toolchain("4.8.0", "cu13"), {"g1": PTX})
     assert compare.main([newest, fewer]) == 1
     assert "not the same builds" in capsys.readouterr().out
 

@@ -190,9 +190,11 @@ class SettingsBase:
                    f"are {', '.join(sorted(known))}")
         for spec in self.SETTINGS:
             if spec.env is None and name == f"TS_MOE_{spec.name.upper()}":
-                setter = f"{spec.api}() or " if spec.api else ""
+                value = not spec.default  # the switch away from the default
+                call = "()" if value else f"({value})"
+                setter = f"{spec.api}{call} or " if spec.api else ""
                 message += (f"; {spec.name} is set from code only "
-                            f"({setter}ts_moe.settings.{spec.name} = True)")
+                            f"({setter}ts_moe.settings.{spec.name} = {value})")
         return message
 
     def source(self, name: str) -> str:

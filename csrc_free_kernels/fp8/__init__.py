@@ -1,13 +1,10 @@
 """The FP8 (e4m3) families, Hopper, each declared here once: the grouped GEMM and its
 fused SwiGLU form (``grouped_gemm_fp8_sm90``, the bf16 kernel's subclass with an FP8
-mainloop) and the activation quantizer (``quantize_fp8_sm90``); both opt-in.  Importing
-this package imports no DSL."""
+mainloop) and the activation quantizer (``quantize_fp8_sm90``).  Importing this package
+imports no DSL."""
 
-from ..common.family import Family, Op, Proof, Run
-
-H100_RUN = Run("1a4410d", "NVIDIA H100 80GB HBM3", "2026-12-06",
-               "every configuration x recipe ran without a fault and matched float64; "
-               "190 of 214 FP8 GPU tests passed")
+from ..common.family import Family, Op, Proof
+from ..hopper import H100_RUN
 
 
 def _gemm():
@@ -21,14 +18,14 @@ def _quantize():
 
 
 GEMM_FP8_SM90 = Family(
-    "gemm_fp8_sm90", "FP8 (e4m3) grouped GEMM and fused SwiGLU GEMM", "sm_90a", Proof.COMPILED,
-    "the scale-box fault is fixed on hardware: the old layout faults on unaligned expert "
-    "starts only, the fixed one passes every configuration and recipe; a float32-output "
-    "test failed (bench/notes/2026-12-06-h100-run.md)", _gemm,
+    "gemm_fp8_sm90", "FP8 (e4m3) grouped GEMM and fused SwiGLU GEMM", "sm_90a", Proof.VERIFIED,
+    "against float64 products of the quantized operands on the GPU, every configuration "
+    "and recipe, aligned and unaligned expert starts (the scale-box fault fixed: "
+    "bench/notes/2026-12-06-h100-run.md)", _gemm,
     serves=(Op.SCALED_GROUPED_GEMM, Op.SCALED_GROUPED_GEMM_SWIGLU), run=H100_RUN,
     setting="fp8_kernels")
 QUANTIZE_FP8_SM90 = Family(
-    "quantize_fp8_sm90", "FP8 activation quantizer", "sm_90a", Proof.COMPILED,
-    "on an H100 its values were bit-equal to the reference on one shape and differed from "
-    "the tests' torch division on others (bench/notes/2026-12-06-h100-run.md)", _quantize,
+    "quantize_fp8_sm90", "FP8 activation quantizer", "sm_90a", Proof.VERIFIED,
+    "bit-equal to the reference quantizer on the GPU, values and scales "
+    "(bench/notes/2026-12-06-fp8-first-gpu-pass.md)", _quantize,
     serves=(Op.QUANTIZE_FP8,), run=H100_RUN, setting="fp8_kernels")

@@ -3,7 +3,7 @@ CTA, the combine and the row gather (``route_sm90``); the router logits and the 
 on many CTAs (``router_sm90``, opt-in).  Importing this package imports no DSL."""
 
 from ..common.family import Family, Op, Proof
-from ..hopper import H200_RUN
+from ..hopper import H100_RUN
 
 
 def _route():
@@ -19,10 +19,11 @@ def _router():
 ROUTE_SM90 = Family(
     "route_sm90", "routing and slot order in one CTA, the combine, the row gather", "sm_90a",
     Proof.VERIFIED, "against the plain-torch functions on the GPU (the same experts and order)",
-    _route, serves=(Op.ROUTE_SLOTS, Op.SORT_SLOTS, Op.ROW_SUM), run=H200_RUN)
+    _route, serves=(Op.ROUTE_SLOTS, Op.SORT_SLOTS, Op.ROW_SUM), run=H100_RUN)
 ROUTER_SM90 = Family(
     "router_sm90", "router logits, and the routing's top-k on many CTAs", "sm_90a",
-    Proof.AWAITING_AB,
-    "compiled and PTX-checked; against F.linear inside the Mixtral block on an H100 "
-    "(bench/notes/2026-12-06-h100-run.md) no difference beyond the noise: opt-in",
-    _router, serves=(Op.ROUTER_LOGITS, Op.ROUTE_TOPK), setting="router_kernel")
+    Proof.VERIFIED,
+    "against float64 logits and route_slots on the GPU; against F.linear inside the "
+    "Mixtral block on an H100 no difference beyond the noise "
+    "(bench/notes/2026-12-06-h100-run.md): opt-in",
+    _router, serves=(Op.ROUTER_LOGITS, Op.ROUTE_TOPK), run=H100_RUN, setting="router_kernel")

@@ -18,11 +18,11 @@ fused SwiGLU)          then the path the device takes without them: ``torch._gro
 routing, slot order,   where the device's bf16 GEMMs take the sm_90 kernels: those kernels
 combine, gather,       (the router's with ``ts_moe.settings.router_kernel``), then the
 activation, router     references on the device; elsewhere the references
-FP8 GEMMs and the      sm_90: the sm_90 FP8 kernels with ``ts_moe.settings.fp8_kernels``,
+FP8 GEMMs and the      sm_90: the sm_90 FP8 kernels (``ts_moe.settings.fp8_kernels``, on),
 quantizer              ``torch._scaled_grouped_mm`` (rowwise, bf16 out), the weights
                        dequantized to bf16 then ``ts_moe.grouped_gemm`` (it takes every
                        call); other GPUs: the dequantized path; the quantizer: the kernel
-                       (sm_90, opted in), else the reference on the device
+                       (sm_90, unless switched off), else the reference on the device
 =====================  ===================================================================
 
 The CPU, and ``ts_moe.settings.reference`` (``TS_MOE_REFERENCE=1``), take the references.
@@ -85,7 +85,7 @@ for _family in kernels.FAMILIES:
             PROVIDER.setdefault((_path, _op), _family)
             MAX_EXPERTS.setdefault((_path, _op), _kernels.max_experts)
 SWITCHES = tuple(sorted({f.setting for f in kernels.FAMILIES if f.setting}))
-"""The ``ts_moe.settings`` attributes that turn an opt-in family on."""
+"""The ``ts_moe.settings`` attributes that switch a family on or off."""
 
 
 def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
@@ -135,11 +135,10 @@ def use_fp8_kernels(enabled: bool = True) -> None:
     """Run FP8 calls on sm_90 on ts_moe's CuTeDSL FP8 kernels (the GEMM and the
     activation quantizer): sets ``ts_moe.settings.fp8_kernels`` to ``bool(enabled)``.
 
-    Off by default until they pass every GPU test
-    (bench/notes/2026-12-06-h100-run.md); meanwhile sm_90 takes
-    ``torch._scaled_grouped_mm`` (rowwise) or the dequantize path.  Takes effect on the
-    next call; the layer's decode graphs captured before it keep the path they
-    captured."""
+    On by default: they pass the whole GPU suite and beat the other paths in most cases
+    (bench/notes/2026-12-06-h100-run.md); off, sm_90 takes ``torch._scaled_grouped_mm``
+    (rowwise) or the dequantize path.  Takes effect on the next call; the layer's
+    decode graphs captured before it keep the path they captured."""
     settings.fp8_kernels = bool(enabled)
 
 
