@@ -35,6 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# the marker applied (decorator, pytestmark, a name or param marks), not named in a string
+GPU_MARK = re.compile(r"(^\s*@|=\s*\[?)pytest\.mark\.gpu\b", re.M)
 SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 
 WARM = r'''
@@ -55,7 +57,7 @@ def gpu_test_files() -> list:
     """The test files with ``gpu``-marked tests, FP8 kernel files first (the newest
     kernels: if they fault, the rest of the suite still runs, in other processes)."""
     files = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
-             if "mark.gpu" in p.read_text()]
+             if GPU_MARK.search(p.read_text())]
     return sorted(files, key=lambda p: (not p.name.startswith("test_fp8"), p.name))
 
 

@@ -54,7 +54,8 @@ def test_gpu_check_budget_and_file_order(tmp_path):
         sys.path.remove(str(SCRIPTS))
     files = [p.name for p in gpu_check.gpu_test_files()]
     assert files[0].startswith("test_fp8") and "test_grouped_gemm_gpu.py" in files
-    assert all("mark.gpu" in (pathlib.Path(ROOT) / "tests" / f).read_text() for f in files)
+    assert all("pytest.mark.gpu" in (pathlib.Path(ROOT) / "tests" / f).read_text() for f in files)
+    assert "test_gpu_scripts.py" not in files  # it names the marker, in a string
     out = tmp_path / "check.json"
     proc = _run([str(SCRIPTS / "gpu_check.py"), "--no-warm", "--budget", "0", "--out",
                  str(out), str(pathlib.Path(ROOT) / "tests/test_fp8_gpu.py")], tmp_path)
