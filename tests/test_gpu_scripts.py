@@ -19,6 +19,7 @@ DATA = pathlib.Path(__file__).parent / "data"
 
 def _run(args, tmp_path, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("PYTEST_ADDOPTS", None)  # this session's options (CI's --keep-ptx) are not the child's
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
