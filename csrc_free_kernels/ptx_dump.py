@@ -52,11 +52,13 @@ def reference_module_available() -> bool:
     return True
 
 
-def main(out_dir: str, names: list, extra: dict | None = None) -> None:
+def main(out_dir: str, names: list, extra: dict | None = None, check: bool = False) -> None:
     """Compile each of ``names`` (builds of :func:`space`, or of ``extra``: the tests'
     probes) for the arch of this process, writing ``NAME.ptx`` and ``NAME.facts.json``
     to ``out_dir``.  A build whose spec says ``plain_compile`` compiles without the
-    TVM-FFI host entry (the ``ts_pipeline`` probes take an explicit stream)."""
+    TVM-FFI host entry (the ``ts_pipeline`` probes take an explicit stream).  With
+    ``check``, each build goes through the pre-flight too, and a violation ends the run
+    (exit status 1, naming the build, the rule and the PTX line)."""
     import cutlass.cute as cute
 
     from . import preflight
@@ -74,13 +76,19 @@ def main(out_dir: str, names: list, extra: dict | None = None) -> None:
                 cute.compile(kernel, *args)
             else:
                 compile_build(b)
-        (out / f"{name}.ptx").write_text(preflight.collect(dump_dir, facts))
+        ptx = preflight.collect(dump_dir, facts)
+        (out / f"{name}.ptx").write_text(ptx)
         (out / f"{name}.facts.json").write_text(facts.to_json())
+        found = preflight.check(name, ptx, facts) if check else []
+        if found:
+            sys.exit("the pre-flight of the hardware's rules failed:\n"
+                     + "\n".join(map(str, found)))
 
 
 def dump(arch: str, names: list, out_dir: str, timeout: float = 600,
-         main_module: str = "csrc_free_kernels.ptx_dump") -> dict:
-    """Compile ``names`` for ``arch`` in a fresh process; returns ``{name: ptx text}``.
+         main_module: str = "csrc_free_kernels.ptx_dump", check: bool = False) -> dict:
+    """Compile ``names`` for ``arch`` in a fresh process (with ``check``, each through
+    the pre-flight: :func:`main`); returns ``{name: ptx text}``.
 
     The child runs ``python -m main_module OUT_DIR NAMES``: this module, or one
     whose ``__main__`` calls :func:`main` with builds of its own (the tests' probes:
@@ -91,7 +99,8 @@ def dump(arch: str, names: list, out_dir: str, timeout: float = 600,
         env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx,cubin",
                    CUTE_DSL_DUMP_DIR=scratch, TS_MOE_NO_DISK_CACHE="1")
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run([sys.executable, "-m", main_module, out_dir, json.dumps(names)],
+        proc = subprocess.run([sys.executable, "-m", main_module, out_dir, json.dumps(names),
+                               *(["--check"] if check else [])],
                               env=env, capture_output=True, text=True, timeout=timeout, cwd=root)
     if proc.returncode:
         raise RuntimeError(f"PTX build for {arch} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -99,4 +108,4 @@ def dump(arch: str, names: list, out_dir: str, timeout: float = 600,
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], json.loads(sys.argv[2]))
+    main(sys.argv[1], json.loads(sys.argv[2]), check=sys.argv[3:] == ["--check"])

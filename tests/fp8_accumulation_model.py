@@ -12,7 +12,7 @@ truncation toward zero (``"rz"``) or toward -inf (``"floor"``, a sign-filled shi
 two's complement mantissa): the report does not say which, so the tolerances cover both.
 ``"exact"`` is fp32-faithful accumulation, for comparison.
 
-The kernel (``csrc_free_kernels.grouped_gemm_fp8_sm90``) promotes each 128-K stage's
+The kernel (``csrc_free_kernels.fp8.grouped_gemm_fp8_sm90``) promotes each 128-K stage's
 partial into fp32 (blockwise: one FFMA with ``sa * sb``; else an add, the scales
 multiplying the sum before the epilogue): :func:`fp8_gemm`.  :func:`fp8_layer_rows`
 runs the FP8 MoE layer's two GEMMs so (``ts_moe.experts``): the SwiGLU output, rounded to

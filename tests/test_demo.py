@@ -118,7 +118,8 @@ def test_verbose_shows_each_builds_ptx(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     dumped = []
 
-    def fake_dump(arch, names, out_dir, timeout=600):
+    def fake_dump(arch, names, out_dir, timeout=600, check=False):
+        assert check  # every build through the pre-flight, as without --verbose
         dumped.append((arch, list(names)))
         return {n: "wgmma.mma_async cp.async.bulk.tensor expect_tx" for n in names}
 

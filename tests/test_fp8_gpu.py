@@ -207,6 +207,29 @@ def test_layer_on_cuda_and_its_decode_graph(recipe):
     decode_graphs.graphs.clear()
 
 
+def test_decode_graphs_key_on_the_fp8_switch():
+    """Switching the FP8 kernels off gives the next decode call a graph of its own, on
+    the path it switched to (the old graph would replay the kernels)."""
+    x, router, gq, gs, dq, ds = fp8_layer("blockwise_128x128", T=4, H=1024, I=512, E=8)
+    x, router, gq, gs, dq, ds = (t.cuda() for t in (x, router, gq, gs, dq, ds))
+
+    def layer(**kw):
+        return ts_moe.moe_forward(x, router, gq, dq, 2, gate_up_scale=gs, down_scale=ds,
+                                  scale_recipe="blockwise_128x128", **kw)
+
+    decode_graphs.graphs.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            layer()
+        assert decode_graphs.graphs.captures == 1
+        with ts_moe.settings.override(fp8_kernels=False):
+            eager = layer(decode_graphs=False)  # the dequantize path
+            for _ in range(3):
+                assert torch.equal(layer(), eager)
+        assert decode_graphs.graphs.captures == 2
+    decode_graphs.graphs.clear()
+
+
 def test_fp8_roof_and_suite_on_the_gpu():
     """The dense FP8 roof is measured, and the fp8 suite's backends pass their checks on
     a decode and a prefill case (F.scaled_grouped_mm: timed, or unavailable with

@@ -346,8 +346,10 @@ def test_the_fp8_kernels_are_on_by_default_and_switch_off():
     assert table[Op.SCALED_GROUPED_GEMM] is L.GROUPED_GEMM
     assert table[Op.SCALED_GROUPED_GEMM_SWIGLU] is L.GROUPED_GEMM_SWIGLU
     assert table[Op.QUANTIZE_FP8] is QL.QUANTIZE
+    on = paths.switches()
     ts_moe.use_fp8_kernels(False)
     try:
+        assert paths.switches() != on  # what the decode graphs key on follows it
         assert paths.paths_for(Op.SCALED_GROUPED_GEMM, (9, 0)) == (
             Path.TORCH_SCALED, Path.DEQUANTIZE, Path.REFERENCE)
         assert paths.paths_for(Op.QUANTIZE_FP8, (9, 0)) == (Path.REFERENCE,)

@@ -38,10 +38,11 @@ with warnings.catch_warnings(record=True) as caught:
     import torch, ts_moe
 from ts_moe.ops import Op, kernels, paths
 from ts_moe import info_cli
+from csrc_free_kernels.families import FAMILIES
 
 ts_moe.use_fp8_kernels()
 ts_moe.use_router_kernel()
-rows = {line.split()[0]: line for line in info_cli.lines("H200", (9, 0))[3:11]}
+rows = {line.split()[0]: line for line in info_cli.lines("H200", (9, 0))[3:3 + len(FAMILIES)]}
 print(json.dumps({
     "warnings": [str(w.message) for w in caught if w.category is kernels.KernelImportWarning],
     "available": sorted(kernels.AVAILABLE),
@@ -149,7 +150,7 @@ def test_info_on_this_cpu_machine(cpu_machine, capsys):
     assert list(rows) == [f.name for f in FAMILIES]
     for f in FAMILIES:
         row = rows[f.name]
-        assert f.proof.value in row and f.switch in row and "  yes  " in row
+        assert f.proof.value in row and info_cli.turned_on(f) in row and "  yes  " in row
         assert row.endswith(f"{paths.Path.REFERENCE.value} (no CUDA GPU)")
     assert f"      run: {BY_NAME['gemm_sm90'].run}" in out
     assert "  router_kernel = False  (default)" in out

@@ -53,9 +53,11 @@ from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
 from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as g
 
 real = preflight.collect
+collected = []
 
 
 def planted(dump, facts):  # setmaxnreg off its multiple of 8: refused by the GPU
+    collected.append(dump)
     return real(dump, facts).replace("setmaxnreg.inc.sync.aligned.u32 \\t240;",
                                      "setmaxnreg.inc.sync.aligned.u32 \\t244;")
 
@@ -66,13 +68,20 @@ try:
     said = None
 except kcompile.PreflightError as exc:
     said = str(exc)
-print(json.dumps({"said": said, "kept": len(kcompile._memory)}))
+try:  # a later call: the same refusal, without compiling and checking again
+    kcompile.get_compiled(g.build(c.DECODE16))
+    again = None
+except kcompile.PreflightError as exc:
+    again = str(exc)
+print(json.dumps({"said": said, "again": again, "checks": len(collected),
+                  "kept": len(kcompile._memory)}))
 """
 
 
 def test_a_build_that_breaks_a_rule_is_refused_before_any_launch():
     """A build whose PTX carries a setmaxnreg the GPU refuses raises, naming the
-    build and the rule; nothing is kept for a later call (sm_90a, a process of its own)."""
+    build and the rule; nothing is kept for a later call, which raises the same error
+    without compiling the build again (sm_90a, a process of its own)."""
     import json
 
     from .ptxas import run_for_arch
@@ -81,6 +90,7 @@ def test_a_build_that_breaks_a_rule_is_refused_before_any_launch():
     assert got["kept"] == 0 and got["said"] is not None
     assert "gemm_decode16" in got["said"] and "not launched" in got["said"]
     assert "setmaxnreg" in got["said"]
+    assert got["again"] == got["said"] and got["checks"] == 1
 
 
 def test_every_reachable_build_is_checked_or_shares_its_kernel_with_one():

@@ -132,7 +132,8 @@ def build_in_child() -> str | None:
 
 
 def build_with_ptx_stats() -> str | None:
-    """``--verbose``: each family built with its PTX kept, and each build's statistics."""
+    """``--verbose``: each family built with its PTX kept, each build through the
+    pre-flight, and each build's statistics."""
     from csrc_free_kernels import ptx_dump
 
     start = time.perf_counter()
@@ -143,7 +144,7 @@ def build_with_ptx_stats() -> str | None:
                  f"PTX kept")
             with tempfile.TemporaryDirectory() as d:
                 try:
-                    ptx = ptx_dump.dump(arch, names, d)
+                    ptx = ptx_dump.dump(arch, names, d, check=True)
                 except RuntimeError as exc:
                     return str(exc)
                 for name in names:

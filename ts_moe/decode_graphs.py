@@ -30,7 +30,8 @@ subclass), at most ``max_tokens`` tokens, no gradient wanted (nor forward-mode
 AD), no autocast, outside ``torch.compile`` tracing and outside another
 capture, on a path of :mod:`ts_moe.ops` that never syncs with the host
 (:func:`ts_moe.ops.graph_path`, which is part of the signature, as are
-:func:`ts_moe.ops.use_router_kernel` and cuBLAS's reduced-precision switches).
+:func:`ts_moe.ops.paths.switches`, the families' switches, and cuBLAS's
+reduced-precision switches).
 Everything else, and every call while ``ts_moe.settings.decode_graphs`` is off
 (``TS_MOE_DECODE_GRAPHS=0``; read at each call) or after
 :func:`DecodeGraphs.disable` (which, like :func:`DecodeGraphs.enable`, outranks
@@ -221,7 +222,7 @@ class DecodeGraphs:
         path = ops.graph_path(device, x.dtype, num_experts)
         if path is None:
             return None
-        parts += (path, ops.router_kernel_enabled(), _bf16_reduced(), _fp16_reduced(),
+        parts += (path, ops.paths.switches(), _bf16_reduced(), _fp16_reduced(),
                   torch._C._cuda_getCurrentRawStream(device))
         return tuple(parts)
 

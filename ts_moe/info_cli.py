@@ -11,7 +11,23 @@ import torch
 from . import toolchain
 from .ops import kernels, paths
 from .ops.kernels import Family
-from .settings import settings
+from .settings import SETTINGS, settings
+
+_SPEC = {s.name: s for s in SETTINGS}
+
+
+def turned_on(family: Family, code=str) -> str:
+    """How ``family`` is turned on, in words (``code`` formats a name: the README's
+    backticks): by the ops by default, by its setting (on or off by default), or never."""
+    if not family.in_ops:
+        return "never by the ops (named in the harness)"
+    if not family.setting:
+        return "on by default"
+    spec = _SPEC[family.setting]
+    if spec.default:
+        return f"on by default ({code(f'ts_moe.settings.{spec.name} = False')} turns it off)"
+    return code(f"ts_moe.settings.{spec.name} = True") + (
+        f" (or {code(spec.api + '()')})" if spec.api else "")
 
 
 def add_arguments(parser) -> None:
@@ -58,7 +74,7 @@ def lines(description: str, capability: tuple[int, int] | None) -> list[str]:
     rows = [("family", "status", "imported", "turned on", "path on this machine")]
     for f in kernels.FAMILIES:
         imported = "yes" if f.name in kernels.LOADED else "no"
-        rows.append((f.name, f.proof.value, imported, f.switch, family_path(f, capability)))
+        rows.append((f.name, f.proof.value, imported, turned_on(f), family_path(f, capability)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     out = [f"device: {description}", ""]
     out += ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]

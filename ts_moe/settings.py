@@ -50,7 +50,7 @@ FP8_KERNELS = Setting(
     "fp8_kernels", True, api="ts_moe.use_fp8_kernels",
     does="FP8 calls on sm_90 run ts_moe's FP8 GEMM and quantizer kernels; off, "
          "`torch._scaled_grouped_mm` (rowwise) or the dequantize path",
-    read="at each call (decode graphs captured before keep their path)")
+    read="at each call (the decode graphs key on it)")
 
 
 class Settings(_kernels.KernelSettings):

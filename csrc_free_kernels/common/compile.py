@@ -18,15 +18,15 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from . import kernel_cache
+from . import kernel_cache, pdl
 
-from . import pdl
 # the DSL's element type of each torch dtype a kernel's fake arguments take
 CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
                torch.int64: cutlass.Int64}
 
 _memory: dict = {}
+_refused: dict = {}  # key -> the PreflightError of a build that broke a rule
 _lock = threading.Lock()
 # (key, seconds, "compiled" | "loaded") of each kernel this process obtained
 stats: list = []
@@ -128,7 +128,8 @@ def get_compiled(build):
     use programmatic dependent launch (:mod:`.pdl`) and the DSL's code-generation
     settings (:func:`codegen_environment`) are added here.  The cache holds only builds
     that passed: its directory is named after the sources, the pre-flight's rules among
-    them (:func:`.kernel_cache.fingerprint`), so a loaded object carries its verdict.
+    them (:func:`.kernel_cache.fingerprint`), so a loaded object carries its verdict;
+    a refused build is remembered in the process and raises its error again.
     """
     key = (*build.key, ("pdl", pdl.ENABLED), ("dsl", codegen_environment()))
     fn = _memory.get(key)
@@ -138,6 +139,8 @@ def get_compiled(build):
         fn = _memory.get(key)
         if fn is not None:
             return fn
+        if key in _refused:  # refused once: not compiled and checked again on every call
+            raise _refused[key]
         t0 = time.perf_counter()
         name = kernel_cache.object_name(key)
         with kernel_cache.directory() as directory:  # None: memory only
@@ -147,7 +150,11 @@ def get_compiled(build):
                 lambda path: cute.runtime.load_module(path, enable_tvm_ffi=True)[name])
             if fn is None:
                 how = "compiled"
-                fn = _compile_checked(build)
+                try:
+                    fn = _compile_checked(build)
+                except PreflightError as exc:
+                    _refused[key] = exc
+                    raise
                 if directory is not None:
                     kernel_cache.store(directory, name, lambda path: fn.export_to_c(
                         object_file_path=path, function_name=name))

@@ -42,8 +42,6 @@ class Op(enum.Enum):
 class Proof(enum.Enum):
     VERIFIED = "verified on hardware"
     COMPILED = "compiled and model-checked only"
-    FAULTED = "faulted on hardware; the fix not yet run on a GPU"
-    AWAITING_AB = "awaiting an A/B on a GPU"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +109,3 @@ class Family:
     @property
     def in_ops(self) -> bool:
         return bool(self.serves)
-
-    @property
-    def switch(self) -> str:
-        """How it is turned on, in words."""
-        if not self.in_ops:
-            return "never by the ops (named in the harness)"
-        return f"ts_moe.settings.{self.setting}" if self.setting else "on by default"

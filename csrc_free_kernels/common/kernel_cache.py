@@ -61,6 +61,9 @@ from .settings import settings
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # csrc_free_kernels
 _SOURCES = [_PACKAGE, _PACKAGE.parent / "ts_pipeline"]
+# what no compiled object depends on: the packages' records and exports (a status update
+# must not send every user's kernels to be compiled again), the build lists, the PTX tool
+_NOT_SOURCES = {"__init__.py", "families.py", "family.py", "ptx_dump.py"}
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 # our files in a fingerprint directory: objects and temporaries, and the .o.sha256
 # files that other versions' builds keep beside their objects (clear removes them too)
@@ -95,14 +98,15 @@ def dsl_flavor() -> str:
 
 @functools.cache
 def fingerprint() -> str:
-    """The kernel sources and the toolchain (the DSL's release and flavour, TVM-FFI's
-    release): a new build, a new directory."""
+    """The kernel sources (every module of the kernels, the pipelines and the
+    pre-flight but :data:`_NOT_SOURCES`) and the toolchain (the DSL's release and
+    flavour, TVM-FFI's release): a new build, a new directory."""
     import cutlass
     import tvm_ffi
 
     h = hashlib.sha256(f"{cutlass.__version__}|{dsl_flavor()}|{tvm_ffi.__version__}".encode())
     for root in _SOURCES:
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted(p for p in root.rglob("*.py") if p.name not in _NOT_SOURCES):
             h.update(path.relative_to(root).as_posix().encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]

@@ -32,15 +32,16 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm_fp8_sm90_config import RECIPES, SCALE_BLOCK
+from .grouped_gemm_fp8_sm90_config import RECIPES, SCALE_A, SCALE_BLOCK
 from ..hopper.grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90, Warp
 from ..hopper.grouped_gemm_sm90_config import SMEM_CAPACITY, TileConfig
 from ..hopper.sm90_epilogue import MmaOperands
 from ..common.tile_schedule import WorkTile
 
 # fp32 activation scales per 16 bytes: the scale box starts on a multiple of this row
-# (TMA refuses a box whose innermost start is not 16-byte aligned)
-SFA_ALIGN = 4
+# (TMA refuses a box whose innermost start is not 16-byte aligned); the format pads its
+# rows to the same multiple
+SFA_ALIGN = SCALE_A.row_align
 
 
 @dataclasses.dataclass(frozen=True)

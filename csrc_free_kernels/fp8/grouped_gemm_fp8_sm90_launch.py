@@ -6,7 +6,7 @@ SwiGLU subclass) on the current stream.
   families (``ts_moe.ops.backend.ScaledGroupedGemm`` and ``ScaledGroupedGemmSwiglu``):
   ``choose_config`` picks the tiles from the shapes
   (:mod:`.grouped_gemm_fp8_sm90_config`), or answers a
-  :class:`~.kernel_config.Declined` naming the limit the call meets (more than
+  :class:`~csrc_free_kernels.common.kernel_config.Declined` naming the limit the call meets (more than
   :data:`MAX_EXPERTS` experts, K not a multiple of 16, an I the fused kernel's tiles do
   not cover); ``run`` is :func:`launch` with that configuration;
 - :func:`launch`: what the backends' ``run`` calls: the compiled kernel launched once,

@@ -3,7 +3,7 @@
 - :data:`QUANTIZE`: the sm_90 backend of the FP8 quantizer family
   (``ts_moe.ops.backend.QuantizeFp8``): ``choose_config`` takes a 2-D activation of
   bf16, fp16 or fp32 with rows to quantize, K a multiple of 16 (of 128 for
-  ``blockwise_1x128``), or answers a :class:`~.kernel_config.Declined` naming what the
+  ``blockwise_1x128``), or answers a :class:`~csrc_free_kernels.common.kernel_config.Declined` naming what the
   call lacks; ``run`` is :func:`quantize`;
 - :func:`quantize`: the one entry point, on arguments the op layer validated and this
   backend took: it allocates the outputs in the GEMM's layouts and launches

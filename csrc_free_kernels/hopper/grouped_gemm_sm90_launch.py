@@ -43,8 +43,7 @@ def build(config: TileConfig, a_dtype=torch.bfloat16, c_dtype=None, b_n_major: b
     ``_bk`` (K-major weights), ``_f32_out`` and ``_prefetch`` as they apply."""
     c_dtype = c_dtype or a_dtype
     kernel_cls = GroupedGemmSwigluSm90 if swiglu else GroupedGemmSm90
-    kernel = kernel_cls(config, prefetch_weights=prefetch_weights)
-    prefetch = kernel.prefetch_weights  # requested and honoured
+    prefetch = prefetch_weights and kernel_cls.prefetch_supported(config)  # and honoured
     key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a",
            *(("prefetch_weights",) if prefetch else ()))
     name = (("swiglu_" if swiglu else "gemm_") + config.name
@@ -53,8 +52,8 @@ def build(config: TileConfig, a_dtype=torch.bfloat16, c_dtype=None, b_n_major: b
 
     def make():
         ca, cc = kcompile.CUTE_DTYPES[a_dtype], kcompile.CUTE_DTYPES[c_dtype]
-        return kernel, (*_fake_args(ca, cc, b_n_major, kernel_cls), cutlass.Int32(1),
-                        kcompile.fake_stream())
+        return kernel_cls(config, prefetch_weights=prefetch), (
+            *_fake_args(ca, cc, b_n_major, kernel_cls), cutlass.Int32(1), kcompile.fake_stream())
 
     return Build(name, key, make, {"config": config, "a_dtype": a_dtype, "c_dtype": c_dtype,
                                    "b_n_major": b_n_major, "swiglu": swiglu,
@@ -99,12 +98,6 @@ def _row_major(t: torch.Tensor) -> bool:
     """Last dim contiguous: K-major tokens (M, K), N-major weights (E, K, N).  Its
     stride must be 1 even where the dim has size 1: the compiled signature says so."""
     return t.stride(-1) == 1
-
-
-def _k_major(a: torch.Tensor) -> torch.Tensor:
-    """The kernels read tokens K-major (activations always are in a MoE layer);
-    an M-major ``a`` is copied."""
-    return a if _row_major(a) else a.contiguous()
 
 
 @functools.cache

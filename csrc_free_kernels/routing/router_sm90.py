@@ -1,5 +1,6 @@
-"""The opt-in router kernels (SIMT; built for sm_90a), awaiting their GPU A/B
-(``scripts/router_ab.py``); ``ts_moe.ops.use_router_kernel`` switches them on.
+"""The opt-in router kernels (SIMT; built for sm_90a): inside the Mixtral block they made
+no difference beyond the noise on an H100 (``scripts/router_ab.py``,
+bench/notes/2026-12-06-h100-run.md); ``ts_moe.ops.use_router_kernel`` switches them on.
 
 - :class:`RouterLogits`: the router's ``logits = x @ w.T`` of a decode batch in
   one launch with fp32 sums and one rounding (cuBLAS takes two for these

@@ -29,7 +29,7 @@ from csrc_free_kernels.hopper.grouped_gemm_sm90 import (GroupedGemmSm90, Grouped
 
 class StoreWarpBarrier(enum.IntEnum):
     """Named barriers between the MMA threads and the store warp (the kernel's own
-    :class:`csrc_free_kernels.grouped_gemm_sm90.Barrier` ids are below these)."""
+    :class:`csrc_free_kernels.hopper.grouped_gemm_sm90.Barrier` ids are below these)."""
 
     TILE_STAGED = 5   # the tile is in shared memory (MMA threads -> store warp)
     TILE_STORED = 6   # its buffer is free again (store warp -> MMA threads)
@@ -39,7 +39,7 @@ STORE = Warp.SCHEDULE  # the warp that stores the staged tiles
 
 
 class StoreWarpEpilogue:
-    """The epilogue of :class:`csrc_free_kernels.grouped_gemm_sm90.GroupedGemmSm90`
+    """The epilogue of :class:`csrc_free_kernels.hopper.grouped_gemm_sm90.GroupedGemmSm90`
     with the stores moved to the STORE warp: a mixin placed before the kernel
     class.  128-row tiles (both MMA warpgroups share the staged tile), 16-bit
     row-major output."""
@@ -139,10 +139,10 @@ class StoreWarpEpilogue:
 
 
 class GroupedGemmStoreWarpSm90(StoreWarpEpilogue, GroupedGemmSm90):
-    """:class:`csrc_free_kernels.grouped_gemm_sm90.GroupedGemmSm90`, its tiles
+    """:class:`csrc_free_kernels.hopper.grouped_gemm_sm90.GroupedGemmSm90`, its tiles
     stored by the STORE warp."""
 
 
 class GroupedGemmSwigluStoreWarpSm90(StoreWarpEpilogue, GroupedGemmSwigluSm90):
-    """:class:`csrc_free_kernels.grouped_gemm_sm90.GroupedGemmSwigluSm90`, its tiles
+    """:class:`csrc_free_kernels.hopper.grouped_gemm_sm90.GroupedGemmSwigluSm90`, its tiles
     stored by the STORE warp."""

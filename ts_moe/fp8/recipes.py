@@ -47,7 +47,6 @@ from ..ops.kernels import FORMATS, ScaleFormat
 
 BLOCK = FORMATS["blockwise_128x128"].block[1]  # the blockwise recipes' block edge
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = FORMATS["blockwise_128x128"].element_max
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUANTIZE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 MAX_ROWS = 2**31 - 1  # offs is int32

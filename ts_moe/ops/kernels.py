@@ -12,13 +12,13 @@ stays on, and the paths take the next backend where a family is missing.  Withou
 
 import warnings
 
-from csrc_free_kernels.common.family import Family, Kernels, Op, Proof  # noqa: F401
+from csrc_free_kernels.common.family import Family, Kernels, Op  # noqa: F401
 # the scaled number formats, as data (ts_moe.fp8.recipes reads them)
 from csrc_free_kernels.common.formats import FORMATS, ScaleFormat  # noqa: F401
 # what a backend answers for a call it does not take: the kernels own it (data flows
 # down), and it needs no DSL
 from csrc_free_kernels.common.kernel_config import Declined  # noqa: F401
-from csrc_free_kernels.families import BY_NAME, FAMILIES  # noqa: F401
+from csrc_free_kernels.families import FAMILIES
 
 
 class KernelImportWarning(RuntimeWarning):
@@ -60,11 +60,3 @@ for _family in FAMILIES:
 AVAILABLE = frozenset(f.name for f in FAMILIES if f.in_ops and f.name in LOADED)
 """The names of the families the ops take that loaded (all of them, where nothing failed)."""
 
-
-def serving(arch: str, op: Op) -> tuple[Family, object] | None:
-    """``(family, backend)`` of the loaded family of ``arch`` that serves ``op``, or None."""
-    for family in FAMILIES:
-        kernels = LOADED.get(family.name)
-        if family.arch == arch and kernels is not None and op in kernels.backends:
-            return family, kernels.backends[op]
-    return None

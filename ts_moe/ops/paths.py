@@ -137,8 +137,8 @@ def use_fp8_kernels(enabled: bool = True) -> None:
 
     On by default: they pass the whole GPU suite and beat the other paths in most cases
     (bench/notes/2026-12-06-h100-run.md); off, sm_90 takes ``torch._scaled_grouped_mm``
-    (rowwise) or the dequantize path.  Takes effect on the next call; the layer's
-    decode graphs captured before it keep the path they captured."""
+    (rowwise) or the dequantize path.  Takes effect on the next call, the layer's
+    decode graphs included (they key on it)."""
     settings.fp8_kernels = bool(enabled)
 
 
@@ -164,8 +164,13 @@ def paths_for(op: Op, capability: tuple[int, int] | None, dtype: torch.dtype | N
               out_dtype: torch.dtype | None = None, num_experts: int = 1) -> tuple[Path, ...]:
     """The paths a call of ``op`` tries on a device of ``capability``, in order (the
     settings read now); the last takes every call."""
-    return _paths(op, capability, dtype, out_dtype, num_experts,
-                  tuple(getattr(settings, s) for s in SWITCHES))
+    return _paths(op, capability, dtype, out_dtype, num_experts, switches())
+
+
+def switches() -> tuple[bool, ...]:
+    """The values of :data:`SWITCHES` now: with the device, what decides every path (the
+    decode graphs key on it)."""
+    return tuple(getattr(settings, s) for s in SWITCHES)
 
 
 def backends(op: Op, capability: tuple[int, int] | None, dtype: torch.dtype | None = None,
@@ -184,19 +189,21 @@ def pairs(fused: Op, split: Op, capability: tuple[int, int] | None,
 
 
 def device_backends(op: Op, t: torch.Tensor) -> tuple:
-    """The backends a call of one of the device's small kernels (:data:`DEVICE_OPS`)
-    on ``t``'s device tries, in order."""
+    """The backends a call of ``op`` on ``t``'s device tries, in order (the small
+    kernels of :data:`DEVICE_OPS` and the quantizer: their paths follow the device
+    alone)."""
     return backends(op, device_capability(t))
 
 
-def _gemm_path(op, capability, dtype, out_dtype, num_experts, on, kernels_available=True):
-    kernel = {(9, 0): Path.KERNEL_SM90, (10, 0): Path.KERNEL_SM100}.get(capability)
+def _gemm_path(op, capability, dtype, out_dtype, num_experts, kernels_available=True):
+    """The first path of a GEMM call; a switched-off family's path is dropped after, by
+    :func:`_paths`, as every op family's is."""
+    kernel = next((p for p, c in CAPABILITY.items() if c == capability), None)
     served = kernel is not None and (kernel, op) in PROVIDER
     return choose_path(capability, dtype, out_dtype, num_experts,
                        kernels_available=kernels_available and served,
                        kernel_max_experts=MAX_EXPERTS.get((kernel, op)) or 0,
-                       has_torch_grouped_mm=hasattr(torch, "_grouped_mm"),
-                       sm100_opt_in=on.get("sm100_kernel", False))
+                       has_torch_grouped_mm=hasattr(torch, "_grouped_mm"), sm100_opt_in=True)
 
 
 @functools.cache
@@ -205,16 +212,18 @@ def _paths(op, capability, dtype, out_dtype, num_experts, switches) -> tuple[Pat
     if capability is None:
         found = [Path.REFERENCE]
     elif op in GEMM_OPS:
-        found = [_gemm_path(op, capability, dtype, out_dtype, num_experts, on),
-                 _gemm_path(op, capability, dtype, out_dtype, num_experts, on, False)]
+        found = [_gemm_path(op, capability, dtype, out_dtype, num_experts),
+                 _gemm_path(op, capability, dtype, out_dtype, num_experts, False)]
     elif op in DEVICE_OPS:
-        bf16 = _gemm_path(Op.GROUPED_GEMM, capability, torch.bfloat16, None, 1, on)
+        bf16 = _gemm_path(Op.GROUPED_GEMM, capability, torch.bfloat16, None, 1)
         found = [Path.KERNEL_SM90, Path.REFERENCE] if bf16 is Path.KERNEL_SM90 else \
             [Path.REFERENCE]
-    elif capability == (9, 0):  # the FP8 GEMMs: the dequantize path takes every call
+    elif op in FP8_OPS and capability == (9, 0):  # the dequantize path takes every call
         found = [Path.KERNEL_SM90, Path.TORCH_SCALED, Path.DEQUANTIZE, Path.REFERENCE]
-    else:
+    elif op in FP8_OPS:
         found = [Path.DEQUANTIZE, Path.REFERENCE]
+    else:
+        raise ValueError(f"{op}: no path serves it")
     chain = []
     for p in dict.fromkeys(found):
         family = PROVIDER.get((p, op))

@@ -13,8 +13,8 @@ Layouts: ``x_fp8`` contiguous; ``scale`` in the GEMM's fast layout
 others contiguous), on every path, so the result feeds
 :func:`ts_moe.scaled_grouped_gemm` without a copy.
 
-``torch.ops.ts_moe.quantize_fp8``: on sm_90 after :func:`ts_moe.use_fp8_kernels` an
-activation runs the quantize kernel (one pass; ``csrc_free_kernels.fp8.quantize_fp8_sm90_launch``),
+``torch.ops.ts_moe.quantize_fp8``: on sm_90 (unless ``ts_moe.use_fp8_kernels(False)``)
+an activation runs the quantize kernel (one pass; ``csrc_free_kernels.fp8.quantize_fp8_sm90_launch``),
 everything else the plain-torch reference on its device (no host sync either way): the
 paths' quantizers (:mod:`ts_moe.ops.paths`).  No backward
 (:func:`ts_moe.ops.library.define_inference_op`).
