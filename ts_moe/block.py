@@ -14,6 +14,7 @@ recipe), whose two GEMMs it calls::
 
 import torch
 
+from . import experts_grad
 from .experts import ExpertWeights, check_tensor
 from .nvtx import nvtx_range
 from .ops import combine, route_slots, router_logits, sort_slots
@@ -30,7 +31,13 @@ def experts_forward(x, experts, weights, expert_weights: ExpertWeights, fused):
 
 def experts_in_slot_order(x: torch.Tensor, slots: SlotOrder, weights: torch.Tensor,
                           experts: ExpertWeights, fused: bool) -> torch.Tensor:
-    """The GEMMs and the combine of :func:`experts_forward`, the slots sorted."""
+    """The GEMMs and the combine of :func:`experts_forward`, the slots sorted.  Under
+    autograd, bf16/fp16/fp32 experts with the fused SwiGLU are one node whose backward
+    knows the slot order (:mod:`ts_moe.experts_grad`)."""
+    if (fused and experts.scale_recipe is None
+            and experts_grad.wants_node(x, weights, *experts.tensors)):
+        with nvtx_range("experts"):
+            return experts_grad.experts(x, weights, *experts.tensors, slots)
     with nvtx_range("gate_up"):  # the token rows gathered by the GEMM (a_index)
         h = experts.gate_up(x, slots, fused)
     with nvtx_range("down"):

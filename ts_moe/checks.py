@@ -322,3 +322,29 @@ def check_combine_args(y_sorted, weights, inverse) -> None:
         raise ValueError(
             f"weights {tuple(weights.shape)} has {slots} slots; inverse has {inverse.shape[0]} "
             f"and y_sorted {y_sorted.shape[0]} rows")
+
+
+def check_combine_grad_args(dout, y_sorted, weights, order) -> None:
+    """dout (T, H) and y_sorted (M, H) of one float dtype, weights (T, k) floating point,
+    order (M,) int32/int64, all on one device."""
+    for name, t, rank in (("dout", dout, 2), ("y_sorted", y_sorted, 2), ("weights", weights, 2),
+                          ("order", order, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+    if y_sorted.dtype not in DTYPES or dout.dtype != y_sorted.dtype:
+        raise TypeError(f"dout and y_sorted must have one float dtype (bfloat16, float16, "
+                        f"float32 or float64), got {dout.dtype} and {y_sorted.dtype}")
+    if not weights.is_floating_point():
+        raise TypeError(f"weights must be floating point, got {weights.dtype}")
+    if order.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"order must be int32 or int64, got {order.dtype}")
+    if dout.shape != (weights.shape[0], y_sorted.shape[1]) or order.shape[0] != y_sorted.shape[0]:
+        raise ValueError(
+            f"dout must be (T, H) = ({weights.shape[0]}, {y_sorted.shape[1]}) and order "
+            f"({y_sorted.shape[0]},) for weights {tuple(weights.shape)} and y_sorted "
+            f"{tuple(y_sorted.shape)}; got {tuple(dout.shape)} and {tuple(order.shape)}")
+    for name, t in (("dout", dout), ("weights", weights), ("order", order)):
+        if t.device != y_sorted.device:
+            raise ValueError(f"{name} is on {t.device} but y_sorted is on {y_sorted.device}")

@@ -333,3 +333,31 @@ def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor
     # on the H200 that copy was 2 % of the Mixtral layer's time); fp64 stays fp64
     out = (y * weights.to(acc_dtype(y_sorted.dtype)).unsqueeze(-1)).sum(dim=1)
     return out.to(y_sorted.dtype)
+
+
+def combine_grad(dout: torch.Tensor, y_sorted: torch.Tensor, weights: torch.Tensor,
+                 order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both gradients of :func:`combine` for the output gradient ``dout`` (T, H), per
+    sorted row ``r`` of ``y_sorted`` (M, H), whose slot is ``s = order[r]`` (token ``t =
+    s // top_k``; ``order`` the inverse permutation of :func:`combine`'s ``inverse``):
+
+    - ``dy[r] = weights[t, s % top_k] * dout[t]``: the gradient of ``y_sorted`` (M, H)
+      in its dtype, the product in fp32 (fp64 for fp64 rows), one rounding;
+    - ``dw[r] = sum_h dout[t, h] * y_sorted[r, h]`` (M,), fp32 sums (fp64): the
+      gradient of ``weights[t, s % top_k]``, in sorted order (``dw[inverse]`` is in
+      slot order).
+
+    An ``order`` entry outside ``[0, T * top_k)`` is a row no slot reads: zeros in both.
+    Where ``order`` and ``inverse`` are each other's inverse (as :func:`sort_slots`
+    makes them), these are the gradients autograd gives :func:`combine`."""
+    acc = acc_dtype(y_sorted.dtype)
+    slots, top_k = weights.numel(), weights.shape[1]
+    inside = (order >= 0) & (order < slots)
+    slot = order.long().clamp(0, max(slots - 1, 0))
+    rows = dout.index_select(0, slot // top_k) if slots else dout.new_zeros(y_sorted.shape)
+    w = weights.reshape(-1).index_select(0, slot).to(acc) if slots else \
+        weights.new_zeros(y_sorted.shape[0], dtype=acc)
+    g = rows.to(acc)
+    dy = (g * w.unsqueeze(1)).to(y_sorted.dtype).masked_fill_(~inside.unsqueeze(1), 0)
+    dw = (g * y_sorted.to(acc)).sum(dim=1).masked_fill_(~inside, 0)
+    return dy, dw

@@ -33,6 +33,7 @@ class Op(enum.Enum):
     ROUTE_TOPK = "route_topk"
     SORT_SLOTS = "sort_slots"
     ROW_SUM = "row_sum"
+    COMBINE_GRAD = "combine_grad"
     ROUTER_LOGITS = "router_logits"
     SCALED_GROUPED_GEMM = "scaled_grouped_gemm"
     SCALED_GROUPED_GEMM_SWIGLU = "scaled_grouped_gemm_swiglu"

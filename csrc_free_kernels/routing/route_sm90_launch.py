@@ -21,13 +21,13 @@ from ..common.kernel_config import Declined
 from .route_sm90 import LANE_WIDTHS, MAX_EXPERTS, MAX_SLOTS, RouteSlots, WeightedRowSum
 
 
-def _compact(dtype, *shape):
+def fake_compact(dtype, *shape):
     return cute.runtime.make_fake_compact_tensor(
         dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
         assumed_align=dtype.width // 8)
 
 
-def _rows(dtype, n, h):
+def fake_rows(dtype, n, h):
     """(n, h) rows of 16-byte vectors with a free row stride."""
     return cute.runtime.make_fake_tensor(
         dtype, (n, h), (cute.sym_int64(divisibility=128 // dtype.width), 1), assumed_align=16)
@@ -37,11 +37,12 @@ def route_fake_args(dtype, from_logits: bool) -> tuple:
     """Symbolic T, E, k, and T k (checked against each other on the host);
     ``dtype``: the logits' (``from_logits``) or the input ids'."""
     t, e, k, s = kcompile.sym_dims(4)
-    experts = _compact(cutlass.Int64 if from_logits else dtype, t, k)
-    logits = _compact(dtype, t, e) if from_logits else None
-    weights = _compact(cutlass.Float32, t, k) if from_logits else None
-    return (logits, weights, experts, _compact(cutlass.Int32, s), _compact(cutlass.Int32, e),
-            _compact(cutlass.Int64, s), kcompile.fake_stream())
+    experts = fake_compact(cutlass.Int64 if from_logits else dtype, t, k)
+    logits = fake_compact(dtype, t, e) if from_logits else None
+    weights = fake_compact(cutlass.Float32, t, k) if from_logits else None
+    return (logits, weights, experts, fake_compact(cutlass.Int32, s),
+            fake_compact(cutlass.Int32, e), fake_compact(cutlass.Int64, s),
+            kcompile.fake_stream())
 
 
 def rowsum_fake_args(dtype, index_dtype, weighted: bool) -> tuple:
@@ -49,8 +50,9 @@ def rowsum_fake_args(dtype, index_dtype, weighted: bool) -> tuple:
     (T, k) weights when ``weighted`` (else R = T)."""
     m, h, t = kcompile.sym_dims(3)
     r, k = kcompile.sym_dims(2) if weighted else (t, None)
-    weights = _compact(cutlass.Float32, t, k) if weighted else None
-    return (_rows(dtype, m, h), _compact(index_dtype, r), weights, _rows(dtype, t, h),
+    weights = fake_compact(cutlass.Float32, t, k) if weighted else None
+    return (fake_rows(dtype, m, h), fake_compact(index_dtype, r), weights,
+            fake_rows(dtype, t, h),
             kcompile.fake_stream())
 
 

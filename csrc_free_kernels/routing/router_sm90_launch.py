@@ -19,7 +19,8 @@ from ..common import compile as kcompile
 from ..common.family import Build, Kernels, Op
 from ..common.kernel_config import Declined
 from .route_sm90 import LANE_WIDTHS, MAX_EXPERTS
-from .route_sm90_launch import _SUFFIX, LOGITS, ROWS, _compact, _rows, lane_width, rows_ok
+from .route_sm90_launch import (_SUFFIX, LOGITS, ROWS, fake_compact, fake_rows, lane_width,
+                                rows_ok)
 from .router_sm90 import (ROUTER_EXPERTS_PER_CTA, ROUTER_MAX_TOKENS, ROUTER_TOKENS_PER_CTA,
                           RouterLogits, RouteTopK)
 
@@ -40,14 +41,15 @@ ROUTE_SPLIT_MIN_WORK = 128
 def router_fake_args(dtype) -> tuple:
     """x (T, H) and w (E, H) rows with free 16-byte strides; out (T, E) compact."""
     t, e, h = kcompile.sym_dims(3)
-    return _rows(dtype, t, h), _rows(dtype, e, h), _compact(dtype, t, e), kcompile.fake_stream()
+    return (fake_rows(dtype, t, h), fake_rows(dtype, e, h), fake_compact(dtype, t, e),
+            kcompile.fake_stream())
 
 
 def topk_fake_args(dtype) -> tuple:
     """Symbolic T, E, k: logits (T, E) of ``dtype``, weights and experts (T, k)."""
     t, e, k = kcompile.sym_dims(3)
-    return (_compact(dtype, t, e), _compact(cutlass.Float32, t, k), _compact(cutlass.Int64, t, k),
-            kcompile.fake_stream())
+    return (fake_compact(dtype, t, e), fake_compact(cutlass.Float32, t, k),
+            fake_compact(cutlass.Int64, t, k), kcompile.fake_stream())
 
 
 def logits_build(dtype: torch.dtype) -> Build:

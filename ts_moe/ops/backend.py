@@ -142,6 +142,21 @@ class RowSum(Protocol):
             config: Config) -> torch.Tensor: ...
 
 
+class CombineGrad(Protocol):
+    """Both gradients of the combine ``out[t] = sum_j w[t, j] * y[inverse[t k + j]]``,
+    per sorted row ``r`` of slot ``s = order[r]`` (token ``t = s // k``): ``(dy, dw)``,
+    ``dy[r] = w[t, s % k] * dout[t]`` (M, H) in ``y``'s dtype, one rounding, and ``dw[r]
+    = sum_h dout[t, h] * y[r, h]`` (M,) with fp32 sums (fp64 for fp64 rows); zeros for
+    an ``order`` entry outside ``[0, T k)``.  dout (T, H) and y (M, H) of one dtype,
+    16-byte rows; weights (T, k); order contiguous int32/int64."""
+
+    def choose_config(self, dout: torch.Tensor, y_sorted: torch.Tensor, weights: torch.Tensor,
+                      order: torch.Tensor) -> Config | Declined: ...
+
+    def run(self, dout: torch.Tensor, y_sorted: torch.Tensor, weights: torch.Tensor,
+            order: torch.Tensor, config: Config) -> tuple: ...
+
+
 class RouterLogits(Protocol):
     """``x @ weight.T`` (T, E) in x's dtype, fp32 sums."""
 
@@ -208,7 +223,8 @@ class QuantizeFp8(Protocol):
 PROTOCOLS = {Op.GROUPED_GEMM: GroupedGemm, Op.GROUPED_GEMM_K: GroupedGemmK,
              Op.GROUPED_GEMM_SWIGLU: GroupedGemmSwiglu, Op.SWIGLU_ACTIVATION: SwigluActivation,
              Op.ROUTE_SLOTS: RouteSlots, Op.ROUTE_TOPK: RouteTopK, Op.SORT_SLOTS: SortSlots,
-             Op.ROW_SUM: RowSum, Op.ROUTER_LOGITS: RouterLogits,
+             Op.ROW_SUM: RowSum, Op.COMBINE_GRAD: CombineGrad,
+             Op.ROUTER_LOGITS: RouterLogits,
              Op.SCALED_GROUPED_GEMM: ScaledGroupedGemm,
              Op.SCALED_GROUPED_GEMM_SWIGLU: ScaledGroupedGemmSwiglu,
              Op.QUANTIZE_FP8: QuantizeFp8}

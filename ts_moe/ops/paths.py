@@ -16,8 +16,9 @@ fused SwiGLU)          then the path the device takes without them: ``torch._gro
                        float32 on any CUDA GPU (its per-expert loop, a sync); else the
                        plain-torch references (they read ``offs`` on the host)
 routing, slot order,   where the device's bf16 GEMMs take the sm_90 kernels: those kernels
-combine, gather,       (the router's with ``ts_moe.settings.router_kernel``), then the
-activation, router     references on the device; elsewhere the references
+combine and its        (the router's with ``ts_moe.settings.router_kernel``), then the
+gradient, gather,      references on the device; elsewhere the references
+activation, router
 FP8 GEMMs and the      sm_90: the sm_90 FP8 kernels (``ts_moe.settings.fp8_kernels``, on),
 quantizer              ``torch._scaled_grouped_mm`` (rowwise, bf16 out), the weights
                        dequantized to bf16 then ``ts_moe.grouped_gemm`` (it takes every
@@ -55,7 +56,7 @@ KERNEL_PATHS = {"sm_90a": Path.KERNEL_SM90, "sm_100a": Path.KERNEL_SM100}
 CAPABILITY = {Path.KERNEL_SM90: (9, 0), Path.KERNEL_SM100: (10, 0)}
 GEMM_OPS = (Op.GROUPED_GEMM, Op.GROUPED_GEMM_K, Op.GROUPED_GEMM_SWIGLU)
 DEVICE_OPS = (Op.SWIGLU_ACTIVATION, Op.ROUTE_SLOTS, Op.ROUTE_TOPK, Op.SORT_SLOTS, Op.ROW_SUM,
-              Op.ROUTER_LOGITS)
+              Op.COMBINE_GRAD, Op.ROUTER_LOGITS)
 FP8_OPS = (Op.SCALED_GROUPED_GEMM, Op.SCALED_GROUPED_GEMM_SWIGLU, Op.QUANTIZE_FP8)
 
 TABLE: dict[Path, dict[Op, object]] = {

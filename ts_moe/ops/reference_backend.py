@@ -92,6 +92,14 @@ class RowSum:
         return reference.combine(src, weights, index)
 
 
+class CombineGrad:
+    def choose_config(self, dout, y_sorted, weights, order):
+        return CONFIG
+
+    def run(self, dout, y_sorted, weights, order, config):
+        return reference.combine_grad(dout, y_sorted, weights, order)
+
+
 class RouterLogits:
     """``F.linear`` (cuBLAS on a GPU)."""
 
@@ -110,9 +118,10 @@ ROUTE_SLOTS = RouteSlots()
 ROUTE_TOPK = RouteTopK()
 SORT_SLOTS = SortSlots()
 ROW_SUM = RowSum()
+COMBINE_GRAD = CombineGrad()
 ROUTER_LOGITS = RouterLogits()
 BACKENDS = {Op.GROUPED_GEMM: GROUPED_GEMM, Op.GROUPED_GEMM_K: GROUPED_GEMM_K,
             Op.GROUPED_GEMM_SWIGLU: GROUPED_GEMM_SWIGLU, Op.SWIGLU_ACTIVATION: SWIGLU_ACTIVATION,
             Op.ROUTE_SLOTS: ROUTE_SLOTS, Op.ROUTE_TOPK: ROUTE_TOPK, Op.SORT_SLOTS: SORT_SLOTS,
-            Op.ROW_SUM: ROW_SUM, Op.ROUTER_LOGITS: ROUTER_LOGITS}
+            Op.ROW_SUM: ROW_SUM, Op.COMBINE_GRAD: COMBINE_GRAD, Op.ROUTER_LOGITS: ROUTER_LOGITS}
 """The bf16 families' references, by op family (the FP8 ones: :mod:`ts_moe.fp8.backends`)."""

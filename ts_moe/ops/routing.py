@@ -6,6 +6,8 @@
 - ``torch.ops.ts_moe.sort_slots(experts, num_experts)``: the slot order alone;
 - ``torch.ops.ts_moe.combine(y_sorted, weights, inverse)``: the weighted sum
   of each token's expert outputs;
+- ``torch.ops.ts_moe.combine_grad(dout, y_sorted, weights, order)``: both of its
+  gradients in one pass (the MoE layer's backward, :mod:`ts_moe.experts_grad`);
 
 and :func:`gather_rows`, the row gather ahead of a GEMM that does not gather.
 On a device whose bf16 calls run the sm_90 kernels, each takes its kernel
@@ -18,12 +20,13 @@ needs a gradient, the public functions run the differentiable references.
 import torch
 
 from .. import reference
-from ..checks import check_combine_args, check_experts, check_flag, check_permute_args, \
-    check_route_args, check_router_args
+from ..checks import check_combine_args, check_combine_grad_args, check_experts, check_flag, \
+    check_permute_args, check_route_args, check_router_args
 from ..reference import Dispatch, SlotOrder
 from ..settings import settings
 from . import paths
 from .backend import Op, first_taker, run_first
+from .layout import row_major
 from .library import define
 
 
@@ -84,6 +87,15 @@ def _combine_impl(y_sorted, weights, inverse):
     return _row_sum(y_sorted, inverse.contiguous(), weights)
 
 
+def _combine_grad_impl(dout, y_sorted, weights, order):
+    check_combine_grad_args(dout, y_sorted, weights, order)
+    if y_sorted.shape[0] == 0:
+        return y_sorted.new_empty(y_sorted.shape), y_sorted.new_empty(
+            0, dtype=reference.acc_dtype(y_sorted.dtype))
+    return run_first(paths.device_backends(Op.COMBINE_GRAD, y_sorted), row_major(dout),
+                     row_major(y_sorted), weights, order.contiguous())
+
+
 def _row_sum(src, index, weights):
     return run_first(paths.device_backends(Op.ROW_SUM, src), src, index, weights)
 
@@ -93,6 +105,12 @@ def gather_rows(a: torch.Tensor, a_index: torch.Tensor) -> torch.Tensor:
     the row kernel on an sm_90 device, else :func:`ts_moe.reference.gather_rows`
     (a validated ``a_index``)."""
     return _row_sum(a, a_index.contiguous(), None)
+
+
+def _combine_grad_fake(dout, y_sorted, weights, order):
+    check_combine_grad_args(dout, y_sorted, weights, order)
+    return (y_sorted.new_empty(y_sorted.shape),
+            y_sorted.new_empty(y_sorted.shape[0], dtype=reference.acc_dtype(y_sorted.dtype)))
 
 
 def _router_logits_fake(x, weight):
@@ -132,6 +150,9 @@ SORT_SLOTS = define("sort_slots(Tensor experts, int num_experts) -> (Tensor, Ten
                     _sort_slots_impl, _sort_slots_impl, _sort_slots_fake)
 COMBINE = define("combine(Tensor y_sorted, Tensor weights, Tensor inverse) -> Tensor",
                  _combine_impl, _combine_impl, _combine_fake)
+COMBINE_GRAD = define("combine_grad(Tensor dout, Tensor y_sorted, Tensor weights, Tensor order) "
+                      "-> (Tensor, Tensor)", _combine_grad_impl, _combine_grad_impl,
+                      _combine_grad_fake)
 
 
 # --------------------------------------------------------------- the public
