@@ -97,19 +97,21 @@ def rel_err(out, ref) -> float:
     A tuple (several results of one call, e.g. a layer's output and gradients)
     against a tuple: the largest error of its members.  Large tensors are
     compared a slab at a time, so no fp32 copy of a whole (E, K, N) weight
-    gradient is made."""
+    gradient is made; ``ref`` may be in host memory (the layer's weight gradients
+    of a large model: :data:`bench.training.HOST_GRAD_BYTES`)."""
     if isinstance(ref, (tuple, list)):
         if not isinstance(out, (tuple, list)) or len(out) != len(ref):
             return math.inf
         return max((rel_err(o, r) for o, r in zip(out, ref)), default=0.0)
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
         return math.inf
-    if ref.numel() <= CHUNK_ELEMENTS:
+    if ref.numel() <= CHUNK_ELEMENTS and ref.device == out.device:
         diff = (out.float() - ref).norm().item()
         norm = ref.norm().item()
-    else:
+    else:  # slab by slab; a reference kept in host memory comes over a slab at a time
         diff2 = norm2 = 0.0
         for o, r in zip(_slabs(out), _slabs(ref)):
+            r = r.to(o.device)
             diff2 += (o.float() - r).norm().item() ** 2
             norm2 += r.norm().item() ** 2
         diff, norm = math.sqrt(diff2), math.sqrt(norm2)

@@ -46,6 +46,7 @@ from .moe_layer import LayerInputs
 
 DEFAULT_BACKENDS = ("ts_moe", "torch_grouped_mm", "cublas_loop", "hf_grouped_mm", "torch_layer")
 TARGET_MS = 40.0  # timed work per backend and case on a GPU: the suite ends in minutes
+HOST_GRAD_BYTES = 8 << 30  # the layer reference's fp32 weight gradients above this: host
 
 
 # ------------------------------------------------------------------- inputs
@@ -115,7 +116,11 @@ def reference_layer_train(inp: TrainLayerInputs):
     kw = {"dtype": torch.float32, "device": x.device}
     dout = inp.dout.float()
     out, dx = torch.zeros(x.shape, **kw), torch.zeros(x.shape, **kw)
-    d_gate_up, d_down = torch.zeros(gate_up.shape, **kw), torch.zeros(down.shape, **kw)
+    # fp32 weight gradients as large as the bf16 stacks twice over stay in host memory
+    # (DeepSeek-V3: 42 GiB), where the checks read them a slab at a time
+    grads = {**kw, "device": "cpu"} if 4 * (gate_up.numel() + down.numel()) > HOST_GRAD_BYTES \
+        else kw
+    d_gate_up, d_down = torch.zeros(gate_up.shape, **grads), torch.zeros(down.shape, **grads)
     d_weights = torch.zeros(tokens * top_k, **kw)
     order = inp.topk_ids.flatten().argsort(stable=True)
     weights = inp.topk_weights.flatten().float()
@@ -136,10 +141,10 @@ def reference_layer_train(inp: TrainLayerInputs):
             go = dout[tok]
             d_weights[pairs] = (go * y).sum(dim=1)
             dy = go * we
-            d_down[e] = dy.t() @ act
+            d_down[e] = (dy.t() @ act).to(d_down.device)
             d_act = dy @ w_down
             d_h = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * silu], dim=1)
-            d_gate_up[e] = d_h.t() @ xe
+            d_gate_up[e] = (d_h.t() @ xe).to(d_gate_up.device)
             dx.index_add_(0, tok, d_h @ w_gu)
         start += rows
     return out, dx, d_gate_up, d_down, d_weights.view(tokens, top_k)
