@@ -170,8 +170,7 @@ def scaled_grouped_gemm_swiglu(a: torch.Tensor, gate_up: torch.Tensor, scale_a: 
     takes it), ``scale_b`` of its recipe over (E, 2I, K).  Returns (M, I) in
     ``out_dtype``: fp32 GEMM and activation, one rounding - except on sm_90's rowwise
     path with the FP8 kernels switched off, ``torch._scaled_grouped_mm``, whose output is
-    bf16 only: there the GEMM's output is rounded to bf16, then the activation (two
-    roundings).  Otherwise as
-    :func:`scaled_grouped_gemm`."""
+    bf16 only: there the GEMM's output is rounded to bf16, then the activation
+    (two roundings).  Otherwise as :func:`scaled_grouped_gemm`."""
     return _call(_swiglu_op, a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b,
                  offs, out_dtype, a_index, "gate_up")
