@@ -318,6 +318,33 @@ def ts_moe_variant(spec: str) -> Factory:
     return factory
 
 
+QUACK_REQUIRES = ("quack-kernels>=0.6.5 (it brings apache-tvm-ffi, torch-c-dlpack-ext and "
+                  "einops; it needs nvidia-cutlass-dsl >= 4.7): pip install 'ts-moe[peers]'")
+
+
+def quack(case: Case, device: torch.device) -> Bind:
+    """QuACK's CuTeDSL GEMM (``quack.gemm_interface.gemm``, Dao-AILab) on the ragged
+    rows: ``cu_seqlens_m`` = ``[0, offs...]``, its default (untuned) configuration for
+    the GPU (sm_90: 128x192 ping-pong tiles, CTA pairs).  Row-grouped only: the
+    k-grouped weight gradient (a 2-D ``b``) is not timed for it.  Unavailable where the
+    optional package is not installed (``QUACK_REQUIRES``) or on a non-CUDA device."""
+    _require_cuda(device, "quack")
+    try:
+        from quack.gemm_interface import gemm
+    except ImportError as exc:
+        raise Unavailable(f"QuACK is not installed ({exc}); {QUACK_REQUIRES}") from None
+
+    def bind(inp: GemmInputs) -> Run:
+        if inp.b.dim() != 3:
+            raise Unavailable("QuACK backend: row-grouped GEMMs only (no k-grouped dW)")
+        cu = torch.cat([inp.offs.new_zeros(1), inp.offs])
+        out = torch.empty(inp.a.shape[0], inp.b.shape[2], dtype=inp.a.dtype,
+                          device=inp.a.device)
+        return lambda: gemm(inp.a, inp.b, out=out, cu_seqlens_m=cu, tuned=False)
+
+    return bind
+
+
 class Registry(dict):
     """Backends by name; ``ts_moe:...`` names are made on lookup (:func:`ts_moe_variant`,
     whose ``ValueError`` names what is wrong with a bad one)."""
@@ -341,7 +368,8 @@ BACKENDS: dict[str, Factory] = {
     "cublas_grouped": cublas_grouped,
     "cublas_loop": cublas_loop,
     "ts_moe": ts_moe,
+    "quack": quack,
     "reference": reference,
 }
 # reference is slow (fp32); it is there for checking and on request
-DEFAULT_BACKENDS = ("torch_grouped_mm", "cublas_grouped", "cublas_loop", "ts_moe")
+DEFAULT_BACKENDS = ("torch_grouped_mm", "cublas_grouped", "cublas_loop", "quack", "ts_moe")

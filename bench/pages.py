@@ -131,8 +131,11 @@ def headline_table(result: dict) -> list[str]:
         ms = _ms(r["ms"])
         if graph and r.get("graph_ms") is not None:
             ms = f"{ms} / {_ms(r['graph_ms'])}"
-        ratio = r.get("vs_best_peer")
-        return ms if ratio is None else f"{ms} ({ratio:.2f}x)"
+        ratio, roof = r.get("vs_best_peer"), r.get("roof_frac")
+        notes = ([f"{ratio:.2f}x"] if ratio is not None else []) + (
+            [f"{100 * roof:.0f}% of {r['bound']}"] if roof is not None and r.get("bound")
+            else [])
+        return f"{ms} ({', '.join(notes)})" if notes else ms
 
     heads = [name for name, _ in keep] + [f"T={t}" for t in Ts]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
@@ -141,7 +144,9 @@ def headline_table(result: dict) -> list[str]:
     what = "eager / CUDA-graph ms per call" if graph else "ms per call"
     lines += ["", f"Each cell: {BACKEND}'s {what} (its speed against the fastest other "
                   f"backend of the case{', eager' if graph else ''}: > 1.00x is faster than "
-                  f"every one). Peers timed: {_peers(result)}."]
+                  f"every one; where the run measured its roofs, the share of the ceiling: the "
+                  f"case's time at its bounding roof, the larger of FLOP / dense roof and "
+                  f"bytes / HBM roof, over {BACKEND}'s time, and which roof bounds it). Peers timed: {_peers(result)}."]
     return lines
 
 

@@ -35,7 +35,8 @@ def test_defaults_are_the_full_suite(gpu_machine):
     assert sel["T"] == [16, 128, 1024, 4096, 16384]
     assert sel["routing"] == ["uniform", "skewed"]
     assert sel["gemms"] == ["gate_up", "down"]
-    assert sel["backends"] == ["torch_grouped_mm", "cublas_grouped", "cublas_loop", "ts_moe"]
+    assert sel["backends"] == ["torch_grouped_mm", "cublas_grouped", "cublas_loop", "quack",
+                               "ts_moe"]
 
 
 def test_quick_and_explicit_filters(gpu_machine):
@@ -301,10 +302,11 @@ def test_cpu_notice_comes_first_and_names_the_smoke_suite(cpu_machine, capsys, m
     assert "running 4 cases of cpu-mixtral, cpu-qwen3 at T=16,128 on the CPU" in before
     assert "the CPU smoke suite instead of the H200-sized cases" in before
     assert "not saved (--out-dir or --results-md to save)" in before
-    assert len(records) == 4 * 4  # cases x default backends
+    assert len(records) == 4 * 5  # cases x default backends
     status = {r["backend"]: r["status"] for r in records}
     assert status == {"torch_grouped_mm": "ok", "cublas_grouped": "unavailable",
-                      "cublas_loop": "ok", "ts_moe": "ok"}
+                      "cublas_loop": "ok", "quack": "unavailable", "ts_moe": "ok"}
+    assert all("needs a CUDA device" in r["reason"] for r in records if r["backend"] == "quack")
     assert all(r["ms"] > 0 for r in records if r["status"] == "ok")
     assert "wrote" not in capsys.readouterr().err
 
