@@ -315,3 +315,47 @@ def test_no_backward_eager_and_compiled():
         ts_moe.scaled_grouped_gemm(a, w.mT, sa, "rowwise", scale, "rowwise", offs).sum().backward()
     with torch.no_grad():
         assert not fn(x).requires_grad
+
+
+# ------------------------------------------------------------------ the hot path
+def test_hot_path_never_takes_a_call_the_full_check_refuses():
+    """Once a valid call of each pair has taught it the spellings, the metadata check
+    (:func:`ts_moe.fp8.recipes.scaled_call_ready`) passes a call only where
+    :func:`check_scaled_args` passes it, with the same pair: the valid calls (plain,
+    gathered, the SwiGLU form) and every bad case of this file, each also gathered."""
+    from ts_moe.fp8.recipes import check_scaled_args, remember_ready, scaled_call_ready
+
+    index = torch.tensor([3, -1, 7, 19], dtype=torch.int32)
+    for pair in PAIRS:
+        a, w, sa, sw, offs = problem(pair=pair)
+        args = (a, w.mT, sa, pair[0], sw, pair[1], offs, None)
+        remember_ready(pair[0], pair[1], check_scaled_args(*args))
+        assert scaled_call_ready(*args) is check_scaled_args(*args)
+        assert scaled_call_ready(*args, a_index=index) is check_scaled_args(*args, a_index=index)
+        gate_up = (a, w, sa, pair[0], sw, pair[1], offs, None)
+        assert scaled_call_ready(*gate_up, swiglu=True) is check_scaled_args(*gate_up,
+                                                                             swiglu=True)
+    refused = 0
+    for case, (kw, _, _) in BAD.items():
+        if case in BEFORE_THE_OP:
+            continue  # the Python function names those before the op
+        args = (kw["a"], kw["b"], kw["sa"], kw["ra"], kw["sb"], kw["rb"], kw["offs"],
+                kw.get("out_dtype", torch.bfloat16))
+        for a_index in (kw.get("a_index"), index):
+            try:
+                want = check_scaled_args(*args, a_index=a_index)
+            except (TypeError, ValueError):
+                want = None
+                refused += 1
+            assert scaled_call_ready(*args, a_index=a_index) is want, (case, a_index)
+    assert refused >= len(BAD) - len(BEFORE_THE_OP)
+
+
+def test_the_ops_take_the_hot_path_and_still_refuse_bad_input():
+    """A valid call teaches the spelling; a later bad call with it still raises the
+    full check's error (the hot path declines it)."""
+    a, w, sa, sw, offs = problem()
+    ts_moe.scaled_grouped_gemm(a, w.mT, sa, "blockwise_1x128", sw, "blockwise_128x128", offs)
+    for case in ("scale_a_shape", "scale_b_shape", "offs_length", "k_mismatch", "a_3d"):
+        kw, exc, name = BAD[case]
+        assert _outcome(_call, **kw) == ("error", exc, name)

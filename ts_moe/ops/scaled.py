@@ -33,7 +33,8 @@ ValueError naming the argument before any kernel, on every path and under
 
 import torch
 
-from ..fp8.recipes import Pair, check_scaled_args, schema_recipe
+from ..fp8.recipes import Pair, check_scaled_args, remember_ready, scaled_call_ready, \
+    schema_recipe
 from ..reference import swiglu
 from . import paths
 from .backend import Op, OutputSpec, first_taker, fused_or_split
@@ -87,18 +88,30 @@ def run_swiglu(pairs: tuple, a, gate_up, scale_a, scale_b, offs, out_dtype, pair
 
 
 # --------------------------------------------------------------- the ops
+def _validated(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs, out_dtype,
+               a_index, swiglu=False) -> Pair:
+    """The call's recipes: from the hot path where its metadata pass, else from the full
+    check (which raises, naming the argument), remembered for the next call."""
+    args = (a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs, out_dtype)
+    pair = scaled_call_ready(*args, a_index=a_index, swiglu=swiglu)
+    if pair is None:
+        pair = check_scaled_args(*args, a_index=a_index, swiglu=swiglu)
+        remember_ready(scale_recipe_a, scale_recipe_b, pair)
+    return pair
+
+
 def _gemm_impl(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                out_dtype=None, a_index=None):
-    pair = check_scaled_args(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
-                             out_dtype, a_index=a_index)
+    pair = _validated(a, b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs, out_dtype,
+                      a_index)
     return run_gemm(paths.backends(Op.SCALED_GROUPED_GEMM, paths.device_capability(a)),
                     a, b, scale_a, scale_b, offs, out_dtype or torch.bfloat16, pair, a_index)
 
 
 def _swiglu_impl(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
                  out_dtype=None, a_index=None):
-    pair = check_scaled_args(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
-                             out_dtype, a_index=a_index, swiglu=True)
+    pair = _validated(a, gate_up, scale_a, scale_recipe_a, scale_b, scale_recipe_b, offs,
+                      out_dtype, a_index, swiglu=True)
     return run_swiglu(paths.pairs(Op.SCALED_GROUPED_GEMM_SWIGLU, Op.SCALED_GROUPED_GEMM,
                                   paths.device_capability(a)),
                       a, gate_up, scale_a, scale_b, offs, out_dtype or torch.bfloat16, pair,
