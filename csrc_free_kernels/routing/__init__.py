@@ -3,7 +3,7 @@ CTA, the combine and the row gather (``route_sm90``); the router logits and the 
 on many CTAs (``router_sm90``, opt-in); the combine's two gradients in one pass
 (``combine_grad_sm90``).  Importing this package imports no DSL."""
 
-from ..common.family import Family, Op, Proof, Run
+from ..common.family import Family, Op, Proof
 from ..hopper import H100_RUN
 
 
@@ -33,15 +33,8 @@ ROUTER_SM90 = Family(
     "Mixtral block on an H100 no difference beyond the noise "
     "(bench/notes/2026-12-06-h100-run.md): opt-in",
     _router, serves=(Op.ROUTER_LOGITS, Op.ROUTE_TOPK), run=H100_RUN, setting="router_kernel")
-COMBINE_GRAD_RUN = Run(
-    "38ed62d", "NVIDIA H100 80GB HBM3", "2026-12-07",
-    "its tree with this family uncommitted: tests/test_combine_grad_gpu.py 16 passed "
-    "(against float64 and the fp32 layer loop), test_autograd_gpu, test_route_kernels_gpu "
-    "and test_ops_gpu 226 passed")
-"""The run the combine's gradient kernel rests on (bench/notes/2026-12-07-training-node.md)."""
-
 COMBINE_GRAD_SM90 = Family(
     "combine_grad_sm90", "the combine's gradients (to the expert rows and to the routing "
     "weights) in one pass", "sm_90a", Proof.VERIFIED,
     "against the float64 gradient of the combine and, in the layer's backward, an fp32 loop "
-    "on the GPU", _combine_grad, serves=(Op.COMBINE_GRAD,), run=COMBINE_GRAD_RUN)
+    "on the GPU", _combine_grad, serves=(Op.COMBINE_GRAD,), run=H100_RUN)
