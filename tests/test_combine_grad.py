@@ -100,6 +100,21 @@ def test_node_gradients_equal_the_composed_ops(drop):
         assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_node_backward_twice_with_retain_graph(dtype):
+    """The first backward frees the forward's intermediates; a second one through the
+    retained graph computes them again and gives the same gradients."""
+    x, w, gate_up, down, _, slots = _layer_inputs(11, 16, 8, 4, 2, dtype, seed=8)
+    leaves = [t.clone().requires_grad_() for t in (x, w, gate_up, down)]
+    out = experts(*leaves, slots)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    assert out.grad_fn.h is None  # dropped once used
+    second = torch.autograd.grad(out, leaves, dout)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 def test_node_double_backward():
     x, w, gate_up, down, _, slots = _layer_inputs(5, 8, 8, 3, 2, F64, seed=4)
     inputs = [t.double().requires_grad_() for t in (x, w, gate_up, down)]

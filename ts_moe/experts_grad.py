@@ -22,8 +22,9 @@ is an op on the forward's path (kernels, torch, references); nothing syncs with 
 Saved for the backward: the pre-activation ``h`` (T k, 2I) and the activation (T k, I)
 (as the ops' own gradients keep them: bench/notes/2026-12-04-swiglu-keep-h.md) and ``y``
 (T k, H) for the routing weights' gradient, each dropped as soon as the backward has
-used it (the peak stays under the plain layer's); ``x[token_index]`` is gathered again
-rather than kept.  A backward that must itself be differentiable
+used it (the peak stays under the plain layer's; a second backward through the node,
+``retain_graph=True``, computes them again); ``x[token_index]`` is gathered again rather
+than kept.  A backward that must itself be differentiable
 (``create_graph=True``) replays the forward on the composed ops and differentiates that.
 """
 
@@ -61,10 +62,7 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, gate_up, down, token_index, offs, inverse):
-        h = grouped_gemm(x, gate_up.transpose(-2, -1), offs, a_index=token_index)
-        act = SWIGLU(h)
-        y = grouped_gemm(act, down.transpose(-2, -1), offs,
-                         prefetch_weights=not torch.compiler.is_compiling())
+        h, act, y = _intermediates(x, gate_up, down, token_index, offs)
         out = combine(y, weights, inverse)
         ctx.save_for_backward(x, weights, gate_up, down, token_index, offs, inverse)
         # the intermediates on ctx, not saved tensors: the backward drops each once used
@@ -78,6 +76,9 @@ class _Experts(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: a differentiable backward
             return _composed_grads(ctx, dout, x, weights, gate_up, down,
                                    SlotOrder(token_index, offs, inverse))
+        if ctx.h is None:  # a second backward (retain_graph): the first dropped them
+            ctx.h, ctx.act, ctx.y = _intermediates(x, gate_up, down, token_index, offs)
+            ctx.order = inverse_order(inverse)
         dy, dw_sorted = COMBINE_GRAD(dout.to(x.dtype), ctx.y, weights, ctx.order)
         _drop(ctx, "y", "order")
         d_weights = dw_sorted.index_select(0, inverse).view(weights.shape).to(weights.dtype) \
@@ -102,6 +103,16 @@ class _Experts(torch.autograd.Function):
             del dh
             dx = combine(dx_sorted, torch.ones_like(weights), inverse)
         return dx, d_weights, d_gate_up, d_down, None, None, None
+
+
+def _intermediates(x, gate_up, down, token_index, offs) -> tuple:
+    """The forward up to the combine: ``(h, act, y)``, the pre-activation (T k, 2I), the
+    activation (T k, I) and the expert rows (T k, H)."""
+    h = grouped_gemm(x, gate_up.transpose(-2, -1), offs, a_index=token_index)
+    act = SWIGLU(h)
+    y = grouped_gemm(act, down.transpose(-2, -1), offs,
+                     prefetch_weights=not torch.compiler.is_compiling())
+    return h, act, y
 
 
 def _drop(ctx, *names: str) -> None:
