@@ -293,7 +293,7 @@ def test_default_device_is_cuda_when_there_is_one(monkeypatch):
 
 def test_device_is_checked_before_any_file_is_read(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: pytest.fail("a file was read"))
+    monkeypatch.setattr(checkpoint, "ShardFile", lambda *a, **k: pytest.fail("a file was read"))
     with pytest.raises(ValueError, match="device"):
         ts_moe.load_mixtral_experts(tmp_path / "nowhere", device="cuda")
 
