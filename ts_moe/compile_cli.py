@@ -85,26 +85,44 @@ def root() -> str:
 
 def child_env(arch: str, dump_dir: str) -> dict:
     """This environment, the DSL's arch and its PTX and cubin kept in ``dump_dir`` for
-    the pre-flight (read when ``cutlass`` is imported), and this checkout first on the
-    path."""
+    the pre-flight (read when ``cutlass`` is imported), this checkout first on the
+    path, and the child's working directory never on it (``PYTHONSAFEPATH``, Python
+    3.11+; the child also runs in :func:`root`, :func:`start`)."""
     return dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP=KEEP, CUTE_DSL_DUMP_DIR=dump_dir,
+                PYTHONSAFEPATH="1",
                 PYTHONPATH=os.pathsep.join([root(),
                                             *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def child(arch: str, family: str | None = None) -> list[str]:
+    """The command of the child that builds ``arch`` (or ``family`` on it)."""
+    return [sys.executable, "-m", "ts_moe", "compile", "--arch", arch,
+            *(("--family", family) if family else ())]
+
+
+def start(arch: str, dump_dir: str) -> dict:
+    """How a build child starts (:func:`child_env`), in the directory of this package's
+    checkout: a ``torch.py`` (or ``pip/``, ``ts_moe/``) in the caller's directory is
+    never imported in its place, as ``python -m`` would import it from there."""
+    return {"env": child_env(arch, dump_dir), "cwd": root()}
 
 
 def run(arch: str | None = None, family: str | None = None) -> int:
     """Build ``arch`` (default: each arch in turn; the arch of ``family`` where one is
     named), each in a fresh process unless this one was started for it; the first
-    failure's exit status."""
+    failure's exit status, 2 for a ``family`` not built for ``arch``."""
+    if family and arch and arch != BY_NAME[family].arch:
+        print(f"ts_moe compile: --family {family} is built for {BY_NAME[family].arch}, not "
+              f"--arch {arch} (leave --arch out, or name a family of {arch})",
+              file=sys.stderr)
+        return 2
     arch = BY_NAME[family].arch if family else arch
     if arch is not None and os.environ.get("CUTE_DSL_ARCH") == arch and \
             os.environ.get("CUTE_DSL_KEEP") == KEEP and os.environ.get("CUTE_DSL_DUMP_DIR"):
         return compile_arch(arch, family)
     for one in (arch,) if arch else ARCHES:
         with tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
-            status = subprocess.call([sys.executable, "-m", "ts_moe", "compile", "--arch", one,
-                                      *(("--family", family) if family else ())],
-                                     env=child_env(one, scratch))
+            status = subprocess.call(child(one, family), **start(one, scratch))
         if status:
             return status
     return 0
@@ -117,9 +135,8 @@ def build_in_child() -> str | None:
         with tempfile.TemporaryFile("w+") as stderr, \
                 tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
             # stderr a file: a full pipe would block the child
-            proc = subprocess.Popen([sys.executable, "-m", "ts_moe", "compile", "--arch", arch],
-                                    env=child_env(arch, scratch), stdout=subprocess.PIPE,
-                                    stderr=stderr, text=True)
+            proc = subprocess.Popen(child(arch), **start(arch, scratch),
+                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
             for line in proc.stdout:
                 _say(line.rstrip("\n"))
             if proc.wait() == 0:
