@@ -141,9 +141,13 @@ def test_sticky_tmp_and_missing_parents_are_fine(tmp_path):
 
 # ------------------------------------------------------------------ written whole
 
-def test_remaking_over_a_sharded_checkpoint_leaves_none_of_it(tmp_path):
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two renames"])
+def test_remaking_over_a_sharded_checkpoint_leaves_none_of_it(tmp_path, monkeypatch, exchange):
     """A single-file checkpoint made where a sharded one was: the loader reads the new
-    weights, not the old index's."""
+    weights, not the old index's (the directories exchanged in one step, or, where the
+    kernel cannot, by two renames)."""
+    if not exchange:
+        monkeypatch.setattr(publish, "_exchange", lambda *args: False)
     out = tmp_path / "ckpt"
     make_tiny_checkpoint(out, layers=1, shards=3, seed=1)
     old = ts_moe.load_mixtral_experts(out, device="cpu")[0]
@@ -155,6 +159,7 @@ def test_remaking_over_a_sharded_checkpoint_leaves_none_of_it(tmp_path):
     assert not torch.equal(new["router"], old["router"])
     for name, tensor in fresh.items():
         assert torch.equal(new[name], tensor), name
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "fresh"]  # the old directory removed
 
 
 @pytest.mark.parametrize("failing", [1, 3])
