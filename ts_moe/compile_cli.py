@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from csrc_free_kernels.common import scratch
 from csrc_free_kernels.families import BY_NAME, FAMILIES
 
 ARCHES = tuple(dict.fromkeys(f.arch for f in FAMILIES))  # sm_90a first
@@ -121,8 +122,8 @@ def run(arch: str | None = None, family: str | None = None) -> int:
             os.environ.get("CUTE_DSL_KEEP") == KEEP and os.environ.get("CUTE_DSL_DUMP_DIR"):
         return compile_arch(arch, family)
     for one in (arch,) if arch else ARCHES:
-        with tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
-            status = subprocess.call(child(one, family), **start(one, scratch))
+        with scratch.directory("ts_moe_build_") as dump_dir:
+            status = subprocess.call(child(one, family), **start(one, dump_dir))
         if status:
             return status
     return 0
@@ -133,9 +134,9 @@ def build_in_child() -> str | None:
     None on success, else what went wrong."""
     for arch in ARCHES:
         with tempfile.TemporaryFile("w+") as stderr, \
-                tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
+                scratch.directory("ts_moe_build_") as dump_dir:
             # stderr a file: a full pipe would block the child
-            proc = subprocess.Popen(child(arch), **start(arch, scratch),
+            proc = subprocess.Popen(child(arch), **start(arch, dump_dir),
                                     stdout=subprocess.PIPE, stderr=stderr, text=True)
             for line in proc.stdout:
                 _say(line.rstrip("\n"))
