@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+from importlib.util import find_spec
 
 from csrc_free_kernels.common import scratch
 from csrc_free_kernels.families import BY_NAME, FAMILIES
@@ -79,19 +79,31 @@ def compile_arch(arch: str, only: str | None = None) -> int:
     return 0
 
 
-def root() -> str:
-    """The directory this ts_moe package is in: the child imports the same code."""
-    return str(Path(__file__).resolve().parent.parent)
+PACKAGES = ("ts_moe", "csrc_free_kernels", "ts_pipeline")  # what a build child imports
+
+
+def import_dirs() -> list[str]:
+    """The directories this process imports :data:`PACKAGES` from, in the order of its
+    path, so that a child searching them in that order finds each where this process
+    does (a family's package beside another checkout's included); one found by no path
+    entry (an editable install's finder) after them."""
+    rank = {}
+    for i, entry in enumerate(sys.path):
+        rank.setdefault(os.path.realpath(entry or os.curdir), i)
+    dirs = {os.path.dirname(os.path.dirname(os.path.realpath(find_spec(name).origin)))
+            for name in PACKAGES}
+    return sorted(dirs, key=lambda d: (rank.get(d, len(sys.path)), d))
 
 
 def child_env(arch: str, dump_dir: str) -> dict:
     """This environment, the DSL's arch and its PTX and cubin kept in ``dump_dir`` for
-    the pre-flight (read when ``cutlass`` is imported), this checkout first on the
-    path, and the child's working directory never on it (``PYTHONSAFEPATH``, Python
-    3.11+; the child also runs in :func:`root`, :func:`start`)."""
+    the pre-flight (read when ``cutlass`` is imported), the directories of this
+    process's packages first on the path (:func:`import_dirs`), and the child's working
+    directory never on it (``PYTHONSAFEPATH``, Python 3.11+; the child also runs in
+    ``dump_dir``: :func:`start`)."""
     return dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP=KEEP, CUTE_DSL_DUMP_DIR=dump_dir,
                 PYTHONSAFEPATH="1",
-                PYTHONPATH=os.pathsep.join([root(),
+                PYTHONPATH=os.pathsep.join([*import_dirs(),
                                             *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
@@ -102,10 +114,10 @@ def child(arch: str, family: str | None = None) -> list[str]:
 
 
 def start(arch: str, dump_dir: str) -> dict:
-    """How a build child starts (:func:`child_env`), in the directory of this package's
-    checkout: a ``torch.py`` (or ``pip/``, ``ts_moe/``) in the caller's directory is
+    """How a build child starts (:func:`child_env`), in its fresh scratch folder
+    ``dump_dir``: a ``torch.py`` (or ``pip/``, ``ts_moe/``) in the caller's directory is
     never imported in its place, as ``python -m`` would import it from there."""
-    return {"env": child_env(arch, dump_dir), "cwd": root()}
+    return {"env": child_env(arch, dump_dir), "cwd": dump_dir}
 
 
 def run(arch: str | None = None, family: str | None = None) -> int:
