@@ -56,7 +56,7 @@ def publish(out_dir, files: dict[str, bytes]) -> Path:
     try:
         old_fd = _open_old(parent_fd, parent, name, out_dir)
         try:
-            _replace(parent_fd, name, old_fd, files)
+            _replace(parent_fd, parent, name, old_fd, files)
         finally:
             if old_fd is not None:
                 os.close(old_fd)
@@ -88,11 +88,18 @@ def _open_old(parent_fd: int, parent: str, name: str, out_dir: Path) -> int | No
     return fd
 
 
-def _replace(parent_fd: int, name: str, old_fd: int | None, files: dict[str, bytes]) -> None:
-    """``files`` written into a fresh directory beside ``name``, which then takes its
-    place; the old directory (``old_fd``), if any, emptied of its checkpoint and removed."""
+def _replace(parent_fd: int, parent: str, name: str, old_fd: int | None,
+             files: dict[str, bytes]) -> None:
+    """``files`` written into a fresh directory beside ``name`` (in ``parent``), which then
+    takes its place; the old directory (``old_fd``), if any, emptied of its checkpoint and
+    removed."""
     fresh = f".{name}.{secrets.token_hex(8)}.tmp"
-    os.mkdir(fresh, _DIR_MODE, dir_fd=parent_fd)
+    try:
+        os.mkdir(fresh, _DIR_MODE, dir_fd=parent_fd)
+    except PermissionError as exc:
+        raise PermissionError(exc.errno, f"{parent!r} cannot be written: a checkpoint is "
+                                         f"written beside {name!r} there, then takes its "
+                                         f"place whole") from None
     fresh_fd = os.open(fresh, kernel_cache_path.DIR_FLAGS, dir_fd=parent_fd)
     try:
         try:
