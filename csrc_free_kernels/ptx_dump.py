@@ -17,8 +17,8 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
+from .common import scratch
 from .families import FAMILIES
 
 
@@ -95,9 +95,9 @@ def dump(arch: str, names: list, out_dir: str, timeout: float = 600,
     ``tests.kernels.probe_builds``), so that this package never imports what is not
     in it."""
     root = str(pathlib.Path(__file__).resolve().parent.parent)
-    with tempfile.TemporaryDirectory(prefix="ts_moe_ptx_") as scratch:
+    with scratch.directory("ts_moe_ptx_") as dump_dir:
         env = dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ptx,cubin",
-                   CUTE_DSL_DUMP_DIR=scratch, TS_MOE_NO_DISK_CACHE="1")
+                   CUTE_DSL_DUMP_DIR=dump_dir, TS_MOE_NO_DISK_CACHE="1")
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run([sys.executable, "-m", main_module, out_dir, json.dumps(names),
                                *(["--check"] if check else [])],

@@ -47,7 +47,9 @@ _OFFLINE = re.compile(r"NewConnectionError|Failed to establish a new connection|
 def resolve(requirement: str, *options: str) -> tuple[dict, str]:
     """``({name: (version, metadata)}, "")`` of the dry run's resolution, or ``({}, pip's
     output)``.  pip builds the metadata of a copy of the checkout (what the package is
-    made of), so that nothing is written into the checkout."""
+    made of), so that nothing is written into the checkout.  pip runs in the scratch
+    folder with no working directory on its path (``PYTHONSAFEPATH``): a ``pip/`` in
+    the caller's directory is never imported in its place, as ``python -m`` would."""
     with tempfile.TemporaryDirectory(prefix="ts_moe_resolve_") as scratch:
         project = Path(scratch) / "ts_moe"
         project.mkdir()
@@ -61,8 +63,8 @@ def resolve(requirement: str, *options: str) -> tuple[dict, str]:
             [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
              "--no-input", "--progress-bar", "off", "--report", str(report), *options,
              str(project), requirement],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=dict(os.environ, PIP_NO_INPUT="1"))
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=scratch,
+            env=dict(os.environ, PIP_NO_INPUT="1", PYTHONSAFEPATH="1"))
         if proc.returncode:
             return {}, proc.stdout
         found = json.loads(report.read_text())["install"]

@@ -164,9 +164,10 @@ def test_a_deeply_nested_json_file_is_a_value_error_naming_it(ckpt, tmp_path, na
 
 # ------------------------------------------------------------------ shards
 # A shard is checked, then opened once (no link followed, no blocking), checked again on
-# its descriptor and read by safetensors through that descriptor (/proc/self/fd): no
-# name is looked up twice.  safetensors opens its file with the GIL held, so a blocking
-# open there froze every thread of the process: such a case runs in a subprocess.
+# its descriptor and read through that descriptor with pread (ts_moe.safetensors_file):
+# no name is looked up twice, and no page is mapped.  A case that could block or kill
+# the process (safetensors' own reader opened its file with the GIL held, and mapped it)
+# runs in a subprocess.
 
 _SWAP_SHARD = r"""
 import os, sys
@@ -200,6 +201,31 @@ a, b = (os.fsencode(p) for p in sys.argv[1:3])
 AT_FDCWD, RENAME_EXCHANGE = -100, 2
 while True:
     libc.renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
+"""
+
+
+_TRUNCATE_SHARDS = r"""
+import os, sys
+from pathlib import Path
+import ts_moe
+from ts_moe import loaders
+
+ckpt, real_read = Path(sys.argv[1]), loaders._read
+
+def cut_short_then_read(handle, key):
+    # another process cuts every shard down to its header once the loader holds them open
+    for shard in ckpt.glob("*.safetensors"):
+        with open(shard, "rb") as f:
+            header = 8 + int.from_bytes(f.read(8), "little")
+        os.truncate(shard, header)
+    return real_read(handle, key)
+
+loaders._read = cut_short_then_read
+try:
+    ts_moe.load_mixtral_experts(ckpt, device="cpu")
+    print("no error", flush=True)
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
 """
 
 
@@ -255,13 +281,13 @@ def test_a_shard_swapped_for_a_link_after_its_check_is_not_followed(ckpt, tmp_pa
             real.symlink_to(outside)
         return real
 
-    def recording_open(file, *args, **kwargs):
-        opened.append(os.path.realpath(file))
-        return real_safe_open(file, *args, **kwargs)
+    def recording_open(fd, *args, **kwargs):
+        opened.append(checkpoint._opened_path(fd))
+        return real_shard_file(fd, *args, **kwargs)
 
-    real_safe_open = checkpoint.safe_open
+    real_shard_file = checkpoint.ShardFile
     monkeypatch.setattr(checkpoint._Checkpoint, "file", check_then_swap)
-    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
+    monkeypatch.setattr(checkpoint, "ShardFile", recording_open)
     with pytest.raises(ValueError, match=rf"{INDEX}: weight_map\[.*\.safetensors'? cannot be "
                                          rf"opened"):
         ts_moe.load_mixtral_experts(ckpt, device="cpu")
@@ -290,18 +316,34 @@ def test_a_directory_renamed_on_the_way_after_the_check_is_refused(ckpt, tmp_pat
             (ckpt / "sub").symlink_to(tmp_path / "outside")
         return real
 
-    def recording_open(file, *args, **kwargs):
-        opened.append(os.path.realpath(file))
-        return real_safe_open(file, *args, **kwargs)
+    def recording_open(fd, *args, **kwargs):
+        opened.append(checkpoint._opened_path(fd))
+        return real_shard_file(fd, *args, **kwargs)
 
-    opened, real_safe_open = [], checkpoint.safe_open
+    opened, real_shard_file = [], checkpoint.ShardFile
     monkeypatch.setattr(checkpoint._Checkpoint, "file", check_then_swap)
-    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
+    monkeypatch.setattr(checkpoint, "ShardFile", recording_open)
     with pytest.raises(ValueError) as refused:
         ts_moe.load_mixtral_experts(ckpt, device="cpu")
     assert not [f for f in opened if f.startswith(f"{tmp_path / 'outside'}/")], opened
     assert re.search(rf"{INDEX}: weight_map\[.*sub/.*\.safetensors'? opened "
                      rf"'{tmp_path / 'outside'}/.*', outside the checkpoint", str(refused.value))
+
+
+def test_a_shard_cut_short_while_held_open_is_a_value_error_naming_it(ckpt):
+    """Shards truncated after the loader opened them and read their headers (a ``cp``
+    over a shard while a load runs): each read is a short read, a ValueError naming the
+    shard by its path in the checkpoint, not a SIGBUS through a memory map (which
+    killed the process) nor ``/proc/self/fd/N``."""
+    env = dict(os.environ, PYTHONPATH=str(Path(ts_moe.__file__).parents[1]))
+    run = subprocess.run([sys.executable, "-c", _TRUNCATE_SHARDS, str(ckpt)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
+    (outcome,) = run.stdout.splitlines()
+    assert outcome.startswith("ValueError: ") and re.search(
+        rf"'{ckpt}/model-0000\d-of-0000\d\.safetensors' ends at byte \d+, before the \d+ "
+        rf"bytes of tensor 'model\.layers\.0\.block_sparse_moe\.gate\.weight'", outcome), outcome
+    assert "cut short" in outcome and "/proc/self/fd" not in outcome
 
 
 @pytest.mark.parametrize("damage", ["header", "empty"])
@@ -321,3 +363,46 @@ def test_a_malformed_shard_is_a_value_error_naming_it(ckpt, damage):
     with pytest.raises(ValueError, match=rf"model\.safetensors: '{single}/model\.safetensors' "
                                          rf"is not a valid safetensors file"):
         load_fp8_experts(single, device="cpu")
+
+
+def _rewrite_header(shard: Path, edit) -> None:
+    """``shard`` with ``edit`` applied to its header (the JSON object), the data as it was."""
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("past the end", r"the tensors hold \d+ bytes of data, the file \d+"),
+    ("overlapping", r"tensor '.*' starts at byte \d+ of the data, not at \d+"),
+    ("wrong size", r"tensor '.*': data_offsets \[\d+, \d+\] do not hold BF16 of shape"),
+    ("unknown dtype", r"the header's entry '.*' is not a dtype of the format"),
+])
+def test_a_header_whose_offsets_do_not_fit_the_file_is_refused_before_a_read(ckpt, damage,
+                                                                              why):
+    """The header's promises are checked against the file before any tensor is read
+    (as safetensors checks them): offsets past the end, tensors that overlap or do not
+    hold their shape's bytes, a dtype the format has not."""
+    shard = _shards(ckpt)[0]
+
+    def edit(header):
+        first, second, *_, last = sorted((k for k in header if k != "__metadata__"),
+                                         key=lambda k: header[k]["data_offsets"])
+        if damage == "past the end":  # the last tensor a row longer than the file holds
+            begin, end = header[last]["data_offsets"]
+            header[last]["data_offsets"][1] += (end - begin) // header[last]["shape"][0]
+            header[last]["shape"][0] += 1
+        elif damage == "overlapping":
+            header[second]["data_offsets"] = [o - 2 for o in header[second]["data_offsets"]]
+        elif damage == "wrong size":
+            header[first]["shape"][0] += 1
+        else:
+            header[first]["dtype"] = "BF17"
+
+    _rewrite_header(shard, edit)
+    with pytest.raises(ValueError, match=rf"'{shard}' is not a valid safetensors file "
+                                         rf"\({why}"):
+        ts_moe.load_mixtral_experts(ckpt, device="cpu")

@@ -186,6 +186,62 @@ def test_compile_command_fails_a_build_the_preflight_refuses(tmp_path):
     assert "gemm_decode16" in proc.stderr and "setmaxnreg" in proc.stderr
 
 
+# a module of the caller's directory that must never be imported in torch's place
+PLANTED_TORCH = ("import pathlib, sys\n"
+                 "pathlib.Path(__file__).with_name('imported').write_text(sys.argv[0])\n"
+                 "raise SystemExit(97)\n")
+
+
+def _up_to_the_import(args: list[str]) -> list[str]:
+    """A build child's command, asked for its help only: it imports ts_moe (and torch)
+    as the build does, and stops there."""
+    return [*args[:args.index("ts_moe") + 1], "--help"]
+
+
+def test_the_build_children_import_nothing_from_the_callers_directory(tmp_path,
+                                                                       monkeypatch):
+    """``ts-moe compile`` and the demo's build start ``python -m ts_moe compile``
+    children: a ``torch.py`` in the directory they are run from is never imported
+    (``python -m`` puts its working directory first on the path)."""
+    from ts_moe import compile_cli
+
+    (tmp_path / "torch.py").write_text(PLANTED_TORCH)
+    monkeypatch.chdir(tmp_path)
+    started = []
+
+    def call(args, **kwargs):
+        started.append(kwargs)
+        with real_popen(_up_to_the_import(args), **kwargs, stdout=subprocess.DEVNULL) as proc:
+            return proc.wait()
+
+    def popen(args, **kwargs):
+        started.append(kwargs)
+        return real_popen(_up_to_the_import(args), **kwargs)
+
+    real_popen = subprocess.Popen  # of the module compile_cli uses, which call starts too
+    monkeypatch.setattr(compile_cli.subprocess, "call", call)
+    monkeypatch.setattr(compile_cli.subprocess, "Popen", popen)
+    assert compile_cli.run(family="swiglu_sm90") == 0  # ts-moe compile --family ...
+    assert compile_cli.build_in_child() is None  # the demo's build, each arch
+    assert not (tmp_path / "imported").exists()
+    assert len(started) == 1 + len(compile_cli.ARCHES)
+    assert all(Path(kw["cwd"]) != tmp_path and kw["env"]["PYTHONSAFEPATH"] == "1"
+               for kw in started)
+
+
+def test_compile_refuses_a_family_named_with_another_arch(monkeypatch, capsys):
+    from csrc_free_kernels.families import BY_NAME
+    from ts_moe import compile_cli
+
+    monkeypatch.setattr(compile_cli.subprocess, "call",
+                        lambda *a, **k: pytest.fail("a build started"))
+    assert BY_NAME["swiglu_sm90"].arch == "sm_90a"
+    assert demo_main.main(["compile", "--family", "swiglu_sm90", "--arch", "sm_100a"]) == 2
+    assert capsys.readouterr().err == (
+        "ts_moe compile: --family swiglu_sm90 is built for sm_90a, not --arch sm_100a (leave "
+        "--arch out, or name a family of sm_100a)\n")
+
+
 def test_compile_builds_every_family_the_records_declare():
     """What ``compile`` builds is each family's checked builds, every family on its arch."""
     from csrc_free_kernels.families import FAMILIES
@@ -293,7 +349,7 @@ def test_default_device_is_cuda_when_there_is_one(monkeypatch):
 
 def test_device_is_checked_before_any_file_is_read(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: pytest.fail("a file was read"))
+    monkeypatch.setattr(checkpoint, "ShardFile", lambda *a, **k: pytest.fail("a file was read"))
     with pytest.raises(ValueError, match="device"):
         ts_moe.load_mixtral_experts(tmp_path / "nowhere", device="cuda")
 

@@ -2,7 +2,6 @@
 each naming (Mixtral, Qwen3-MoE, DeepSeek-V3) and scheme (blockwise, channel, tensor)."""
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -151,13 +150,13 @@ def test_deepseek_v3_experts_serve_experts_forward_not_the_module(checkpoints):
 def test_layer_subset_and_expert_range(checkpoints, monkeypatch):
     path = checkpoints[("qwen3_moe", "blockwise")]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    opened, real_open = [], checkpoint.safe_open
+    opened, real_open = [], checkpoint.ShardFile
 
-    def recording_open(file, *args, **kwargs):  # /proc/self/fd/N: the file it names
-        opened.append(Path(os.path.realpath(file)).name)
-        return real_open(file, *args, **kwargs)
+    def recording_open(fd, *args, **kwargs):  # the file open at fd, as the kernel names it
+        opened.append(Path(checkpoint._opened_path(fd)).name)
+        return real_open(fd, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
+    monkeypatch.setattr(checkpoint, "ShardFile", recording_open)
     full = load_fp8_experts(path, layers=[1], device="cpu")[1]
     needed = {shard for key, shard in index.items() if key.startswith("model.layers.1.")}
     assert sorted(opened) == sorted(needed)  # each needed shard once, none other

@@ -1,7 +1,6 @@
 """load_mixtral_experts on tiny Mixtral checkpoints (ts_moe.tiny) in both namings and layouts."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -101,13 +100,13 @@ def test_layer_subset_opens_each_needed_shard_once(checkpoints, names, monkeypat
     path = checkpoints[(names, 3)]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     opened = []
-    real_open = checkpoint.safe_open
+    real_open = checkpoint.ShardFile
 
-    def recording_open(file, *args, **kwargs):  # /proc/self/fd/N: the file it names
-        opened.append(Path(os.path.realpath(file)).name)
-        return real_open(file, *args, **kwargs)
+    def recording_open(fd, *args, **kwargs):  # the file open at fd, as the kernel names it
+        opened.append(Path(checkpoint._opened_path(fd)).name)
+        return real_open(fd, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "safe_open", recording_open)
+    monkeypatch.setattr(checkpoint, "ShardFile", recording_open)
     weights = ts_moe.load_mixtral_experts(path, layers=[2], device="cpu")
     assert list(weights) == [2]
     prefix = (V4 if names == "v4" else V5).format(2)

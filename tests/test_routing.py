@@ -67,7 +67,10 @@ def test_route_ranks_by_logit_where_probabilities_underflow():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         weights, ids = route(logits.to(dtype), 4)
         assert ids.tolist() == [[0, 5, 2, 3]]
-        assert weights.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+        if dtype == torch.float64:  # an fp64 softmax: tiny, not zero
+            assert weights[0, 0] == 1.0 and (weights[0, 1:] > 0).all()
+        else:
+            assert weights.tolist() == [[1.0, 0.0, 0.0, 0.0]]
         assert torch.equal(ids, route_loop(logits.to(dtype), 4)[1])
     # -0.0 and +0.0 tie: the lower expert first
     _, ids = route(torch.tensor([[-1.0, 0.0, -0.0, 0.0]]), 3)
@@ -298,3 +301,108 @@ def test_combine_reads_an_index_outside_the_slots_as_a_zero_row(fn):
     (grad,) = torch.autograd.grad(fn(yg, w, inverse).sum(), (yg,))
     assert torch.equal(grad[[1, 4, 5]], torch.zeros(3, 8, dtype=torch.float64))
     assert torch.equal(grad[0], w[0, 0].expand(8)) and torch.equal(grad[3], w[1, 0].expand(8))
+
+
+# ------------------------------------------------ devices, counts, dtypes, compile
+@pytest.mark.parametrize("moved", ["weights", "inverse", "y_sorted"])
+def test_combine_refuses_tensors_on_two_devices(moved):
+    """One of the three on ``meta`` among CPU tensors: the CPU kernel read the others and
+    returned uninitialized memory; now a ValueError naming the tensor, alike from the
+    reference, the public function and the op (whose fake, under torch.compile, checks
+    the same)."""
+    args = {"y_sorted": torch.randn(8, 16), "weights": torch.rand(4, 2),
+            "inverse": torch.arange(8)}
+    args[moved] = args[moved].to("meta")
+    named, where = ("weights", "cpu") if moved == "y_sorted" else (moved, "meta")
+    y_where = "meta" if moved == "y_sorted" else "cpu"
+    for fn in (combine, ts_moe.combine, torch.ops.ts_moe.combine):
+        with pytest.raises(ValueError, match=rf"^{named} is on {where} but y_sorted is on "
+                                             rf"{y_where}$"):
+            fn(*args.values())
+
+
+def test_experts_forward_refuses_routing_on_another_device():
+    x, ids = torch.randn(4, 16), torch.tensor([[0, 1]] * 4)
+    gate_up, down = torch.randn(4, 32, 16), torch.randn(4, 16, 16)
+    for weights, experts, named in ((torch.rand(4, 2, device="meta"), ids, "weights"),
+                                    (torch.rand(4, 2), ids.to("meta"), "experts")):
+        with pytest.raises(ValueError, match=rf"^{named} is on meta but x is on cpu$"):
+            ts_moe.experts_forward(x, experts, weights, gate_up, down)
+
+
+def test_sort_slots_refuses_more_experts_than_ids_hold():
+    """num_experts = 2**40 tried to allocate offs (8 TiB) first; the check bounds it by
+    the ids int32 experts hold, without allocating anything."""
+    from ts_moe.checks import MAX_EXPERTS, check_experts
+    from ts_moe.reference import sort_slots
+
+    experts = torch.zeros(2, 2, dtype=torch.int64)
+    for fn in (ts_moe.sort_slots, sort_slots, torch.ops.ts_moe.sort_slots,
+               lambda e, n: ts_moe.permute(torch.zeros(2, 8), e, n)):
+        with pytest.raises(ValueError, match=r"^num_experts must be at most 2\*\*31 - 1 \(the "
+                                             r"ids int32 experts hold\), got 1099511627776$"):
+            fn(experts, 2**40)
+    assert MAX_EXPERTS == torch.iinfo(torch.int32).max
+    check_experts(experts.int(), MAX_EXPERTS)  # the largest count is the caller's to allocate
+
+
+def _chain(exc: BaseException) -> list:
+    found = []
+    while exc is not None:
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph breaks"])
+@pytest.mark.parametrize("case", ["shape", "device", "dtype", "count"])
+def test_a_bad_call_under_compile_is_dynamos_error_holding_the_ops(case, fullgraph):
+    """What torch.compile makes of a bad call (README, "Ops"): dynamo raises no error of
+    an op's fake kernel as it is, so the call raises its TorchRuntimeError, a
+    RuntimeError whose message quotes the op's error and whose chain holds it, the very
+    ValueError/TypeError the eager call raises."""
+    y, w, inv = torch.randn(8, 16), torch.rand(4, 2), torch.arange(8)
+    fn, args = {
+        "shape": (ts_moe.combine, (y, torch.rand(3, 2), inv)),
+        "device": (ts_moe.combine, (y, w.to("meta"), inv)),
+        "dtype": (ts_moe.combine, (y.int(), w, inv)),
+        "count": (lambda e: ts_moe.sort_slots(e, 2**40), (torch.zeros(2, 2, dtype=torch.long),)),
+    }[case]
+    with pytest.raises((ValueError, TypeError)) as eager:
+        fn(*args)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError) as compiled:
+        torch.compile(fn, fullgraph=fullgraph, backend="eager")(*args)
+    assert type(compiled.value).__module__.startswith("torch._dynamo")
+    assert repr(eager.value) in str(compiled.value)
+    assert [repr(e) for e in _chain(compiled.value) if type(e) is type(eager.value)] == \
+        [repr(eager.value)]
+
+
+def test_a_float64_layer_routes_in_float64():
+    """The routing weights keep float64 logits' dtype: a float64 layer is float64-accurate
+    through its router (fp32 weights left it at about 1e-8 and failed this gradcheck of
+    the router's gradient)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    router = torch.randn(4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    gate_up = torch.randn(4, 16, 8, generator=g, dtype=torch.float64) * 0.3
+    down = torch.randn(4, 8, 8, generator=g, dtype=torch.float64) * 0.3
+    logits = x.detach() @ router.detach().T
+    weights, ids = ts_moe.route(logits, 2)
+    assert weights.dtype == torch.float64
+    assert ts_moe.route(logits.bfloat16(), 2)[0].dtype == torch.float32
+    # the layer against the float64 per-token formula
+    p = torch.softmax(logits, -1)
+    exact = torch.zeros(3, 8, dtype=torch.float64)
+    for t in range(3):
+        top = p[t, ids[t]] / p[t, ids[t]].sum()
+        for k, e in enumerate(ids[t].tolist()):
+            h = gate_up[e] @ x[t].detach()
+            exact[t] += top[k] * (down[e] @ (torch.nn.functional.silu(h[:8]) * h[8:]))
+    out = ts_moe.moe_forward(x.detach(), router.detach(), gate_up, down, 2, decode_graphs=False)
+    assert ((out - exact).norm() / exact.norm()).item() < 1e-13
+    # the router's gradient (the composed ops: the experts node's backward runs once)
+    assert torch.autograd.gradcheck(
+        lambda x, r: ts_moe.moe_forward(x, r, gate_up, down, 2, fused=False,
+                                        decode_graphs=False), (x, router))

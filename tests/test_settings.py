@@ -79,6 +79,41 @@ def test_a_bad_variable_fails_the_import(tmp_path):
         "unset means on")
 
 
+@pytest.mark.parametrize("command", ["python -m ts_moe", "ts-moe"])
+def test_a_bad_variable_is_a_commands_usage_error(tmp_path, command):
+    """``python -m ts_moe info`` (or the ``ts-moe`` script) with a bad variable: the
+    message and exit status 2, as for a bad argument, not a traceback from the import."""
+    script = tmp_path / "ts-moe"  # as pip writes the console script
+    script.write_text("import sys\nfrom ts_moe.__main__ import main\nsys.exit(main())\n")
+    argv = ["-m", "ts_moe"] if command == "python -m ts_moe" else [str(script)]
+    done = subprocess.run([sys.executable, *argv, "info"], cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                               "HOME": str(tmp_path), "TS_MOE_PDL": "yes"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr == ("ts_moe: TS_MOE_PDL='yes': pdl takes 0 (off), 1 (on); unset "
+                           "means on\n")
+
+
+def test_a_long_value_is_quoted_cut_short(monkeypatch):
+    """A 120 KiB value in a variable (or set from code) is quoted by its first characters
+    and its length, not echoed whole."""
+    long = "y" * (120 << 10)
+    monkeypatch.setenv("TS_MOE_PDL", long)
+    with pytest.raises(ValueError) as bad:
+        ts_moe.settings.check_environment()
+    assert str(bad.value) == (f"TS_MOE_PDL={'y' * kernel_settings.SHOWN!r}... (122880 "
+                              f"characters): pdl takes 0 (off), 1 (on); unset means on")
+    monkeypatch.delenv("TS_MOE_PDL")
+    for value, error in ((long, ValueError), (long.encode(), TypeError), (list(long), TypeError)):
+        with pytest.raises(error) as bad:
+            ts_moe.settings.cache_dir = value
+        assert len(str(bad.value)) < 300 and "characters)" in str(bad.value), str(bad.value)[:300]
+    monkeypatch.setenv("TS_MOE_CACHE_DIR", long)
+    root, why = kernel_cache.configured_root()
+    assert root is None and len(why) < 300 and "(122880 characters)" in why
+
+
 def test_code_outranks_the_variable_until_reset(monkeypatch):
     monkeypatch.setenv("TS_MOE_PDL", "0")
     assert ts_moe.settings.pdl is False

@@ -7,6 +7,7 @@ what they are given: the resolution itself needs the network, in CI."""
 import json
 import pathlib
 import re
+import subprocess
 import sys
 import tomllib
 
@@ -218,3 +219,28 @@ def test_resolve_beside_reads_the_newest_releases_pins(monkeypatch, capsys):
     assert out.startswith("vllm 0.35.0 (the newest release): pins nvidia-cutlass-dsl[cu13]"
                           "==4.9.0, apache-tvm-ffi==0.1.11, torch==2.15.0; FAILS")
     assert "nvidia-cutlass-dsl==4.9.0, outside ts_moe's nvidia-cutlass-dsl<4.9,>=4.8.0" in out
+
+
+def test_resolve_beside_runs_pip_from_no_callers_directory(tmp_path, monkeypatch):
+    """A ``pip/`` in the directory the script is run from is never imported in pip's place
+    (``python -m`` puts its working directory first on the path).  The command as the
+    script starts it, asked for pip's version only (no index needed)."""
+    resolve = _script("resolve_beside")
+    planted = tmp_path / "pip"
+    planted.mkdir()
+    for name in ("__init__.py", "__main__.py"):
+        (planted / name).write_text("import pathlib\n"
+                                    "pathlib.Path(__file__).parent.with_name('imported')"
+                                    ".write_text('planted pip')\n"
+                                    "raise SystemExit(97)\n")
+    monkeypatch.chdir(tmp_path)
+    real_run, ran = subprocess.run, []
+
+    def pip_version(args, **kwargs):
+        ran.append(real_run([*args[:args.index("pip") + 1], "--version"], **kwargs))
+        return subprocess.CompletedProcess(args, 1, ran[-1].stdout)
+
+    monkeypatch.setattr(resolve.subprocess, "run", pip_version)
+    assert resolve.resolve("vllm==0.33.0") == ({}, ran[0].stdout)
+    assert ran[0].returncode == 0 and ran[0].stdout.startswith("pip "), ran[0].stdout
+    assert not (tmp_path / "imported").exists()

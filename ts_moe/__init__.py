@@ -9,7 +9,9 @@ Every switch and environment variable is an attribute of ``ts_moe.settings``
 (:mod:`ts_moe.settings`).
 """
 
+import sys
 from importlib.metadata import PackageNotFoundError, version as _version
+from pathlib import Path as _Path
 
 try:
     __version__ = _version("ts-moe")
@@ -19,7 +21,23 @@ except PackageNotFoundError:  # a checkout on sys.path, not installed
 from . import reference
 from .settings import settings
 
-settings.check_environment()  # a bad TS_MOE_* variable fails here, on every device
+
+def _started_as_command() -> bool:
+    """Whether this process is ``python -m ts_moe`` or the ``ts-moe`` script, not a
+    program that imports ts_moe."""
+    argv = getattr(sys, "orig_argv", [])
+    return _Path(sys.argv[0]).name == "ts-moe" or ["-m", "ts_moe"] in (
+        argv[i:i + 2] for i in range(len(argv) - 1))
+
+
+try:
+    settings.check_environment()  # a bad TS_MOE_* variable fails here, on every device
+except ValueError as _bad:
+    if not _started_as_command():
+        raise
+    # a command's usage error, as its own arguments' (exit 2), not a traceback
+    print(f"ts_moe: {_bad}", file=sys.stderr)
+    raise SystemExit(2) from None
 from .ops import (combine, fp8_kernels_enabled, grouped_gemm, grouped_gemm_swiglu, permute,
                   quantize_fp8, route, route_slots, scaled_grouped_gemm,
                   scaled_grouped_gemm_swiglu, sort_slots, use_fp8_kernels, use_router_kernel,

@@ -24,6 +24,9 @@ from .reference import SlotOrder
 def experts_forward(x, experts, weights, expert_weights: ExpertWeights, fused):
     check_tensor("x", x, 2)
     expert_weights.check(x, "x")
+    for name, t in (("experts", experts), ("weights", weights)):
+        if isinstance(t, torch.Tensor) and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     with nvtx_range("permute"):
         slots = sort_slots(experts, expert_weights.num_experts)
     return experts_in_slot_order(x, slots, weights, expert_weights, fused)

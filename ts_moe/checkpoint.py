@@ -19,7 +19,8 @@ from contextlib import ExitStack
 from pathlib import Path, PurePosixPath
 
 import torch
-from safetensors import SafetensorError, safe_open
+
+from .safetensors_file import ShardFile
 
 # a layer or expert index in a key: canonical decimal, short enough to convert at once
 # (a key with a longer or zero-padded one names no layer or expert and is ignored)
@@ -31,16 +32,15 @@ INTER_FIELDS = ("moe_intermediate_size", "intermediate_size")
 _CONFIG_SIZES = (*EXPERT_FIELDS, "hidden_size", *INTER_FIELDS)
 JSON_LIMIT = 64 << 20  # bytes of a config.json or an index (DeepSeek-V3's index: 9 MB)
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO never blocks
-# where an open descriptor has a name that opens the same file (Linux; /dev/fd elsewhere)
-_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+_PROC_FD = os.path.isdir("/proc/self/fd")  # where the kernel names an open file (Linux)
 
 
 def _opened_path(fd: int) -> str | None:
     """The path of the file open at ``fd`` as the kernel names it, or None where it
     does not say (no ``/proc``)."""
-    if _FD_DIR != "/proc/self/fd":
+    if not _PROC_FD:
         return None
-    return os.readlink(f"{_FD_DIR}/{fd}").removesuffix(" (deleted)")
+    return os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
 
 
 class _Checkpoint:
@@ -54,12 +54,13 @@ class _Checkpoint:
     Every file is then opened once (:meth:`open`: no link followed, no
     blocking), checked again on that descriptor (``fstat``, and on Linux the
     path ``/proc/self/fd`` gives it), and read only through it: the JSON
-    files no further than :data:`JSON_LIMIT`, the shards by safetensors through
-    ``/proc/self/fd`` (:meth:`safetensors`), which opens the very file checked.
-    So a file swapped after the check (a FIFO, a link, a directory on the way
-    renamed) cannot block the process, exhaust its memory, or redirect a read
-    out of the directory: safetensors opens its file with the GIL held, so a
-    blocked open would stop every thread of the process."""
+    files no further than :data:`JSON_LIMIT`, the shards with ``pread``
+    (:meth:`safetensors`, :class:`ts_moe.safetensors_file.ShardFile`), never
+    through a memory map.  So a file swapped after the check (a FIFO, a link,
+    a directory on the way renamed) cannot block the process, exhaust its
+    memory, or redirect a read out of the directory, and a shard cut short
+    while it is read is a ValueError naming it, not a SIGBUS from a mapped
+    page past its new end."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -130,20 +131,16 @@ class _Checkpoint:
             raise ValueError(f"{what}: {path!r} holds more than the {limit} bytes it may")
         return data
 
-    def safetensors(self, name: str, what: str, stack: ExitStack, device: str = "cpu"):
-        """The safetensors file ``name`` open for reading onto ``device`` (on ``stack``),
-        read through the descriptor of :meth:`open`; None if it does not exist.  A
-        header safetensors refuses is a ValueError naming the file and ``what``."""
+    def safetensors(self, name: str, what: str, stack: ExitStack,
+                    device: str = "cpu") -> ShardFile | None:
+        """The safetensors file ``name`` open for reading onto ``device`` (its descriptor
+        of :meth:`open` closed by ``stack``), its header read and checked; None if it
+        does not exist.  A bad header is a ValueError naming the file and ``what``."""
         fd = self.open(name, what)
         if fd is None:
             return None
-        stack.callback(os.close, fd)  # held while safetensors reads: its name stays this file
-        try:
-            return stack.enter_context(safe_open(f"{_FD_DIR}/{fd}", framework="pt",
-                                                 device=device))
-        except SafetensorError as exc:
-            raise ValueError(f"{what}: {str(self.path / name)!r} is not a valid safetensors "
-                             f"file ({exc})") from None
+        stack.callback(os.close, fd)
+        return ShardFile(fd, str(self.path / name), what, device)
 
     def json(self, name: str) -> dict | None:
         """A JSON file of the directory, or None if it has none by that name."""

@@ -17,6 +17,7 @@ import torch
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: reference path
 ALIGN_BYTES = 16  # TMA and torch's grouped_mm: base address and every non-unit stride
 MAX_ROWS = 2**31 - 1  # offs is int32, and the kernels index rows in 32 bits
+MAX_EXPERTS = 2**31 - 1  # the ids int32 experts hold (a dropped slot's id is num_experts)
 
 
 def check_tensor_types(**tensors) -> None:
@@ -278,7 +279,8 @@ def check_route_args(logits, top_k) -> None:
 
 def check_experts(experts, num_experts) -> None:
     """experts (T, top_k) int32/int64 (any values: those outside [0, E) are
-    dropped slots) and a positive int ``num_experts``."""
+    dropped slots) and a positive int ``num_experts`` of at most :data:`MAX_EXPERTS`
+    (offs has one entry per expert: a larger count is refused, not allocated)."""
     if not isinstance(experts, torch.Tensor):
         raise TypeError(f"experts must be a torch.Tensor, got {type(experts).__name__}")
     if experts.dim() != 2:
@@ -287,6 +289,9 @@ def check_experts(experts, num_experts) -> None:
         raise TypeError(f"experts must be int32 or int64, got {experts.dtype}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts must be at most 2**31 - 1 (the ids int32 experts "
+                         f"hold), got {num_experts}")
 
 
 def check_permute_args(x, experts, num_experts) -> None:
@@ -304,6 +309,9 @@ def check_permute_args(x, experts, num_experts) -> None:
 
 
 def check_combine_args(y_sorted, weights, inverse) -> None:
+    """y_sorted (M, H) of a float dtype, weights (T, k) floating point and inverse (M,)
+    int32/int64 with M = T * k, all on one device (a ``meta`` tensor among real ones
+    included: the result would be uninitialized memory)."""
     for name, t, rank in (("y_sorted", y_sorted, 2), ("weights", weights, 2),
                           ("inverse", inverse, 1)):
         if not isinstance(t, torch.Tensor):
@@ -322,6 +330,9 @@ def check_combine_args(y_sorted, weights, inverse) -> None:
         raise ValueError(
             f"weights {tuple(weights.shape)} has {slots} slots; inverse has {inverse.shape[0]} "
             f"and y_sorted {y_sorted.shape[0]} rows")
+    for name, t in (("weights", weights), ("inverse", inverse)):
+        if t.device != y_sorted.device:
+            raise ValueError(f"{name} is on {t.device} but y_sorted is on {y_sorted.device}")
 
 
 def check_combine_grad_args(dout, y_sorted, weights, order) -> None:

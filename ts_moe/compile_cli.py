@@ -13,8 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+from importlib.util import find_spec
 
+from csrc_free_kernels.common import scratch
 from csrc_free_kernels.families import BY_NAME, FAMILIES
 
 ARCHES = tuple(dict.fromkeys(f.arch for f in FAMILIES))  # sm_90a first
@@ -78,33 +79,63 @@ def compile_arch(arch: str, only: str | None = None) -> int:
     return 0
 
 
-def root() -> str:
-    """The directory this ts_moe package is in: the child imports the same code."""
-    return str(Path(__file__).resolve().parent.parent)
+PACKAGES = ("ts_moe", "csrc_free_kernels", "ts_pipeline")  # what a build child imports
+
+
+def import_dirs() -> list[str]:
+    """The directories this process imports :data:`PACKAGES` from, in the order of its
+    path, so that a child searching them in that order finds each where this process
+    does (a family's package beside another checkout's included); one found by no path
+    entry (an editable install's finder) after them."""
+    rank = {}
+    for i, entry in enumerate(sys.path):
+        rank.setdefault(os.path.realpath(entry or os.curdir), i)
+    dirs = {os.path.dirname(os.path.dirname(os.path.realpath(find_spec(name).origin)))
+            for name in PACKAGES}
+    return sorted(dirs, key=lambda d: (rank.get(d, len(sys.path)), d))
 
 
 def child_env(arch: str, dump_dir: str) -> dict:
     """This environment, the DSL's arch and its PTX and cubin kept in ``dump_dir`` for
-    the pre-flight (read when ``cutlass`` is imported), and this checkout first on the
-    path."""
+    the pre-flight (read when ``cutlass`` is imported), the directories of this
+    process's packages first on the path (:func:`import_dirs`), and the child's working
+    directory never on it (``PYTHONSAFEPATH``, Python 3.11+; the child also runs in
+    ``dump_dir``: :func:`start`)."""
     return dict(os.environ, CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP=KEEP, CUTE_DSL_DUMP_DIR=dump_dir,
-                PYTHONPATH=os.pathsep.join([root(),
+                PYTHONSAFEPATH="1",
+                PYTHONPATH=os.pathsep.join([*import_dirs(),
                                             *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def child(arch: str, family: str | None = None) -> list[str]:
+    """The command of the child that builds ``arch`` (or ``family`` on it)."""
+    return [sys.executable, "-m", "ts_moe", "compile", "--arch", arch,
+            *(("--family", family) if family else ())]
+
+
+def start(arch: str, dump_dir: str) -> dict:
+    """How a build child starts (:func:`child_env`), in its fresh scratch folder
+    ``dump_dir``: a ``torch.py`` (or ``pip/``, ``ts_moe/``) in the caller's directory is
+    never imported in its place, as ``python -m`` would import it from there."""
+    return {"env": child_env(arch, dump_dir), "cwd": dump_dir}
 
 
 def run(arch: str | None = None, family: str | None = None) -> int:
     """Build ``arch`` (default: each arch in turn; the arch of ``family`` where one is
     named), each in a fresh process unless this one was started for it; the first
-    failure's exit status."""
+    failure's exit status, 2 for a ``family`` not built for ``arch``."""
+    if family and arch and arch != BY_NAME[family].arch:
+        print(f"ts_moe compile: --family {family} is built for {BY_NAME[family].arch}, not "
+              f"--arch {arch} (leave --arch out, or name a family of {arch})",
+              file=sys.stderr)
+        return 2
     arch = BY_NAME[family].arch if family else arch
     if arch is not None and os.environ.get("CUTE_DSL_ARCH") == arch and \
             os.environ.get("CUTE_DSL_KEEP") == KEEP and os.environ.get("CUTE_DSL_DUMP_DIR"):
         return compile_arch(arch, family)
     for one in (arch,) if arch else ARCHES:
-        with tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
-            status = subprocess.call([sys.executable, "-m", "ts_moe", "compile", "--arch", one,
-                                      *(("--family", family) if family else ())],
-                                     env=child_env(one, scratch))
+        with scratch.directory("ts_moe_build_") as dump_dir:
+            status = subprocess.call(child(one, family), **start(one, dump_dir))
         if status:
             return status
     return 0
@@ -115,11 +146,10 @@ def build_in_child() -> str | None:
     None on success, else what went wrong."""
     for arch in ARCHES:
         with tempfile.TemporaryFile("w+") as stderr, \
-                tempfile.TemporaryDirectory(prefix="ts_moe_build_") as scratch:
+                scratch.directory("ts_moe_build_") as dump_dir:
             # stderr a file: a full pipe would block the child
-            proc = subprocess.Popen([sys.executable, "-m", "ts_moe", "compile", "--arch", arch],
-                                    env=child_env(arch, scratch), stdout=subprocess.PIPE,
-                                    stderr=stderr, text=True)
+            proc = subprocess.Popen(child(arch), **start(arch, dump_dir),
+                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
             for line in proc.stdout:
                 _say(line.rstrip("\n"))
             if proc.wait() == 0:

@@ -39,7 +39,7 @@ from .fp8.recipes import BLOCK, E4M3, WEIGHT_RECIPES, Recipe
 from .ops.quantize import quantize_fp8
 from .ops.scaled import scaled_grouped_gemm, scaled_grouped_gemm_swiglu
 from .ops import grouped_gemm, grouped_gemm_swiglu
-from .reference import SlotOrder, swiglu
+from .reference import SlotOrder, acc_dtype, swiglu
 
 SIZE_MULTIPLE = 8  # 16-byte rows of the bf16 activations the layer permutes
 FP8_SIZE_MULTIPLE = 16  # 16-byte e4m3 rows
@@ -133,12 +133,13 @@ class ExpertWeights:
 
     def gate_up(self, x: torch.Tensor, slots: SlotOrder, fused: bool) -> torch.Tensor:
         """GEMM 1 and the SwiGLU: (T*k, I) in x's dtype, the token rows gathered by the
-        GEMM (``fused=False``: the GEMM to fp32 and the activation apart, one rounding)."""
+        GEMM (``fused=False``: the GEMM to fp32, fp64 for fp64, and the activation apart,
+        one rounding)."""
         if fused:
             return grouped_gemm_swiglu(x, self.gate_up_proj, slots.offs,
                                        a_index=slots.token_index)
         return swiglu(grouped_gemm(x, self.gate_up_proj.transpose(-2, -1), slots.offs,
-                                   torch.float32, a_index=slots.token_index), x.dtype)
+                                   acc_dtype(x.dtype), a_index=slots.token_index), x.dtype)
 
     def down(self, h: torch.Tensor, slots: SlotOrder) -> torch.Tensor:
         """GEMM 2: (T*k, H).  The kernel ahead (gate_up's) wrote h only: the down weights

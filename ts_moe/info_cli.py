@@ -95,7 +95,8 @@ def lines(description: str, capability: tuple[int, int] | None) -> list[str]:
 
 
 def run() -> int:
-    """Prints the families and the settings; 2 (and why) where a setting's variable is bad."""
+    """Prints the families and the settings; 2 (and why) where a setting's variable is bad
+    (started as a command, ``import ts_moe`` refuses it first, alike: ts_moe/__init__.py)."""
     try:
         text = lines(*device())
     except ValueError as exc:  # a TS_MOE_* variable with a value its setting does not take

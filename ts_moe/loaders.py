@@ -372,8 +372,8 @@ def load_mixtral_experts(path, layers=None, device=None,
     "*.json" --local-dir Mixtral-8x7B``;
     layers: a layer index (an int, or a NumPy integer), an iterable of them, or
     None for every MoE layer;
-    device: where the tensors are created (``safe_open(..., device=...)`` reads
-    straight there); None: CUDA when there is a GPU, else the CPU;
+    device: where the tensors are created (each read into host memory, then
+    copied there); None: CUDA when there is a GPU, else the CPU;
     experts: None for all, or a ``range`` of consecutive expert indices (an
     expert-parallel rank's share): only those experts' bytes are read, and
     ``gate_up_proj``/``down_proj`` hold only them (the router stays whole).
@@ -408,7 +408,8 @@ def load_mixtral_experts(path, layers=None, device=None,
     with the router, a JSON file that is not valid (or too large, or nested
     too deeply), a shard name that is not a regular file inside the
     directory (``../x``, an absolute path, a link out of it, a FIFO, a NUL
-    byte), or a shard that is not a valid safetensors file.
+    byte), or a shard that is not a valid safetensors file or is cut short
+    while it is read.
     """
     return _load(path, layers, device, experts, _bf16_format, "load_mixtral_experts")
 

@@ -4,7 +4,7 @@ Mixtral's sparse MoE block on the ``torch.ops.ts_moe`` ops (the stages, in
 :mod:`ts_moe.block`)::
 
     logits = x @ router.T                                   (T, E) router_logits
-    weights, experts = route(logits, top_k)                 (T, k) fp32, int64
+    weights, experts = route(logits, top_k)                 (T, k) fp32 (fp64: fp64), int64
     token, offs, inverse = sort_slots(experts, E)           (T*k,) slot order
         (the two in one op, route_slots: one launch for a decode batch)
     h = grouped_gemm_swiglu(x, gate_up_proj, offs,          (T*k, I): rows x[token]

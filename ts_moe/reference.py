@@ -167,10 +167,12 @@ def grouped_gemm_swiglu_reference(a: torch.Tensor, gate_up: torch.Tensor,
 # ------------------------------------------------------------------ routing
 def route(logits: torch.Tensor, top_k: int,
           renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral routing: softmax over all experts in fp32, top-k, renormalise.
+    """Mixtral routing: softmax over all experts in fp32 (fp64 for fp64 logits), top-k,
+    renormalise.
 
     logits: (T, E), any float dtype.  Returns ``(weights, experts)``, both
-    (T, top_k): ``weights`` float32 summing to 1 per token (``renormalize``
+    (T, top_k): ``weights`` float32 (float64 for float64 logits, so that a float64
+    layer is float64-accurate through its router) summing to 1 per token (``renormalize``
     False: the chosen experts' softmax probabilities as they are, as Qwen-MoE
     routes with ``norm_topk_prob`` false; :func:`route_weights`), ``experts``
     int64, in decreasing order of logit, so of probability.
@@ -193,9 +195,9 @@ def route(logits: torch.Tensor, top_k: int,
 def route_weights(logits: torch.Tensor, experts: torch.Tensor,
                   renormalize: bool = True) -> torch.Tensor:
     """The combine weights of the ``experts`` (T, k) chosen from ``logits`` (T, E): their
-    softmax probabilities over all E experts in fp32, divided by their sum per token
-    where ``renormalize``."""
-    top = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    softmax probabilities over all E experts in fp32 (fp64 for fp64 logits:
+    :func:`acc_dtype`), divided by their sum per token where ``renormalize``."""
+    top = torch.softmax(logits.to(acc_dtype(logits.dtype)), dim=-1).gather(-1, experts)
     return top / top.sum(dim=-1, keepdim=True) if renormalize else top
 
 

@@ -15,11 +15,8 @@
 """
 
 import argparse
-import contextlib
 import json
 import math
-import os
-import secrets
 import tempfile
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from safetensors.torch import save
 
 from .ops.quantize import quantize_fp8
 from .loaders import Fp8Scheme
+from .publish import publish
 
 
 def _shard_files(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict]:
@@ -63,51 +61,6 @@ def _sharded_files(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) ->
 
 def _json_bytes(value: dict) -> bytes:
     return (json.dumps(value, indent=2) + "\n").encode()
-
-
-def _publish(out_dir, files: dict[str, bytes]) -> Path:
-    """Write ``files`` into the directory ``out_dir`` (created if missing, its
-    parents too), never through a link, even in a directory another user prepared:
-    the directory is opened without following a link (``out_dir`` a link is a
-    ValueError naming it: pass the directory it links to), and each file is
-    created under a fresh name in it (``O_EXCL``, no link followed) and renamed
-    over its name, so a link planted at a file's name is replaced, not written
-    through."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        out_dir.mkdir()
-    except FileExistsError:
-        pass
-    try:
-        dir_fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        why = ("is a symlink: pass the directory it links to" if out_dir.is_symlink()
-               else f"cannot be opened as a directory ({exc.strerror})")
-        raise ValueError(f"out_dir {str(out_dir)!r} {why}") from None
-    try:
-        for name, data in files.items():
-            _write_new(dir_fd, name, data)
-    finally:
-        os.close(dir_fd)
-    return out_dir
-
-
-def _write_new(dir_fd: int, name: str, data: bytes) -> None:
-    """``data`` at ``name`` in the directory ``dir_fd``: a fresh file, renamed into place."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, flags, 0o644, dir_fd=dir_fd)
-    try:
-        with open(fd, "wb", closefd=False) as f:
-            f.write(data)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    finally:
-        os.close(fd)
 
 
 def _check_tiny_args(*, layers, hidden, intermediate, experts, top_k, names, shards,
@@ -233,6 +186,10 @@ def make_tiny_checkpoint(out_dir, *, format: str = "bf16", naming: str = "mixtra
     by size into at least that many files (1: one ``model.safetensors``), with the
     index a sharded checkpoint has.  A config.json with the model type's fields.  Needs
     no ``transformers``; the global RNG state is left as it was.
+
+    ``out_dir`` is written whole, in place of a checkpoint it held (an earlier index
+    and shards removed, a write cut short leaving the old one), and only through a
+    path no one else can redirect: :func:`ts_moe.publish.publish`.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -285,7 +242,7 @@ def make_tiny_checkpoint(out_dir, *, format: str = "bf16", naming: str = "mixtra
     files = _sharded_files(state, _max_shard_bytes(state, shards))
     files["config.json"] = _json_bytes(_config(format, naming, layers, hidden, intermediate,
                                                experts, top_k, init_std))
-    return _publish(out_dir, files)
+    return publish(out_dir, files)
 
 
 def _config(format, naming, layers, hidden, intermediate, experts, top_k, init_std) -> dict:
@@ -347,7 +304,8 @@ def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediat
     does not).  4 attention heads, 2 key/value heads.  ``shards``: the weights
     are split into at least that many files by size (1: one
     ``model.safetensors``).  ``init_std``: the config's ``initializer_range``.
-    The global RNG state is left as it was.
+    The global RNG state is left as it was.  ``out_dir`` is written as
+    :func:`make_tiny_checkpoint` writes it (:func:`ts_moe.publish.publish`).
     """
     _check_tiny_args(layers=layers, hidden=hidden, intermediate=intermediate, experts=experts,
                      top_k=top_k, names=names, shards=shards, vocab=vocab)
@@ -373,7 +331,7 @@ def make_tiny_mixtral(out_dir, *, layers: int = 2, hidden: int = 64, intermediat
         files = {p.name: p.read_bytes() for p in sorted(Path(private).iterdir())}
     if names == "v5":
         files.update(_sharded_files(state_dict, max_shard_bytes))
-    return _publish(out_dir, files)
+    return publish(out_dir, files)
 
 
 def main(argv=None) -> None:

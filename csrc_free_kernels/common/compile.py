@@ -10,7 +10,6 @@ so a new process loads it in milliseconds instead of recompiling.
 """
 
 import os
-import tempfile
 import threading
 import time
 
@@ -18,7 +17,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from . import kernel_cache, pdl
+from . import kernel_cache, pdl, scratch
 
 # the DSL's element type of each torch dtype a kernel's fake arguments take
 CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
@@ -108,9 +107,8 @@ def _compile_checked(build):
     line, and nothing is cached."""
     from .. import preflight
 
-    with tempfile.TemporaryDirectory(prefix="ts_moe_preflight_") as dump, \
-            preflight.recording() as facts:
-        fn = _compile(*build.make(), options=f" --keep-ptx --keep-cubin --dump-dir {dump}")
+    with scratch.directory("ts_moe_preflight_") as dump, preflight.recording() as facts:
+        fn = _compile(*build.make(), options=scratch.dump_options(dump))
         found = preflight.check(build.name, preflight.collect(dump, facts), facts)
     if found:
         raise PreflightError(

@@ -57,7 +57,7 @@ import stat
 import warnings
 
 from . import kernel_cache_path
-from .settings import settings
+from .settings import settings, shown
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # csrc_free_kernels
 _SOURCES = [_PACKAGE, _PACKAGE.parent / "ts_pipeline"]
@@ -123,7 +123,7 @@ def configured_root() -> tuple:
     asked = settings.cache_dir
     if asked:
         if not os.path.isabs(asked):
-            return None, (f"TS_MOE_CACHE_DIR={asked!r} is a relative path (it would depend on "
+            return None, (f"TS_MOE_CACHE_DIR={shown(asked)} is a relative path (it would depend on "
                           f"the working directory): give an absolute one")
         return pathlib.Path(asked), None
     try:

@@ -101,10 +101,12 @@ def open_child(parent_fd: int, parent: str, name: str, create: bool) -> int | No
     return fd
 
 
-def open_path(path: str, create: bool) -> int | None:
+def open_path(path: str, create: bool, check_end=check_last) -> int | None:
     """A descriptor (``O_RDONLY | O_DIRECTORY``) of the absolute directory
-    ``path``, every component checked (see the module's rules); what is missing
-    is created ``0o700`` if ``create``, else None.  A missing directory that a
+    ``path``, every component checked (see the module's rules; ``check_end``: the
+    rule of the last directory, :func:`check_ancestor` for one that is itself only
+    on the way, a parent); what is missing is created ``0o700`` if ``create``, else
+    None.  A missing directory that a
     later ``..`` leaves (``/d/missing/../c``) is never made: ``..`` cancels it
     (nothing under it exists, so no symlink there can change what ``..`` means).
     Raises :class:`Unsafe`, or ``OSError`` for a path that cannot be walked."""
@@ -164,7 +166,7 @@ def open_path(path: str, create: bool) -> int | None:
         last, last_fd = stack[-1]
         fd = os.open(".", DIR_FLAGS, dir_fd=last_fd)
         try:
-            check_last(last, os.fstat(fd))
+            check_end(last, os.fstat(fd))
         except BaseException:
             os.close(fd)
             raise

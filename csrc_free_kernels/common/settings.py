@@ -42,6 +42,16 @@ _ENCODE = getattr(os.environ, "encodekey", None)
 _DECODE = getattr(os.environ, "decodevalue", None)
 _KEYS: dict = {}
 _unknown: set = set()  # TS_MOE_* variables of no setting, warned about in this process
+SHOWN = 80  # characters of a value an error quotes
+
+
+def shown(value) -> str:
+    """``repr(value)`` for an error message, its first :data:`SHOWN` characters where it is
+    longer (a variable may hold any amount of text), saying how long it is."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= SHOWN:
+        return repr(value)
+    return f"{text[:SHOWN]!r}... ({len(text)} characters)"
 
 
 def _environ_get(name: str) -> str | None:
@@ -85,31 +95,31 @@ class Setting:
             return self.values[raw]
         except KeyError:
             accepted = ", ".join(f"{k} ({'on' if v else 'off'})" for k, v in self.values.items())
-            raise ValueError(f"{self.env}={raw!r}: {self.name} takes {accepted}; "
+            raise ValueError(f"{self.env}={shown(raw)}: {self.name} takes {accepted}; "
                              f"unset means {self.default_text()}") from None
 
     def check(self, value):
         """``value`` as set from code, or ``TypeError``/``ValueError`` naming the setting."""
         if self.kind is bool:
             if type(value) is not bool:
-                raise TypeError(f"settings.{self.name} takes True or False, got {value!r}")
+                raise TypeError(f"settings.{self.name} takes True or False, got {shown(value)}")
             return value
         if value is None:
             return None
         if not isinstance(value, (str, os.PathLike)):
-            raise TypeError(f"settings.{self.name} takes a path or None, got {value!r}")
+            raise TypeError(f"settings.{self.name} takes a path or None, got {shown(value)}")
         try:
             path = os.fspath(value)
         except TypeError:  # a __fspath__ that returns neither str nor bytes
             path = None
         if not isinstance(path, str):  # bytes too: the cache's paths are str
-            raise TypeError(f"settings.{self.name} takes a str path or None, got {value!r}, "
+            raise TypeError(f"settings.{self.name} takes a str path or None, got {shown(value)}, "
                             f"whose path is {type(path).__name__}")
         if "\0" in path:
             raise ValueError(f"settings.{self.name} takes a path without a NUL byte, got "
-                             f"{path!r}")
+                             f"{shown(path)}")
         if not os.path.isabs(path):
-            raise ValueError(f"settings.{self.name} takes an absolute path, got {path!r}")
+            raise ValueError(f"settings.{self.name} takes an absolute path, got {shown(path)}")
         return path
 
     def default_text(self) -> str:

@@ -32,7 +32,7 @@ from ..checks import check_grouped_gemm_args, check_tensor_types, contiguous_dim
 from ..reference import gather_rows as gather_rows_reference
 from . import paths, routing
 from .backend import Op, first_taker
-from .layout import aligned_rows, empty_output, operand, row_pad, tma_view
+from .layout import aligned_rows, empty_output, one_segment, operand, row_pad, tma_view
 from .library import below_autograd, define
 
 SCHEMA = ("grouped_gemm(Tensor a, Tensor b, Tensor offs, ScalarType? out_dtype=None, *, "
@@ -43,7 +43,8 @@ SCHEMA = ("grouped_gemm(Tensor a, Tensor b, Tensor offs, ScalarType? out_dtype=N
 def run(capability, a, b, offs, out_dtype=None, a_index=None,
         prefetch_weights=False) -> torch.Tensor:
     """A validated call on a device of ``capability`` (None: the references): the empty
-    sizes answered here, the operands in the backends' layout
+    sizes answered here, a broadcast weight as one matrix
+    (:func:`ts_moe.ops.layout.one_segment`), the operands in the backends' layout
     (:func:`ts_moe.ops.layout.tma_view`), then :func:`dispatch`."""
     if b.dim() == 2:
         return _run_k(capability, a, b, offs, out_dtype)
@@ -51,6 +52,7 @@ def run(capability, a, b, offs, out_dtype=None, a_index=None,
     dtype = out_dtype or a.dtype
     if m == 0 or n == 0 or a.shape[1] == 0 or b.shape[0] == 0:
         return empty_output(a, m, n, dtype).zero_()
+    b, offs = one_segment(b, offs)
     a = tma_view(a, 1) if a_index is None else aligned_rows(a)
     return dispatch(capability, a, tma_view(b, contiguous_dim(b.shape, b.stride())), offs, dtype,
                     a_index, prefetch_weights)

@@ -58,6 +58,18 @@ def tma_view(t: torch.Tensor, major: int) -> torch.Tensor:
     return t if tuple(stride) == t.stride() else t.as_strided(shape, stride)
 
 
+def one_segment(b: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b, offs)`` of a row-grouped call, where ``b`` (E, K, N) broadcasts one matrix
+    over its experts (stride 0 on E, as ``w.expand(E, K, N)``): that matrix and one
+    segment, the rows up to the call's last segment end (``offs.amax()``: the backends'
+    segment ends are ``cummax(clamp(offs, 0, M))``), the same product for every row.
+    :func:`tma_view` would otherwise copy the broadcast whole (E matrices, however few
+    rows the call has).  Any other ``b`` as it is."""
+    if b.shape[0] > 1 and b.stride(0) == 0:
+        return b[:1], offs.amax(0, keepdim=True)
+    return b, offs
+
+
 def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (M, K) K-major with 16-byte row strides and an aligned base: the
     rows a gather reads (an ``a`` with ``a_index``, whose strides the checks

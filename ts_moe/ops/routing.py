@@ -121,7 +121,7 @@ def _router_logits_fake(x, weight):
 def _route_slots_fake(logits, top_k):
     check_route_args(logits, top_k)
     tokens, num_experts = logits.shape
-    return (logits.new_empty(tokens, top_k, dtype=torch.float32),
+    return (logits.new_empty(tokens, top_k, dtype=reference.acc_dtype(logits.dtype)),
             logits.new_empty(tokens, top_k, dtype=torch.int64),
             logits.new_empty(tokens * top_k, dtype=torch.int32),
             logits.new_empty(num_experts, dtype=torch.int32),
@@ -206,8 +206,8 @@ def route_slots(logits: torch.Tensor, top_k: int, *,
 
 def route(logits: torch.Tensor, top_k: int, *,
           renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral routing: ``(weights, experts)``, both (T, top_k), fp32 weights
-    summing to 1 per token, int64 experts in decreasing order of logit, ties to
+    """Mixtral routing: ``(weights, experts)``, both (T, top_k), fp32 weights (fp64
+    for fp64 logits) summing to 1 per token, int64 experts in decreasing order of logit, ties to
     the lower expert (:func:`ts_moe.reference.route` says how).
     ``renormalize=False``: the weights are the chosen experts' softmax
     probabilities as they are (Qwen-MoE's ``norm_topk_prob`` false).
@@ -245,7 +245,7 @@ def permute(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> Dispatc
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * y_sorted[inverse[t * top_k + k]]``, (T, H) in
     ``y_sorted``'s dtype (a float one): fp32 sums (fp64 for fp64), one rounding, no
-    atomics.  ``inverse``: any indices into ``y_sorted``'s rows (a permutation, as
+    atomics; the three tensors on one device.  ``inverse``: any indices into ``y_sorted``'s rows (a permutation, as
     :func:`sort_slots` makes it, or not); under autograd ``y_sorted``'s gradient is the gather's exact
     adjoint (:func:`ts_moe.reference.combine`).
 

@@ -20,7 +20,7 @@ from ..reference import gather_rows, swiglu, swiglu_double_backward
 from . import paths, routing
 from .backend import Op, OutputSpec, first_taker, fused_or_split
 from .gemm import grouped_gemm, scatter_rows, weight_grad
-from .layout import aligned_rows, empty_output, row_major, row_pad, tma_view
+from .layout import aligned_rows, empty_output, one_segment, row_major, row_pad, tma_view
 from .library import below_autograd, define
 
 GROUPED_SCHEMA = "grouped_gemm_swiglu(Tensor a, Tensor gate_up, Tensor offs, *, " \
@@ -37,11 +37,14 @@ SWIGLU_KEEPS_H = True
 # ------------------------------------------------------ grouped_gemm_swiglu
 def run(capability, a, gate_up, offs, a_index=None) -> torch.Tensor:
     """A validated call on a device of ``capability`` (None: the references): the empty
-    sizes answered here, the operands in the backends' layout, then :func:`dispatch`."""
+    sizes answered here, a broadcast ``gate_up`` as one matrix
+    (:func:`ts_moe.ops.layout.one_segment`), the operands in the backends' layout, then
+    :func:`dispatch`."""
     m = (a if a_index is None else a_index).shape[0]
     num_experts, two_i, k = gate_up.shape
     if m == 0 or two_i == 0 or k == 0 or num_experts == 0:
         return empty_output(a, m, two_i // 2, a.dtype).zero_()
+    gate_up, offs = one_segment(gate_up, offs)
     a = tma_view(a, 1) if a_index is None else aligned_rows(a)
     return dispatch(capability, a,
                     tma_view(gate_up, contiguous_dim(gate_up.shape, gate_up.stride())), offs,
