@@ -1,8 +1,9 @@
 """``python -m ts_moe info`` (``ts-moe info``): each kernel family's record
 (``csrc_free_kernels.families``) beside whether it loaded and the path its ops take
-on this machine's GPU (on a machine without one: the reference), the DSL toolchain and
-whether the statuses hold for it (:mod:`ts_moe.toolchain`), then every setting of
-``ts_moe.settings`` and where its value comes from."""
+on this machine's GPU (on a machine without one: the reference), the kernel builds the
+pre-flight refused in this process (:func:`lines` called in a process that ran calls),
+the DSL toolchain and whether the statuses hold for it (:mod:`ts_moe.toolchain`), then
+every setting of ``ts_moe.settings`` and where its value comes from."""
 
 import sys
 
@@ -86,6 +87,9 @@ def lines(description: str, capability: tuple[int, int] | None) -> list[str]:
         out.append(f"      evidence: {f.evidence}")
         if f.name in kernels.FAILED:
             out.append(f"      import failed: {kernels.FAILED[f.name]}")
+    out += ["", "kernel builds the pre-flight refused in this process (their calls take the "
+                "next path):"]
+    out += [f"  {r.build}: breaks {', '.join(r.rules)}" for r in kernels.refused()] or ["  none"]
     out += ["", *toolchain.lines()]
     out += ["", "settings (ts_moe.settings):"]
     for s in settings.SETTINGS:

@@ -18,6 +18,8 @@ from csrc_free_kernels.common.formats import FORMATS, ScaleFormat  # noqa: F401
 # what a backend answers for a call it does not take: the kernels own it (data flows
 # down), and it needs no DSL
 from csrc_free_kernels.common.kernel_config import Declined  # noqa: F401
+# a kernel build the pre-flight refused, and the refusals of this process (no DSL either)
+from csrc_free_kernels.common.refusals import PreflightError, refused  # noqa: F401
 from csrc_free_kernels.families import FAMILIES
 
 
