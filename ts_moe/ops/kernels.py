@@ -12,7 +12,7 @@ stays on, and the paths take the next backend where a family is missing.  Withou
 
 import warnings
 
-from csrc_free_kernels.common.family import Family, Kernels, Op  # noqa: F401
+from csrc_free_kernels.common.family import Family, Kernels, Op, Proof  # noqa: F401
 # the scaled number formats, as data (ts_moe.fp8.recipes reads them)
 from csrc_free_kernels.common.formats import FORMATS, ScaleFormat  # noqa: F401
 # what a backend answers for a call it does not take: the kernels own it (data flows

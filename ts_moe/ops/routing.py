@@ -10,8 +10,8 @@
   gradients in one pass (the MoE layer's backward, :mod:`ts_moe.experts_grad`);
 
 and :func:`gather_rows`, the row gather ahead of a GEMM that does not gather.
-On a device whose bf16 calls run the sm_90 kernels, each takes its kernel
-where the kernel's ``choose_config`` takes the call (a decode batch: one
+On a device with the sm_90 kernels, each takes its kernel where the
+kernel's ``choose_config`` takes the call (a decode batch: one
 launch each), else :mod:`ts_moe.reference` (on the device, no host sync):
 the same results, bit for bit.  None is differentiable itself: where an input
 needs a gradient, the public functions run the differentiable references.
