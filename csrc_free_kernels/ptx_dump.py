@@ -24,24 +24,31 @@ from .families import FAMILIES
 
 @functools.cache
 def space() -> dict:
-    """``{name: (arch, Build, checked)}``: every family's whole build space, and whether
+    """``{name: (family, Build, checked)}``: every family's whole build space, and whether
     the family checks the build on the CPU."""
     found = {}
     for family in FAMILIES:
         kernels = family.load()
         for b in kernels.builds():
             assert b.name not in found, f"two builds named {b.name}"
-            found[b.name] = (family.arch, b, kernels.checked(b))
+            found[b.name] = (family, b, kernels.checked(b))
     return found
 
 
 def arch_of(name: str) -> str:
     """The arch a build of :func:`space` is compiled for."""
-    return space()[name][0]
+    return space()[name][0].arch
 
 
 BUILDS = {name: b for name, (_, b, checked) in space().items() if checked}
 """The builds the PTX tests and the pre-flight compile on the CPU, by name."""
+
+
+def builds_of(*families) -> list[str]:
+    """The names of the builds of :data:`BUILDS` of ``families`` (their records), in
+    the order of :func:`space`."""
+    return [name for name, (family, _, checked) in space().items()
+            if checked and family in families]
 
 
 def reference_module_available() -> bool:

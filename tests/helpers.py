@@ -167,3 +167,34 @@ def pairs_on_path(path, fused, split) -> tuple:
     from ts_moe.ops import paths
 
     return ((paths.TABLE[path][fused], paths.TABLE[path][split]),)
+
+
+def kernel_package(tmp_path, packages: dict, records: list, op: str | None = None) -> dict:
+    """A copy of ``csrc_free_kernels`` under ``tmp_path`` with throwaway families added
+    as a new family is (no other module edited): ``packages`` ``{package: {file name:
+    text}}``, each package's ``records`` (``(package, NAME)``) imported in
+    ``families.py`` and listed first; with ``op``, a new op family (``Op.<op>``) in the
+    records' vocabulary.  Returns the environment a child process imports it with."""
+    import pathlib
+    import shutil
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pkg = tmp_path / "csrc_free_kernels"
+    shutil.copytree(root / "csrc_free_kernels", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for package, files in packages.items():
+        (pkg / package).mkdir()
+        for name, text in files.items():
+            (pkg / package / name).write_text(text)
+    families = pkg / "families.py"
+    text = families.read_text()
+    imports = "".join(f"from .{package} import {name}\n" for package, name in records)
+    text = text.replace("from .fp8 import", imports + "from .fp8 import", 1)
+    names = "".join(f"{name}, " for _, name in records)
+    families.write_text(text.replace("FAMILIES = (", f"FAMILIES = ({names}", 1))
+    if op:
+        family = pkg / "common" / "family.py"
+        last = '    QUANTIZE_FP8 = "quantize_fp8"\n'
+        family.write_text(family.read_text().replace(
+            last, last + f'    {op.upper()} = "{op}"\n', 1))
+    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{root}", "PATH": "/usr/bin:/bin",
+            "TS_MOE_NO_DISK_CACHE": "1"}

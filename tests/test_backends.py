@@ -38,14 +38,18 @@ def test_the_kernels_are_available_here():
     and the paths take the next backend: test_kernel_families.py)."""
     assert kernels.AVAILABLE == {f.name for f in kernels.FAMILIES if f.in_ops}
     assert not kernels.FAILED
-    served = {arch: {op for f in kernels.FAMILIES if f.arch == arch for op in f.serves}
-              for arch in paths.KERNEL_PATHS}
-    for arch, path in paths.KERNEL_PATHS.items():
-        assert set(paths.TABLE[path]) == served[arch]
+    for path, kernel in paths.KERNEL_PATHS.items():
+        assert set(paths.TABLE[path]) == {op for f in kernel.families for op in f.serves}
     assert set(paths.TABLE[paths.Path.REFERENCE]) == set(Op)  # it takes every op family
-    # kernels: 13 op families on sm_90, 2 on sm_100; torch's: 3; FP8's: 2 + 2;
-    # the references: 13
-    assert len(BACKENDS) == 13 + 2 + 3 + 4 + 13
+    # the table holds the families' backends and the modules' own, nothing else
+    own = [torch_backend.GROUPED_GEMM, torch_backend.GROUPED_GEMM_K,
+           torch_backend.GROUPED_GEMM_SWIGLU, fp8_backends.TORCH_SCALED_GEMM,
+           fp8_backends.TORCH_SCALED_SWIGLU, fp8_backends.DEQUANTIZE_GEMM,
+           fp8_backends.DEQUANTIZE_SWIGLU, fp8_backends.REFERENCE_GEMM,
+           fp8_backends.REFERENCE_SWIGLU, fp8_backends.REFERENCE_QUANTIZE,
+           *reference_backend.BACKENDS.values()]
+    families = [b for f in kernels.FAMILIES for b in kernels.LOADED[f.name].backends.values()]
+    assert {id(b) for _, b in BACKENDS} == {id(b) for b in own + families}
 
 
 @pytest.mark.parametrize("family, impl", BACKENDS,
@@ -67,7 +71,8 @@ def test_each_path_holds_the_backends_of_its_families():
     the others, the backends their modules name."""
     for family in kernels.FAMILIES:
         for op, impl in kernels.LOADED[family.name].backends.items():
-            path = paths.KERNEL_PATHS[family.arch]
+            path = paths.kernel_path(family)
+            assert paths.KERNEL_PATHS[path].capability == family.capability
             assert paths.TABLE[path][op] is impl and paths.PROVIDER[path, op] is family
     t = paths.TABLE
     assert t[paths.Path.TORCH_GROUPED_MM][Op.GROUPED_GEMM] is torch_backend.GROUPED_GEMM

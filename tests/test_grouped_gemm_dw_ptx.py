@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.hopper import GEMM_DW_SM90
 
 from .ptxas import NO_SPILLS, PTXAS, assemble, ptx_fixture
 
-BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("dw_")]
+BUILDS = ptx_dump.builds_of(GEMM_DW_SM90)
 
 
 def dw():

@@ -5,12 +5,15 @@ import re
 
 import pytest
 
+from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.hopper import GEMM_SM90
+
 from .kernels.probe_builds import ALL_BUILDS
 from .ptxas import assert_pdl_entry, assert_pdl_prefetch_entry, ptx_fixture
 
-BUILDS = [n for n in ALL_BUILDS  # the GEMMs; the store-warp probe is the pre-flight's
-          if n.startswith(("gemm", "swiglu")) and not n.startswith("swiglu_ew_")
-          and n != "gemm_prefill_sw"]
+# the family's builds and the probe without raster bands (the store-warp probe is the
+# pre-flight's)
+BUILDS = [*ptx_dump.builds_of(GEMM_SM90), "gemm_prefill_whole_experts"]
 ptx = ptx_fixture("sm_90a", BUILDS)
 
 

@@ -7,10 +7,11 @@ import re
 import pytest
 
 from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.sm100 import GEMM_SM100
 
 from .ptxas import NO_SPILLS, PTXAS, assemble, ptx_fixture, registers, run_for_arch
 
-BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("sm100_")]
+BUILDS = ptx_dump.builds_of(GEMM_SM100)
 PEER_BIT = 1 << 24
 ptx = ptx_fixture("sm_100a", BUILDS)
 

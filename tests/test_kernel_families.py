@@ -6,7 +6,6 @@ records: the path table, ``python -m ts_moe info``, ``compile``, the PTX builds.
 
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -17,6 +16,8 @@ from csrc_free_kernels.families import BY_NAME, FAMILIES
 from csrc_free_kernels.common.family import Proof
 from ts_moe import info_cli
 from ts_moe.ops import Op, kernels, paths
+
+from .helpers import kernel_package
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -49,6 +50,7 @@ print(json.dumps({
     "failed": kernels.FAILED,
     "bf16": [p.name for p in paths.paths_for(Op.GROUPED_GEMM, (9, 0), torch.bfloat16)],
     "gemm_k": [p.name for p in paths.paths_for(Op.GROUPED_GEMM_K, (9, 0), torch.bfloat16)],
+    "row_sum": [p.name for p in paths.paths_for(Op.ROW_SUM, (9, 0))],
     "sm90": sorted(op.value for op in paths.TABLE[paths.Path.KERNEL_SM90]),
     "info": rows,
 }))
@@ -97,6 +99,18 @@ def test_a_broken_dw_family_sends_the_weight_gradient_elsewhere():
     assert [w.split(" kernels")[0] for w in got["warnings"]] == ["ts_moe: the gemm_dw_sm90"]
     assert got["bf16"][0] == "KERNEL_SM90" and got["gemm_k"] == ["TORCH_GROUPED_MM"]
     assert got["info"]["gemm_dw_sm90"].endswith("torch._grouped_mm (its import failed)")
+
+
+def test_a_broken_gemm_family_leaves_the_small_kernels_on():
+    """Each family's path follows its own record: without the bf16 GEMM kernels, the
+    routing, combine and activation kernels still take their calls."""
+    got = _break("csrc_free_kernels.hopper.grouped_gemm_sm90_launch", "missing")
+    assert [w.split(" kernels")[0] for w in got["warnings"]] == ["ts_moe: the gemm_sm90"]
+    assert got["bf16"] == ["TORCH_GROUPED_MM"] and got["gemm_k"][0] == "KERNEL_SM90"
+    assert got["row_sum"] == ["KERNEL_SM90", "REFERENCE"]
+    assert got["info"]["gemm_sm90"].endswith("torch._grouped_mm (its import failed)")
+    for family in ("route_sm90", "swiglu_sm90", "combine_grad_sm90"):
+        assert got["info"][family].endswith("its kernels"), family
 
 
 def test_here_every_family_loaded():
@@ -184,7 +198,8 @@ def test_info_follows_the_settings(monkeypatch):
 
 
 # A throwaway family: its package (a record and a launch module, the kernel borrowed from
-# the SwiGLU family) and its import line, nothing else; it serves the combine first.
+# the SwiGLU family) and its import line, nothing else; it serves the combine first (its
+# precedence above the routing family's).
 TOY_RECORD = '''
 from ..common.family import Family, Op, Proof
 
@@ -195,7 +210,7 @@ def _load():
 
 
 TOY = Family("toy_sm90", "a throwaway family", "sm_90a", Proof.COMPILED, "a test's",
-             _load, serves=(Op.ROW_SUM,))
+             _load, serves=(Op.ROW_SUM,), precedence=1)
 '''
 TOY_LAUNCH = '''
 import torch
@@ -229,7 +244,7 @@ from ts_moe.ops import Op, kernels, paths
 lines = info_cli.lines("H200", (9, 0))
 print(json.dumps({
     "first": FAMILIES[0].name,
-    "row_sum": type(paths.TABLE[paths.Path.KERNEL_SM90][Op.ROW_SUM]).__name__,
+    "row_sum": type(paths.backends(Op.ROW_SUM, (9, 0))[0]).__name__,
     "info": [line for line in lines if line.startswith("toy_sm90")],
     "ptx": "toy_fwd" in ptx_dump.BUILDS,
     "compile": [b.name for f, bs in compile_cli.builds("sm_90a") if f.name == "toy_sm90"
@@ -242,18 +257,8 @@ def test_a_new_family_is_its_package_and_one_import_line(tmp_path):
     """Adding a family touches its own modules and ``families.py`` alone: info, compile,
     the PTX builds and the path table all see it (a copy of the kernel package, the
     toy's package added, its import line first in the list)."""
-    pkg = tmp_path / "csrc_free_kernels"
-    shutil.copytree(ROOT / "csrc_free_kernels", pkg,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (pkg / "toy").mkdir()
-    (pkg / "toy" / "__init__.py").write_text(TOY_RECORD)
-    (pkg / "toy" / "toy_launch.py").write_text(TOY_LAUNCH)
-    families = pkg / "families.py"
-    text = families.read_text()
-    text = text.replace("from .fp8 import", "from .toy import TOY\nfrom .fp8 import", 1)
-    families.write_text(text.replace("FAMILIES = (", "FAMILIES = (TOY, ", 1))
-    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin",
-           "TS_MOE_NO_DISK_CACHE": "1"}
+    env = kernel_package(tmp_path, {"toy": {"__init__.py": TOY_RECORD,
+                                            "toy_launch.py": TOY_LAUNCH}}, [("toy", "TOY")])
     done = subprocess.run([sys.executable, "-c", TOY_CHECK], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -187,3 +187,43 @@ def test_route_renormalize_on_the_kernel_path(kernels_on_cpu, renormalize):
     assert torch.equal(slots.inverse, reference.sort_slots(want_ex, 8).inverse)
     sums = w.sum(-1)
     assert torch.allclose(sums, torch.ones(6)) is renormalize
+
+
+def test_a_refused_build_declines_its_backend_and_the_next_takes_the_call(kernels_on_cpu,
+                                                                          monkeypatch):
+    """A kernel build the pre-flight refuses raises before its launch: the fused SwiGLU
+    kernel's sends the call to the same path's GEMM to fp32 and the activation; every
+    GEMM build's, to torch's grouped_mm (bf16); the activation kernel's, to the
+    reference.  The results are the next backend's, nothing of the refused one ran."""
+    from csrc_free_kernels.common.refusals import PreflightError, Refusal
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch, swiglu_sm90_launch
+    from csrc_free_kernels.hopper.grouped_gemm_sm90 import GroupedGemmSwigluSm90
+
+    def refused(*args):
+        raise PreflightError(Refusal("planted", ("setmaxnreg",), "a test's"))
+
+    stand_in = grouped_gemm_sm90_launch._launch
+
+    def fused_refused(a, b, offs, out, config, kernel_cls, prefetch_weights):
+        if kernel_cls is GroupedGemmSwigluSm90:
+            refused()
+        return stand_in(a, b, offs, out, config, kernel_cls, prefetch_weights)
+
+    monkeypatch.setattr(grouped_gemm_sm90_launch, "_launch", fused_refused)
+    a, b, offs = _problem()
+    gate_up = (torch.randn(4, 2 * 64, 64) * 0.125).to(BF16)  # I = 64: the fused kernel's
+    h = swiglu._cuda(a, gate_up, offs)
+    assert [launch[0] for launch in kernels_on_cpu] == ["gemm"]
+    ref = grouped_gemm_reference(a, gate_up.transpose(1, 2), offs, torch.float32)
+    assert rel_err(h, F.silu(ref[:, :64]) * ref[:, 64:]) < 1e-2
+    monkeypatch.setattr(grouped_gemm_sm90_launch, "_launch", refused)
+    kernels_on_cpu.clear()
+    out = gemm._cuda(a, b, offs)
+    assert kernels_on_cpu == []
+    from ts_moe.ops import torch_backend
+
+    want = torch_backend.GROUPED_GEMM.run(a, b, offs, torch.empty_like(out), torch_backend.CONFIG)
+    assert torch.equal(out, want)
+    monkeypatch.setattr(swiglu_sm90_launch, "compiled_kernel", refused)
+    act = torch.ops.ts_moe.swiglu(h)
+    assert kernels_on_cpu == [] and torch.equal(act, reference.swiglu(h.float(), BF16))

@@ -314,13 +314,13 @@ def test_sort_slots_is_permutes_order():
 def test_sm100_kernel_only_on_opt_in():
     for cap in ((10, 0),):
         assert choose_path(cap, BF16, None, 8) is Path.TORCH_GROUPED_MM
-        assert choose_path(cap, BF16, None, 8, sm100_opt_in=True) is Path.KERNEL_SM100
+        assert choose_path(cap, BF16, None, 8, opted_in=True) is Path.KERNEL_SM100
         assert choose_path(cap, torch.float16, torch.float32, 8,
-                           sm100_opt_in=True) is Path.KERNEL_SM100
-    assert choose_path((10, 0), torch.float32, None, 8, sm100_opt_in=True) is \
+                           opted_in=True) is Path.KERNEL_SM100
+    assert choose_path((10, 0), torch.float32, None, 8, opted_in=True) is \
         Path.TORCH_GROUPED_MM
-    assert choose_path((10, 3), BF16, None, 8, sm100_opt_in=True) is Path.TORCH_GROUPED_MM
-    assert choose_path((10, 0), BF16, None, 1024, sm100_opt_in=True) is Path.TORCH_GROUPED_MM
+    assert choose_path((10, 3), BF16, None, 8, opted_in=True) is Path.TORCH_GROUPED_MM
+    assert choose_path((10, 0), BF16, None, 1024, opted_in=True) is Path.TORCH_GROUPED_MM
 
 
 class _Recording:

@@ -14,10 +14,9 @@ from csrc_free_kernels.preflight.ptx import CTA, THREAD, WARP, WARPGROUP, Kernel
 from csrc_free_kernels.preflight.trace import BuildFacts, TmaMap, parse_atom
 from csrc_free_kernels.preflight.uniform import UniformityFlow
 
-from .kernels.probe_builds import ALL_BUILDS
+from .kernels.probe_builds import ALL_BUILDS, SM100
 
 DATA = pathlib.Path(__file__).parent / "data"
-SM100 = [n for n in ALL_BUILDS if n.startswith(("sm100_", "probe100_"))]
 SM90 = [n for n in ALL_BUILDS if n not in SM100
         and (not n.endswith("_reference") or ptx_dump.reference_module_available())]
 

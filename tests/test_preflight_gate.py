@@ -1,9 +1,10 @@
 """CPU: the pre-flight gates every build that can reach a GPU.  A call's compile
 (``csrc_free_kernels.common.compile.get_compiled``) puts the build through the
 pre-flight and refuses one that breaks a rule, naming the build, the rule and the PTX
-line; CI compiles each family's checked builds (``Kernels.checked``), and every build a
-call can reach that CI leaves out shares its kernel and configuration with a checked
-one, the gate checking it at its first call."""
+line, once per process: the op's call then takes the next path, with one warning, and
+``ts-moe info`` lists the refusal.  CI compiles each family's checked builds
+(``Kernels.checked``), and every build a call can reach that CI leaves out shares its
+kernel and configuration with a checked one, the gate checking it at its first call."""
 
 import pytest
 import torch
@@ -91,6 +92,73 @@ def test_a_build_that_breaks_a_rule_is_refused_before_any_launch():
     assert "gemm_decode16" in got["said"] and "not launched" in got["said"]
     assert "setmaxnreg" in got["said"]
     assert got["again"] == got["said"] and got["checks"] == 1
+
+
+FALLS_BACK = """
+import json, re, warnings
+from types import SimpleNamespace
+
+import torch
+
+from csrc_free_kernels import preflight
+from csrc_free_kernels.common import refusals
+from csrc_free_kernels.hopper.grouped_gemm_sm90_config import choose_config
+from ts_moe import info_cli
+from ts_moe.ops import gemm, paths
+
+real = preflight.collect
+planted_in = []
+
+
+def planted(dump, facts):  # the first setmaxnreg off its multiple of 8: the GPU refuses it
+    text, n = re.subn(r"(setmaxnreg\\.inc\\.sync\\.aligned\\.u32\\s+)(\\d+);",
+                      lambda m: f"{m[1]}{int(m[2]) + 4};", real(dump, facts), count=1)
+    planted_in.append(n)
+    return text
+
+
+preflight.collect = planted
+paths.device_capability = lambda t: (9, 0)  # CPU tensors take an H100's paths
+torch.cuda.get_device_properties = lambda index: SimpleNamespace(multi_processor_count=132)
+g = torch.Generator().manual_seed(0)
+a = torch.randn(40, 64, generator=g).half()
+b = (torch.randn(4, 64, 48, generator=g) / 8).half()
+offs = torch.tensor([9, 9, 29, 37], dtype=torch.int32)
+want = gemm.run(None, a, b, offs)  # the reference path
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = [gemm._cuda(a, b, offs) for _ in range(3)]
+print(json.dumps({
+    "build": "gemm_" + choose_config(4, 48, 64, 40).name + "_fp16",
+    "paths": [p.name for p in paths.paths_for(paths.Op.GROUPED_GEMM, (9, 0), torch.float16)],
+    "equal": [torch.equal(out, want) for out in got],
+    "warned": [str(w.message) for w in caught if w.category is refusals.RefusedBuildWarning],
+    "planted": planted_in,
+    "refused": [r.build for r in refusals.refused()],
+    "info": info_cli.lines("H100", (9, 0)),
+}))
+"""
+
+
+def test_a_refused_build_sends_the_call_to_the_next_path_with_one_warning():
+    """An fp16 call whose kernel build breaks a rule (a setmaxnreg planted into its PTX)
+    gets the reference's result, the next path of its table, at every call; one warning
+    names the build and the rule; the build is compiled and checked once; ``info``
+    lists the refusal (sm_90a, a process of its own)."""
+    import json
+
+    from .ptxas import run_for_arch
+
+    got = json.loads(run_for_arch("sm_90a", ["-c", FALLS_BACK]).strip().splitlines()[-1])
+    assert got["paths"] == ["KERNEL_SM90", "REFERENCE"]
+    assert got["planted"] == [1]  # one compile, one check, the rule broken
+    assert got["equal"] == [True, True, True]
+    (warned,) = got["warned"]
+    assert f"the {got['build']} kernel build" in warned and "rule setmaxnreg" in warned
+    assert "next path" in warned
+    assert got["refused"] == [got["build"]]
+    head = got["info"].index(next(line for line in got["info"] if "pre-flight refused" in line))
+    assert got["info"][head + 1] == f"  {got['build']}: breaks setmaxnreg"
 
 
 def test_every_reachable_build_is_checked_or_shares_its_kernel_with_one():

@@ -9,20 +9,20 @@ import torch
 
 import ts_moe
 from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.routing import ROUTE_SM90, ROUTER_SM90
 from ts_moe import ops, reference
 from ts_moe.ops import paths
 
 from .helpers import fake_route_kernel, rel_err, router_logits_reference
 from .ptxas import NO_SPILLS, PTXAS, assemble, assert_pdl_entry, ptx_fixture, run_for_arch
 
-BUILDS = [n for n in ptx_dump.BUILDS if n.startswith(("router_logits", "route_slots", "route_topk",
-                                                      "sort_slots", "combine_rows",
-                                                      "gather_rows"))]
+BUILDS = ptx_dump.builds_of(ROUTE_SM90, ROUTER_SM90)
 ptx = ptx_fixture("sm_90a", BUILDS)
 
 
 def test_builds(ptx):
-    assert set(BUILDS) <= set(ptx) and len(BUILDS) == 11
+    assert set(BUILDS) <= set(ptx)
+    assert {ptx_dump.space()[n][0] for n in BUILDS} == {ROUTE_SM90, ROUTER_SM90}  # both checked
     for name in BUILDS:
         assert len(re.findall(r"\.entry\s", ptx[name])) == 1
         assert ".local" not in ptx[name]

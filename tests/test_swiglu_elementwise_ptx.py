@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from csrc_free_kernels import ptx_dump
+from csrc_free_kernels.hopper import SWIGLU_SM90
 
 from .helpers import swiglu_grad_ref, swiglu_ref
 from .ptxas import NO_SPILLS, PTXAS, assemble, ptx_fixture, registers, run_for_arch
 
-BUILDS = [n for n in ptx_dump.BUILDS if n.startswith("swiglu_ew_")]
+BUILDS = ptx_dump.builds_of(SWIGLU_SM90)
 
 
 def sw():

@@ -1,8 +1,9 @@
 """``python -m ts_moe info`` (``ts-moe info``): each kernel family's record
 (``csrc_free_kernels.families``) beside whether it loaded and the path its ops take
-on this machine's GPU (on a machine without one: the reference), the DSL toolchain and
-whether the statuses hold for it (:mod:`ts_moe.toolchain`), then every setting of
-``ts_moe.settings`` and where its value comes from."""
+on this machine's GPU (on a machine without one: the reference), the kernel builds the
+pre-flight refused in this process (:func:`lines` called in a process that ran calls),
+the DSL toolchain and whether the statuses hold for it (:mod:`ts_moe.toolchain`), then
+every setting of ``ts_moe.settings`` and where its value comes from."""
 
 import sys
 
@@ -36,29 +37,35 @@ def add_arguments(parser) -> None:
 
 def family_path(family: Family, capability: tuple[int, int] | None) -> str:
     """What runs ``family``'s calls on a device of ``capability`` (None: the CPU): "its
-    kernels", or what takes them instead and why, read from the path table (bf16
-    operands, the settings as they are)."""
+    kernels", or what takes them first and why, read from the path table (a call of
+    its kernels' first dtype, bf16 where they name none; the settings as they are)."""
     if not family.in_ops:
         return "none: no path of the ops takes it"
     if capability is None or settings.reference:
         why = "no CUDA GPU" if capability is None else "ts_moe.settings.reference is on"
         return f"{paths.Path.REFERENCE.value} ({why})"
-    own = paths.KERNEL_PATHS[family.arch]
-    if paths.CAPABILITY[own] != capability:
-        major, minor = paths.CAPABILITY[own]
+    if family.capability != capability:
+        major, minor = family.capability
         return f"none: {family.arch} kernels, for capability {major}.{minor} only"
-    op = family.serves[0]
-    taken = paths.paths_for(op, capability, torch.bfloat16, None, 8)[0]
-    if taken is own and paths.PROVIDER.get((own, op)) is family:
+    own, op = paths.kernel_path(family), family.serves[0]
+    loaded = kernels.LOADED.get(family.name)
+    dtype = loaded.dtypes[0] if loaded is not None and loaded.dtypes else torch.bfloat16
+    chain = paths.paths_for(op, capability, dtype, None, 8)
+    if chain[0] is own:
         return "its kernels"
+    if own in chain:  # behind the kernels of a family of higher precedence
+        first = paths.PROVIDER[chain[0], op]
+        return (f"its kernels where the {first.name} kernels ({chain[0].value}) decline "
+                f"a call")
     why = []
     if family.name not in kernels.LOADED:
         why.append("its import failed")
     if family.setting and not getattr(settings, family.setting):
         why.append(f"ts_moe.settings.{family.setting} is off")
-    if not why and op in paths.DEVICE_OPS:
-        why.append("the bf16 GEMMs take no kernel here")
-    return taken.value + (f" ({'; '.join(why)})" if why else "")
+    if not why:
+        why.append(f"its kernels take no {str(dtype).removeprefix('torch.')} call of 8 "
+                   f"experts")
+    return f"{chain[0].value} ({'; '.join(why)})"
 
 
 def device() -> tuple[str, tuple[int, int] | None]:
@@ -86,6 +93,9 @@ def lines(description: str, capability: tuple[int, int] | None) -> list[str]:
         out.append(f"      evidence: {f.evidence}")
         if f.name in kernels.FAILED:
             out.append(f"      import failed: {kernels.FAILED[f.name]}")
+    out += ["", "kernel builds the pre-flight refused in this process (their calls take the "
+                "next path):"]
+    out += [f"  {r.build}: breaks {', '.join(r.rules)}" for r in kernels.refused()] or ["  none"]
     out += ["", *toolchain.lines()]
     out += ["", "settings (ts_moe.settings):"]
     for s in settings.SETTINGS:

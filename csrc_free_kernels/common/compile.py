@@ -17,7 +17,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from . import kernel_cache, pdl, scratch
+from . import kernel_cache, pdl, refusals, scratch
+from .refusals import PreflightError
 
 # the DSL's element type of each torch dtype a kernel's fake arguments take
 CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
@@ -25,7 +26,6 @@ CUTE_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                torch.int64: cutlass.Int64}
 
 _memory: dict = {}
-_refused: dict = {}  # key -> the PreflightError of a build that broke a rule
 _lock = threading.Lock()
 # (key, seconds, "compiled" | "loaded") of each kernel this process obtained
 stats: list = []
@@ -95,25 +95,18 @@ def compile_build(build):
     return _compile(*build.make())
 
 
-class PreflightError(RuntimeError):
-    """A build breaks a hardware rule the pre-flight checks: it is refused before it can
-    reach a GPU (where most such faults are a sticky illegal instruction or a hang)."""
-
-
 def _compile_checked(build):
     """``build`` compiled, its PTX and cubin kept in a scratch folder and put through the
     pre-flight (``csrc_free_kernels.preflight``, about 0.2 s, a fifth of a compile);
-    a violation raises :class:`PreflightError` naming the build, the rule and the PTX
-    line, and nothing is cached."""
+    a violation raises :class:`.refusals.PreflightError` naming the build, the rule and
+    the PTX line, and nothing is cached."""
     from .. import preflight
 
     with scratch.directory("ts_moe_preflight_") as dump, preflight.recording() as facts:
         fn = _compile(*build.make(), options=scratch.dump_options(dump))
         found = preflight.check(build.name, preflight.collect(dump, facts), facts)
     if found:
-        raise PreflightError(
-            f"ts_moe: the {build.name} kernel build breaks the hardware's rules and is not "
-            f"launched (csrc_free_kernels.preflight):\n" + "\n".join(map(str, found)))
+        raise PreflightError(refusals.Refusal.of(build.name, found))
     return fn
 
 
@@ -126,8 +119,10 @@ def get_compiled(build):
     use programmatic dependent launch (:mod:`.pdl`) and the DSL's code-generation
     settings (:func:`codegen_environment`) are added here.  The cache holds only builds
     that passed: its directory is named after the sources, the pre-flight's rules among
-    them (:func:`.kernel_cache.fingerprint`), so a loaded object carries its verdict;
-    a refused build is remembered in the process and raises its error again.
+    them (:func:`.kernel_cache.fingerprint`), so a loaded object carries its verdict.
+    A refused build is recorded once (:mod:`.refusals`: one warning) and raises
+    :class:`.refusals.PreflightError` at this and every later request, without a second
+    compile.
     """
     key = (*build.key, ("pdl", pdl.ENABLED), ("dsl", codegen_environment()))
     fn = _memory.get(key)
@@ -137,8 +132,9 @@ def get_compiled(build):
         fn = _memory.get(key)
         if fn is not None:
             return fn
-        if key in _refused:  # refused once: not compiled and checked again on every call
-            raise _refused[key]
+        refused = refusals.get(key)
+        if refused is not None:  # not compiled and checked again on every call
+            raise PreflightError(refused)
         t0 = time.perf_counter()
         name = kernel_cache.object_name(key)
         with kernel_cache.directory() as directory:  # None: memory only
@@ -151,7 +147,7 @@ def get_compiled(build):
                 try:
                     fn = _compile_checked(build)
                 except PreflightError as exc:
-                    _refused[key] = exc
+                    refusals.record(key, exc.refusal)
                     raise
                 if directory is not None:
                     kernel_cache.store(directory, name, lambda path: fn.export_to_c(

@@ -106,4 +106,4 @@ GROUPED_GEMM_K = GroupedGemmKBackend()
 
 
 KERNELS = Kernels(backends={Op.GROUPED_GEMM_K: GROUPED_GEMM_K}, builds=builds,
-                  max_experts=MAX_EXPERTS)
+                  max_experts=MAX_EXPERTS, dtypes=HALF)

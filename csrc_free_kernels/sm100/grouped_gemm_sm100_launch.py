@@ -138,4 +138,4 @@ GROUPED_GEMM_SWIGLU = GroupedGemmSwigluBackend()
 
 KERNELS = Kernels(backends={Op.GROUPED_GEMM: GROUPED_GEMM,
                             Op.GROUPED_GEMM_SWIGLU: GROUPED_GEMM_SWIGLU},
-                  builds=builds, checked=checked, max_experts=MAX_EXPERTS)
+                  builds=builds, checked=checked, max_experts=MAX_EXPERTS, dtypes=HALF)

@@ -13,7 +13,8 @@ Modules, one job each:
   from one table for every op family;
 - :mod:`.backend`: the interface every backend of an op family offers
   (``choose_config``, ``run``) and the one rule that picks a backend
-  (:func:`~.backend.first_taker`);
+  (:func:`~.backend.take`: the first that takes the call, a refused kernel build
+  declining it);
 - :mod:`.kernels`: the kernel families (``csrc_free_kernels.families``), loaded
   once, each under its own guard; :mod:`.torch_backend`, :mod:`.reference_backend`
   (and :mod:`ts_moe.fp8.backends`): the others;
@@ -25,7 +26,7 @@ From ``ts_moe.grouped_gemm`` to the pipeline, a bf16 call on an H100/H200::
     ts_moe/ops/library.py     autograd_kernel.kernel    no gradient wanted: the CUDA kernel, direct
     ts_moe/ops/gemm.py        _cuda                     paths.device_capability;
                                                         checks.layout_ready: validated once
-    ts_moe/ops/gemm.py        dispatch                  paths.backends, backend.first_taker:
+    ts_moe/ops/gemm.py        dispatch                  paths.backends, backend.take:
                                                         choose_config, then backend.run
     csrc_free_kernels/hopper/grouped_gemm_sm90_launch.py
                               GroupedGemmBackend        choose_config (grouped_gemm_sm90_config),

@@ -13,10 +13,15 @@ then
 2. asks ``backend.choose_config(...)``: the kernel configuration for this
    call, or, where this backend cannot take it (a size its tiles cannot cover, an
    unaligned row, ...), a :class:`Declined` with the reason (falsy); the op then
-   takes the next backend of its paths (:func:`first_taker`; the last takes every
+   takes the next backend of its paths (:func:`take`; the last takes every
    call),
 3. calls ``backend.run(..., config)`` once: no validation there, nothing
-   raised for a call its ``choose_config`` took, the config used as given.
+   raised for a call its ``choose_config`` took, the config used as given, but for a
+   kernel build the pre-flight refuses (a ``PreflightError``, the build refused once
+   per process with one warning: ``csrc_free_kernels.common.refusals``).  A kernel
+   backend's ``run`` obtains its compiled kernel before it launches or writes
+   anything, so a refusal means the backend declines the call, and the op takes the
+   next backend (:func:`take`).
 
 The protocols below are the families; every backend of a family has these
 methods with these signatures (``tests/test_backends.py`` checks them).
@@ -24,12 +29,12 @@ Tensors reach a backend validated, on one device, in the documented layout,
 with no empty dimension (the op answers those itself).
 """
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple, Protocol
 
 import torch
 
-from .kernels import Declined, Op
+from .kernels import Declined, Op, PreflightError
 
 Config = Hashable  # a backend's own configuration object (a tile config, a build width, ...)
 
@@ -242,7 +247,7 @@ class OutputSpec(NamedTuple):
 def first_taker(backends, *args) -> tuple:
     """``(backend, config)`` of the first of ``backends`` whose ``choose_config(*args)``
     takes the call (a truthy config; a :class:`Declined` is falsy); the last must take
-    every call."""
+    every call.  What a call would take, before any kernel is compiled."""
     for backend in backends:
         config = backend.choose_config(*args)
         if config:
@@ -251,25 +256,46 @@ def first_taker(backends, *args) -> tuple:
                          f"answered {config!r}")
 
 
+def _take(offers, run: Callable):
+    """``run(backend, config, *extra)`` for the first ``(backend, args, extra)`` of
+    ``offers`` whose ``choose_config(*args)`` takes the call and whose ``run`` meets no
+    refused kernel build; the last must take every call."""
+    backend = said = None
+    for backend, args, extra in offers:
+        said = backend.choose_config(*args)
+        if said:
+            try:
+                return run(backend, said, *extra)
+            except PreflightError as refused:  # nothing launched: the backend declines
+                said = Declined(str(refused))
+    raise AssertionError(f"no backend took the call; the last, {type(backend).__name__}, "
+                         f"answered {said!r}")
+
+
+def take(backends, args: tuple, run: Callable):
+    """``run(backend, config)`` on the first of ``backends`` that takes the call: its
+    ``choose_config(*args)`` gives a config (:func:`first_taker`), and ``run`` meets no
+    kernel build the pre-flight refused (a backend whose build is refused declines
+    the call, and the next one takes it); the last takes every call."""
+    return _take(((backend, args, ()) for backend in backends), run)
+
+
 def run_first(backends, *args):
     """``run(*args, config)`` of the first of ``backends`` that takes the call
-    (:func:`first_taker`): the families whose ``run`` takes what ``choose_config`` does."""
-    backend, config = first_taker(backends, *args)
-    return backend.run(*args, config)
+    (:func:`take`): the families whose ``run`` takes what ``choose_config`` does."""
+    return take(backends, args, lambda backend, config: backend.run(*args, config))
 
 
-def fused_or_split(pairs, fused_args, split_args) -> tuple:
-    """``(backend, config, fused)`` of a fused GEMM + SwiGLU call: per ``(fused,
-    split)`` pair of backends (a path's), in order, the fused one where its
-    ``choose_config(*fused_args)`` takes the call, else the path's plain GEMM where it
-    takes ``split_args`` (the GEMM to fp32, the op then applies the activation: one
-    rounding); the last pair takes every call."""
-    for fused, split in pairs:
-        config = fused.choose_config(*fused_args)
-        if config:
-            return fused, config, True
-        config = split.choose_config(*split_args)
-        if config:
-            return split, config, False
-    raise AssertionError(f"no backend took the call; the last, {type(split).__name__}, "
-                         f"answered {config!r}")
+def fused_or_split(pairs, fused_args, split_args, run: Callable):
+    """``run(backend, config, fused)`` of a fused GEMM + SwiGLU call: per ``(fused,
+    split)`` pair of backends (a path's), in order, the fused one where it takes
+    ``fused_args`` (:func:`take`), else the path's plain GEMM (None: the path has none)
+    where it takes ``split_args`` (the GEMM to fp32, the op then applies the
+    activation: one rounding); the last pair takes every call."""
+    def offers():
+        for fused, split in pairs:
+            yield fused, fused_args, (True,)
+            if split is not None:
+                yield split, split_args, (False,)
+
+    return _take(offers(), run)

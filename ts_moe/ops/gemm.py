@@ -20,8 +20,8 @@ A call: :func:`grouped_gemm` -> the op -> :func:`_cuda` (or :func:`_cpu`):
 the device's capability (:func:`ts_moe.ops.paths.device_capability`), one validation
 (:func:`ts_moe.checks.layout_ready`, else the full check and the op's views),
 then :func:`dispatch`: the first backend of the call's paths whose ``choose_config``
-takes it (:func:`ts_moe.ops.paths.backends`, :func:`ts_moe.ops.backend.first_taker`),
-and its ``run``.  The gradient is made of the op itself
+takes it and whose kernel build is not refused (:func:`ts_moe.ops.paths.backends`,
+:func:`ts_moe.ops.backend.take`), and its ``run``.  The gradient is made of the op itself
 (:func:`grouped_gemm_backward`), so it runs on the forward's path, eagerly
 and in compiled graphs, and double backward works.
 """
@@ -31,7 +31,7 @@ import torch
 from ..checks import check_grouped_gemm_args, check_tensor_types, contiguous_dim, layout_ready
 from ..reference import gather_rows as gather_rows_reference
 from . import paths, routing
-from .backend import Op, first_taker
+from .backend import Op, run_first, take
 from .layout import aligned_rows, empty_output, one_segment, operand, row_pad, tma_view
 from .library import below_autograd, define
 
@@ -64,14 +64,17 @@ def dispatch(capability, a, b, offs, dtype, a_index=None, prefetch_weights=False
     the backends' layout, no empty dim."""
     m = (a if a_index is None else a_index).shape[0]
     out = empty_output(a, m, b.shape[2], dtype)
-    backend, config = first_taker(
-        paths.backends(Op.GROUPED_GEMM, capability, a.dtype, dtype, b.shape[0]),
-        a, b, offs, out, a_index)
-    if a_index is not None and not backend.gathers:
-        # the row gather is the kernel ahead: offs and b are older (prefetch_weights)
-        a, a_index, prefetch_weights = routing.gather_rows(a, a_index), None, True
-    return backend.run(a, b, offs, out, config, a_index=a_index,
-                       prefetch_weights=prefetch_weights)
+
+    def run_on(backend, config):
+        if a_index is not None and not backend.gathers:
+            # the row gather is the kernel ahead: offs and b are older (prefetch_weights)
+            return backend.run(routing.gather_rows(a, a_index), b, offs, out, config,
+                               prefetch_weights=True)
+        return backend.run(a, b, offs, out, config, a_index=a_index,
+                           prefetch_weights=prefetch_weights)
+
+    return take(paths.backends(Op.GROUPED_GEMM, capability, a.dtype, dtype, b.shape[0]),
+                (a, b, offs, out, a_index), run_on)
 
 
 def _run_k(capability, a, b, offs, out_dtype=None) -> torch.Tensor:
@@ -82,10 +85,8 @@ def _run_k(capability, a, b, offs, out_dtype=None) -> torch.Tensor:
     if 0 in (num_experts, k, m, n):
         return out.zero_()
     a, b = tma_view(a, 0), tma_view(b, 1)
-    backend, config = first_taker(
-        paths.backends(Op.GROUPED_GEMM_K, capability, a.dtype, dtype, num_experts),
-        a, b, offs, out)
-    return backend.run(a, b, offs, out, config)
+    return run_first(paths.backends(Op.GROUPED_GEMM_K, capability, a.dtype, dtype, num_experts),
+                     a, b, offs, out)
 
 
 def _cpu(a, b, offs, out_dtype=None, *, a_index=None, prefetch_weights=False):

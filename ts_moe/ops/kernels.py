@@ -12,12 +12,14 @@ stays on, and the paths take the next backend where a family is missing.  Withou
 
 import warnings
 
-from csrc_free_kernels.common.family import Family, Kernels, Op  # noqa: F401
+from csrc_free_kernels.common.family import Family, Kernels, Op, Proof  # noqa: F401
 # the scaled number formats, as data (ts_moe.fp8.recipes reads them)
 from csrc_free_kernels.common.formats import FORMATS, ScaleFormat  # noqa: F401
 # what a backend answers for a call it does not take: the kernels own it (data flows
 # down), and it needs no DSL
 from csrc_free_kernels.common.kernel_config import Declined  # noqa: F401
+# a kernel build the pre-flight refused, and the refusals of this process (no DSL either)
+from csrc_free_kernels.common.refusals import PreflightError, refused  # noqa: F401
 from csrc_free_kernels.families import FAMILIES
 
 

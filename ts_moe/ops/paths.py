@@ -3,27 +3,35 @@ the settings alone; one table for every op family, bf16, fp16, fp32 and FP8.
 
 A path (:class:`Path`) is a set of backends, one per op family it serves
 (:data:`TABLE`); a call takes the first backend of its paths whose ``choose_config``
-takes it (:func:`ts_moe.ops.backend.first_taker`); a backend that does not answers a
-``Declined`` with the reason, and the last path takes every call.
+takes it and whose kernel build the pre-flight does not refuse
+(:func:`ts_moe.ops.backend.take`); a backend that does not answers a ``Declined`` with
+the reason, and the last path takes every call.
+
+The kernel paths are the families' records (``csrc_free_kernels.families``): one per
+compute capability and precedence, holding the backends of the families of that
+capability's arch (:data:`KERNEL_PATHS`; sm_90 (H100/H200): the sm_90a families, sm_100
+(B200, GB200): the sm_100a GEMM).  A call first tries the kernel paths of its device's
+capability, the higher precedence first, each where the family serving the op is
+loaded and switched on (``Family.setting``: ``ts_moe.settings.sm100_kernel``,
+``router_kernel``, ``fp8_kernels`` (on)) and its kernels take the call's dtype and
+expert count (``Kernels.dtypes``, ``max_experts``); then the paths of torch's and of
+ts_moe's own backends (:data:`FALLBACKS`, their devices torch's):
 
 =====================  ===================================================================
-op families            paths tried, in order
+op families            paths tried after the kernel paths, in order
 =====================  ===================================================================
-grouped GEMMs          sm_90 (H100/H200), 16-bit: the sm_90 kernels; sm_100 (B200, GB200)
-(row, k-grouped,       16-bit with ``ts_moe.settings.sm100_kernel``: the sm_100 kernel;
-fused SwiGLU)          then the path the device takes without them: ``torch._grouped_mm``
-                       (its CUTLASS kernel) for bf16 in and out on sm_90/sm_10x, and for
-                       float32 on any CUDA GPU (its per-expert loop, a sync); else the
-                       plain-torch references (they read ``offs`` on the host)
-routing, slot order,   where the device's bf16 GEMMs take the sm_90 kernels: those kernels
-combine and its        (the router's with ``ts_moe.settings.router_kernel``), then the
-gradient, gather,      references on the device; elsewhere the references
-activation, router
-FP8 GEMMs and the      sm_90: the sm_90 FP8 kernels (``ts_moe.settings.fp8_kernels``, on),
-quantizer              ``torch._scaled_grouped_mm`` (rowwise, bf16 out), the weights
-                       dequantized to bf16 then ``ts_moe.grouped_gemm`` (it takes every
-                       call); other GPUs: the dequantized path; the quantizer: the kernel
-                       (sm_90, unless switched off), else the reference on the device
+grouped GEMMs          ``torch._grouped_mm`` (its CUTLASS kernel) for bf16 in and out on
+(row, k-grouped,       sm_90/sm_10x, and for float32 on any CUDA GPU (its per-expert loop,
+fused SwiGLU)          a sync); else the plain-torch references (they read ``offs`` on
+                       the host)
+FP8 GEMMs              ``torch._scaled_grouped_mm`` (rowwise, bf16 out) on sm_90, the
+                       weights dequantized to bf16 then ``ts_moe.grouped_gemm`` (it takes
+                       every call), the reference
+routing, slot order,   the references on the device
+combine and its
+gradient, gather,
+activation, router,
+FP8 quantizer
 =====================  ===================================================================
 
 The CPU, and ``ts_moe.settings.reference`` (``TS_MOE_REFERENCE=1``), take the references.
@@ -32,35 +40,82 @@ A kernel family that did not load (:mod:`ts_moe.ops.kernels`) is missing from it
 
 import enum
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from ..fp8 import backends as fp8
-from ..settings import settings
+from ..settings import SETTINGS, settings
 from . import kernels
 from . import reference_backend as ref
 from . import torch_backend
 from .backend import Op
+from .kernels import Family, Proof
+
+_DEFAULTS = {s.name: s.default for s in SETTINGS}
 
 
-class Path(enum.Enum):
-    KERNEL_SM90 = "ts_moe CuTeDSL kernels (sm_90a)"
-    KERNEL_SM100 = "ts_moe CuTeDSL kernels (sm_100a; opted in, never run on hardware here)"
-    TORCH_GROUPED_MM = "torch._grouped_mm"
-    TORCH_SCALED = "torch._scaled_grouped_mm (rowwise FP8, sm_90)"
-    DEQUANTIZE = "FP8 weights dequantized to bf16, then ts_moe.grouped_gemm"
-    REFERENCE = "plain-torch reference (reads offs on the host)"
+class KernelPath(NamedTuple):
+    """A kernel path: the compute capability it serves, its precedence, and the families
+    whose backends it holds (every family of that capability and precedence)."""
+
+    capability: tuple[int, int]
+    precedence: int
+    families: tuple[Family, ...]
+
+    @property
+    def name(self) -> str:
+        """``KERNEL_SM90``; ``KERNEL_SM90_P1`` at precedence 1."""
+        major, minor = self.capability
+        return f"KERNEL_SM{major}{minor}" + (f"_P{self.precedence}" if self.precedence else "")
+
+    @property
+    def title(self) -> str:
+        """What it is, in words: its archs, its precedence, whether a call takes it only
+        once opted in (each family's setting off by default), whether it never ran on
+        hardware (none of its families verified)."""
+        notes = [", ".join(dict.fromkeys(f.arch for f in self.families))]
+        if self.precedence:
+            notes.append(f"precedence {self.precedence}")
+        state = []
+        if all(f.setting and not _DEFAULTS[f.setting] for f in self.families):
+            state.append("opted in")
+        if not any(f.proof is Proof.VERIFIED for f in self.families):
+            state.append("never run on hardware here")
+        if state:
+            notes.append(", ".join(state))
+        return f"ts_moe CuTeDSL kernels ({'; '.join(notes)})"
 
 
-KERNEL_PATHS = {"sm_90a": Path.KERNEL_SM90, "sm_100a": Path.KERNEL_SM100}
-CAPABILITY = {Path.KERNEL_SM90: (9, 0), Path.KERNEL_SM100: (10, 0)}
-GEMM_OPS = (Op.GROUPED_GEMM, Op.GROUPED_GEMM_K, Op.GROUPED_GEMM_SWIGLU)
-DEVICE_OPS = (Op.SWIGLU_ACTIVATION, Op.ROUTE_SLOTS, Op.ROUTE_TOPK, Op.SORT_SLOTS, Op.ROW_SUM,
-              Op.COMBINE_GRAD, Op.ROUTER_LOGITS)
-FP8_OPS = (Op.SCALED_GROUPED_GEMM, Op.SCALED_GROUPED_GEMM_SWIGLU, Op.QUANTIZE_FP8)
+def _kernel_paths(families) -> tuple[KernelPath, ...]:
+    """One kernel path per (capability, precedence) of the families the ops take, in
+    the order of the records."""
+    groups: dict = {}
+    for f in families:
+        if f.in_ops:
+            groups.setdefault((f.capability, f.precedence), []).append(f)
+    return tuple(KernelPath(c, p, tuple(fs)) for (c, p), fs in groups.items())
+
+
+_KERNEL_PATHS = _kernel_paths(kernels.FAMILIES)
+Path = enum.Enum("Path", [*((k.name, k.title) for k in _KERNEL_PATHS),
+                          ("TORCH_GROUPED_MM", "torch._grouped_mm"),
+                          ("TORCH_SCALED", "torch._scaled_grouped_mm (rowwise FP8, sm_90)"),
+                          ("DEQUANTIZE", "FP8 weights dequantized to bf16, then "
+                                         "ts_moe.grouped_gemm"),
+                          ("REFERENCE", "plain-torch reference (reads offs on the host)")],
+                 module=__name__, qualname="Path")
+Path.__doc__ = """A path: the kernel paths of the records (``KERNEL_SM90``, ...), then
+torch's and ts_moe's own; each member's value says what it is."""
+KERNEL_PATHS: dict = {Path[k.name]: k for k in _KERNEL_PATHS}
+"""``{kernel path: its KernelPath}``, in the order of the records."""
+_BY_CAPABILITY: dict = {}
+for _path, _kernel in sorted(KERNEL_PATHS.items(), key=lambda item: -item[1].precedence):
+    _BY_CAPABILITY.setdefault(_kernel.capability, []).append(_path)
 
 TABLE: dict[Path, dict[Op, object]] = {
-    Path.KERNEL_SM90: {}, Path.KERNEL_SM100: {},
+    **{path: {} for path in KERNEL_PATHS},
     Path.TORCH_GROUPED_MM: {Op.GROUPED_GEMM: torch_backend.GROUPED_GEMM,
                             Op.GROUPED_GEMM_K: torch_backend.GROUPED_GEMM_K,
                             Op.GROUPED_GEMM_SWIGLU: torch_backend.GROUPED_GEMM_SWIGLU},
@@ -75,49 +130,95 @@ TABLE: dict[Path, dict[Op, object]] = {
 """``{path: {op family: backend}}``: the kernel paths hold what each loaded family serves."""
 PROVIDER: dict = {}
 """``{(kernel path, op family): the family}`` behind each kernel backend of :data:`TABLE`."""
-MAX_EXPERTS: dict = {}
-"""``{(kernel path, op family): the most experts its kernels take}``."""
-for _family in kernels.FAMILIES:
-    _kernels = kernels.LOADED.get(_family.name)
-    if _kernels is not None and _family.in_ops:
-        _path = KERNEL_PATHS[_family.arch]
-        for _op, _backend in _kernels.backends.items():
-            TABLE[_path].setdefault(_op, _backend)
-            PROVIDER.setdefault((_path, _op), _family)
-            MAX_EXPERTS.setdefault((_path, _op), _kernels.max_experts)
+for _path, _kernel in KERNEL_PATHS.items():
+    for _family in _kernel.families:
+        _served = kernels.LOADED.get(_family.name)
+        for _op in _family.serves if _served is not None else ():
+            if _op in _served.backends:
+                TABLE[_path][_op] = _served.backends[_op]
+                PROVIDER[_path, _op] = _family
 SWITCHES = tuple(sorted({f.setting for f in kernels.FAMILIES if f.setting}))
 """The ``ts_moe.settings`` attributes that switch a family on or off."""
 
 
+def kernel_path(family: Family) -> Path:
+    """The kernel path that holds ``family``'s backends."""
+    return next(p for p, k in KERNEL_PATHS.items() if family in k.families)
+
+
+def _torch_grouped_mm(capability, dtype, out_dtype) -> bool:
+    """torch's grouped_mm takes its CUTLASS fast path only on sm_90 and sm_100 (10.x)
+    for bf16 in and out; elsewhere it loops over the experts with a host sync, which the
+    reference does too, so it serves only float32 (which our kernels don't take), and
+    only on CUDA."""
+    return capability is not None and (dtype == torch.float32 or (
+        dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16)
+        and (capability == (9, 0) or capability[0] == 10)))
+
+
+class Fallback(NamedTuple):
+    """A path of torch's or ts_moe's own backends: where it serves a call
+    (``serves(capability, dtype, out_dtype)``, the capability None on the CPU), and
+    whether it takes every call it serves (``final``: no path after it)."""
+
+    path: Path
+    serves: Callable[[tuple, torch.dtype | None, torch.dtype | None], bool]
+    final: bool
+
+
+FALLBACKS = (
+    Fallback(Path.TORCH_GROUPED_MM, _torch_grouped_mm, True),
+    # torch's rowwise FP8 grouped GEMM: sm_90 (its sm_100 one takes MX formats only)
+    Fallback(Path.TORCH_SCALED, lambda capability, *_: capability == (9, 0), False),
+    Fallback(Path.DEQUANTIZE, lambda capability, *_: capability is not None, False),
+    Fallback(Path.REFERENCE, lambda *_: True, True),
+)
+"""The paths after the kernel paths, in order: an op family tries each that holds a
+backend for it and serves the call, up to the first ``final`` one."""
+
+
+def _takes(path, op, dtype, num_experts, on: Callable[[Family], bool]) -> bool:
+    """Whether kernel ``path`` offers a call of ``op``: its family serves it, is on, and
+    its kernels take ``dtype`` (where they name theirs) and ``num_experts``."""
+    family = PROVIDER.get((path, op))
+    if family is None or not on(family):
+        return False
+    limits = kernels.LOADED[family.name]
+    return ((not limits.dtypes or dtype in limits.dtypes)
+            and (limits.max_experts is None or num_experts <= limits.max_experts))
+
+
+def _chain(op, capability, dtype, out_dtype, num_experts, on: Callable[[Family], bool],
+           without: tuple = ()) -> tuple[Path, ...]:
+    """The paths of a call, in order: the kernel paths of ``capability`` (None: the CPU,
+    none) that offer it (:func:`_takes`), then :data:`FALLBACKS` (all but ``without``)."""
+    found = [p for p in _BY_CAPABILITY.get(capability, ())
+             if _takes(p, op, dtype, num_experts, on)]
+    for fallback in FALLBACKS:
+        if (op in TABLE[fallback.path] and fallback.path not in without
+                and fallback.serves(capability, dtype, out_dtype)):
+            found.append(fallback.path)
+            if fallback.final:
+                break
+    if not found:
+        raise ValueError(f"no path serves {op.value} on "
+                         f"{'the CPU' if capability is None else f'capability {capability}'}")
+    return tuple(found)
+
+
 def choose_path(capability: tuple[int, int] | None, dtype: torch.dtype,
                 out_dtype: torch.dtype | None, num_experts: int, *,
-                kernels_available: bool = True, kernel_max_experts: int = 512,
-                has_torch_grouped_mm: bool = True, sm100_opt_in: bool = False) -> Path:
+                kernels_available: bool = True, has_torch_grouped_mm: bool = True,
+                opted_in: bool = False) -> Path:
     """The first path of a grouped GEMM on a device of compute ``capability`` (None: the
-    CPU).
-
-    torch's grouped_mm takes its CUTLASS fast path only on sm_90 and sm_100
-    (10.x) for bf16 in and out; elsewhere it loops over the experts with a host
-    sync, which the reference does too, so it serves only float32 (which our
-    kernels don't take).  Capability 10.0 runs the sm_100a kernel only after
-    :func:`use_sm100_kernel` (it has never run on a Blackwell GPU).
-    """
-    if capability is None:
-        return Path.REFERENCE
-    half = dtype in (torch.bfloat16, torch.float16)
-    if (capability == (9, 0) and kernels_available and half
-            and num_experts <= kernel_max_experts):
-        return Path.KERNEL_SM90
-    if (capability == (10, 0) and sm100_opt_in and kernels_available and half
-            and num_experts <= kernel_max_experts):
-        return Path.KERNEL_SM100
-    if has_torch_grouped_mm:
-        if dtype == torch.float32:
-            return Path.TORCH_GROUPED_MM
-        if (dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16)
-                and (capability == (9, 0) or capability[0] == 10)):
-            return Path.TORCH_GROUPED_MM
-    return Path.REFERENCE
+    CPU), the settings aside: the first kernel path of the capability whose family takes
+    ``dtype`` and ``num_experts`` (none without ``kernels_available``; a family a
+    setting turns on only when ``opted_in``: the sm_100a kernel, which has never run on
+    a Blackwell GPU), else torch's grouped_mm where it serves the call
+    (:func:`_torch_grouped_mm`), else the reference."""
+    return _chain(Op.GROUPED_GEMM, capability, dtype, out_dtype, num_experts,
+                  lambda f: kernels_available and (opted_in or not f.setting),
+                  () if has_torch_grouped_mm else (Path.TORCH_GROUPED_MM,))[0]
 
 
 def use_sm100_kernel(enabled: bool = True) -> None:
@@ -184,53 +285,25 @@ def backends(op: Op, capability: tuple[int, int] | None, dtype: torch.dtype | No
 def pairs(fused: Op, split: Op, capability: tuple[int, int] | None,
           dtype: torch.dtype | None = None, num_experts: int = 1) -> tuple:
     """``(fused backend, plain GEMM backend)`` of each path a fused GEMM + SwiGLU call
-    tries, in order (:func:`ts_moe.ops.backend.fused_or_split`)."""
-    return tuple((TABLE[p][fused], TABLE[p][split])
+    tries, in order (:func:`ts_moe.ops.backend.fused_or_split`); None where a path holds
+    no plain GEMM."""
+    return tuple((TABLE[p][fused], TABLE[p].get(split))
                  for p in paths_for(fused, capability, dtype, None, num_experts))
 
 
 def device_backends(op: Op, t: torch.Tensor) -> tuple:
-    """The backends a call of ``op`` on ``t``'s device tries, in order (the small
-    kernels of :data:`DEVICE_OPS` and the quantizer: their paths follow the device
-    alone)."""
+    """The backends a call of ``op`` on ``t``'s device tries, in order (the op families
+    whose paths follow the device alone: the routing ops, the combine and its gradient,
+    the activation, the quantizer)."""
     return backends(op, device_capability(t))
-
-
-def _gemm_path(op, capability, dtype, out_dtype, num_experts, kernels_available=True):
-    """The first path of a GEMM call; a switched-off family's path is dropped after, by
-    :func:`_paths`, as every op family's is."""
-    kernel = next((p for p, c in CAPABILITY.items() if c == capability), None)
-    served = kernel is not None and (kernel, op) in PROVIDER
-    return choose_path(capability, dtype, out_dtype, num_experts,
-                       kernels_available=kernels_available and served,
-                       kernel_max_experts=MAX_EXPERTS.get((kernel, op)) or 0,
-                       has_torch_grouped_mm=hasattr(torch, "_grouped_mm"), sm100_opt_in=True)
 
 
 @functools.cache
 def _paths(op, capability, dtype, out_dtype, num_experts, switches) -> tuple[Path, ...]:
     on = dict(zip(SWITCHES, switches))
-    if capability is None:
-        found = [Path.REFERENCE]
-    elif op in GEMM_OPS:
-        found = [_gemm_path(op, capability, dtype, out_dtype, num_experts),
-                 _gemm_path(op, capability, dtype, out_dtype, num_experts, False)]
-    elif op in DEVICE_OPS:
-        bf16 = _gemm_path(Op.GROUPED_GEMM, capability, torch.bfloat16, None, 1)
-        found = [Path.KERNEL_SM90, Path.REFERENCE] if bf16 is Path.KERNEL_SM90 else \
-            [Path.REFERENCE]
-    elif op in FP8_OPS and capability == (9, 0):  # the dequantize path takes every call
-        found = [Path.KERNEL_SM90, Path.TORCH_SCALED, Path.DEQUANTIZE, Path.REFERENCE]
-    elif op in FP8_OPS:
-        found = [Path.DEQUANTIZE, Path.REFERENCE]
-    else:
-        raise ValueError(f"{op}: no path serves it")
-    chain = []
-    for p in dict.fromkeys(found):
-        family = PROVIDER.get((p, op))
-        if op in TABLE[p] and (family is None or not family.setting or on[family.setting]):
-            chain.append(p)
-    return tuple(chain)
+    return _chain(op, capability, dtype, out_dtype, num_experts,
+                  lambda f: not f.setting or on[f.setting],
+                  () if hasattr(torch, "_grouped_mm") else (Path.TORCH_GROUPED_MM,))
 
 
 def graph_path(device_index: int, dtype: torch.dtype, num_experts: int) -> Path | None:
@@ -240,14 +313,15 @@ def graph_path(device_index: int, dtype: torch.dtype, num_experts: int) -> Path 
     the reference read ``offs`` on the host)."""
     capability = None if settings.reference else _capability(device_index)
     path = paths_for(Op.GROUPED_GEMM, capability, dtype, None, num_experts)[0]
-    if path in (Path.KERNEL_SM90, Path.KERNEL_SM100) or (
-            path is Path.TORCH_GROUPED_MM and dtype != torch.float32):
+    if path in KERNEL_PATHS or (path is Path.TORCH_GROUPED_MM and dtype != torch.float32):
         return path
     return None
 
 
 def kernel_arch(device_index: int) -> str | None:
-    """'sm_90a' when bf16 calls on this CUDA device run the CuTeDSL kernels, else None."""
+    """The arch of the CuTeDSL kernels bf16 grouped GEMMs on this CUDA device run
+    ('sm_90a' on an H100 or H200), else None."""
     capability = None if settings.reference else _capability(device_index)
     first = paths_for(Op.GROUPED_GEMM, capability, torch.bfloat16)[0]
-    return "sm_90a" if first is Path.KERNEL_SM90 else None
+    family = PROVIDER.get((first, Op.GROUPED_GEMM))
+    return None if family is None else family.arch

@@ -24,7 +24,7 @@ import torch
 
 from ..fp8.recipes import E4M3, Recipe, check_quantize_args, schema_recipe
 from . import paths
-from .backend import Op, first_taker
+from .backend import Op, run_first
 from .library import define_inference_op
 
 
@@ -38,8 +38,7 @@ def _in_fast_layout(scale: torch.Tensor, recipe: Recipe, shape) -> torch.Tensor:
 
 def _quantize_impl(x, recipe):
     recipe = check_quantize_args(x, recipe)
-    backend, config = first_taker(paths.device_backends(Op.QUANTIZE_FP8, x), x, recipe)
-    q, scale = backend.run(x, recipe, config)
+    q, scale = run_first(paths.device_backends(Op.QUANTIZE_FP8, x), x, recipe)
     return q, _in_fast_layout(scale, recipe, x.shape)
 
 

@@ -10,8 +10,8 @@
   gradients in one pass (the MoE layer's backward, :mod:`ts_moe.experts_grad`);
 
 and :func:`gather_rows`, the row gather ahead of a GEMM that does not gather.
-On a device whose bf16 calls run the sm_90 kernels, each takes its kernel
-where the kernel's ``choose_config`` takes the call (a decode batch: one
+On a device with the sm_90 kernels, each takes its kernel where the
+kernel's ``choose_config`` takes the call (a decode batch: one
 launch each), else :mod:`ts_moe.reference` (on the device, no host sync):
 the same results, bit for bit.  None is differentiable itself: where an input
 needs a gradient, the public functions run the differentiable references.
@@ -25,7 +25,7 @@ from ..checks import check_combine_args, check_combine_grad_args, check_experts,
 from ..reference import Dispatch, SlotOrder
 from ..settings import settings
 from . import paths
-from .backend import Op, first_taker, run_first
+from .backend import Op, run_first
 from .layout import row_major
 from .library import define
 
@@ -57,20 +57,32 @@ def _router_logits_impl(x, weight):
     return run_first(paths.device_backends(Op.ROUTER_LOGITS, x), x, weight)
 
 
+class _SplitRouting:
+    """A ``RouteSlots`` backend made of two: the routing on the many-CTA top-k kernel,
+    then the slot order in a second launch; it takes a batch the one-CTA kernel
+    (``kernel``) takes that is large enough for the top-k's CTAs."""
+
+    def __init__(self, kernel, topk):
+        self.kernel, self.topk = kernel, topk
+
+    def choose_config(self, logits, top_k):
+        taken = self.kernel.choose_config(logits, top_k)
+        return self.topk.choose_config(logits, top_k) if taken else taken
+
+    def run(self, logits, top_k, config):
+        weights, experts = self.topk.run(logits, top_k, config)
+        return (weights, experts, *_sort(experts, logits.shape[1]))
+
+
 def _route_slots_impl(logits, top_k):
     check_route_args(logits, top_k)
     logits = logits.contiguous()
-    backend, config = first_taker(paths.device_backends(Op.ROUTE_SLOTS, logits), logits, top_k)
+    backends = paths.device_backends(Op.ROUTE_SLOTS, logits)
     reference = paths.TABLE[paths.Path.REFERENCE]
     topk = paths.device_backends(Op.ROUTE_TOPK, logits)[0]
-    if backend is not reference[Op.ROUTE_SLOTS] and topk is not reference[Op.ROUTE_TOPK]:
-        # a batch the one-CTA kernel takes, with the router kernels on: large enough
-        # for the many-CTA top-k, the top-k there and the slot order in a second launch
-        split = topk.choose_config(logits, top_k)
-        if split:
-            weights, experts = topk.run(logits, top_k, split)
-            return (weights, experts, *_sort(experts, logits.shape[1]))
-    return backend.run(logits, top_k, config)
+    if backends[0] is not reference[Op.ROUTE_SLOTS] and topk is not reference[Op.ROUTE_TOPK]:
+        backends = (_SplitRouting(backends[0], topk), *backends)  # the router kernels on
+    return run_first(backends, logits, top_k)
 
 
 def _sort(experts, num_experts):

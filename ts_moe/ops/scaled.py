@@ -37,7 +37,7 @@ from ..fp8.recipes import Pair, check_scaled_args, remember_ready, scaled_call_r
     schema_recipe
 from ..reference import swiglu
 from . import paths
-from .backend import Op, OutputSpec, first_taker, fused_or_split
+from .backend import Op, OutputSpec, fused_or_split, take
 from .layout import empty_output
 from .library import define_inference_op
 
@@ -57,11 +57,14 @@ def run_gemm(backends: tuple, a, b, scale_a, scale_b, offs, out_dtype, pair: Pai
     num_experts, k, n = b.shape
     if 0 in (m, n, k, num_experts):
         return empty_output(a, m, n, out_dtype).zero_()
-    backend, config = first_taker(backends, a, b, scale_a, scale_b, offs,
-                                  OutputSpec((m, n), out_dtype), a_index, pair)
-    # a backend that returns its own tensor (torch's) is given none to leave unused
-    out = None if backend.allocates else empty_output(a, m, n, out_dtype)
-    return backend.run(a, b, scale_a, scale_b, offs, out, config, pair, a_index=a_index)
+
+    def run_on(backend, config):
+        # a backend that returns its own tensor (torch's) is given none to leave unused
+        out = None if backend.allocates else empty_output(a, m, n, out_dtype)
+        return backend.run(a, b, scale_a, scale_b, offs, out, config, pair, a_index=a_index)
+
+    return take(backends, (a, b, scale_a, scale_b, offs, OutputSpec((m, n), out_dtype), a_index,
+                           pair), run_on)
 
 
 def run_swiglu(pairs: tuple, a, gate_up, scale_a, scale_b, offs, out_dtype, pair: Pair,
@@ -76,15 +79,19 @@ def run_swiglu(pairs: tuple, a, gate_up, scale_a, scale_b, offs, out_dtype, pair
     if 0 in (m, two_i, k, num_experts):
         return out.zero_()
     b = gate_up.transpose(-2, -1)
-    backend, config, fused = fused_or_split(
+
+    def run_on(backend, config, fused):
+        if fused:
+            return backend.run(a, gate_up, scale_a, scale_b, offs, out, config, pair,
+                               a_index=a_index)
+        wide = None if backend.allocates else empty_output(a, m, two_i, torch.float32)
+        h = backend.run(a, b, scale_a, scale_b, offs, wide, config, pair, a_index=a_index)
+        return out.copy_(swiglu(h, out_dtype))
+
+    return fused_or_split(
         pairs, (a, gate_up, scale_a, scale_b, offs, out, a_index, pair),
-        (a, b, scale_a, scale_b, offs, OutputSpec((m, two_i), torch.float32), a_index, pair))
-    if fused:
-        return backend.run(a, gate_up, scale_a, scale_b, offs, out, config, pair,
-                           a_index=a_index)
-    wide = None if backend.allocates else empty_output(a, m, two_i, torch.float32)
-    h = backend.run(a, b, scale_a, scale_b, offs, wide, config, pair, a_index=a_index)
-    return out.copy_(swiglu(h, out_dtype))
+        (a, b, scale_a, scale_b, offs, OutputSpec((m, two_i), torch.float32), a_index, pair),
+        run_on)
 
 
 # --------------------------------------------------------------- the ops

@@ -18,7 +18,7 @@ from ..checks import check_swiglu_activation_args, check_swiglu_args, check_tens
     contiguous_dim, layout_ready
 from ..reference import gather_rows, swiglu, swiglu_double_backward
 from . import paths, routing
-from .backend import Op, OutputSpec, first_taker, fused_or_split
+from .backend import Op, OutputSpec, fused_or_split, take
 from .gemm import grouped_gemm, scatter_rows, weight_grad
 from .layout import aligned_rows, empty_output, one_segment, row_major, row_pad, tma_view
 from .library import below_autograd, define
@@ -59,21 +59,24 @@ def dispatch(capability, a, gate_up, offs, a_index=None) -> torch.Tensor:
     two_i = gate_up.shape[1]
     out = empty_output(a, m, two_i // 2, a.dtype)
     b = gate_up.transpose(-2, -1)
-    backend, config, fused = fused_or_split(
+
+    def run_on(backend, config, fused):
+        rows, index, prefetch_weights = a, a_index, False
+        if a_index is not None and not backend.gathers:
+            # the row gather is the kernel ahead: offs and gate_up are older
+            rows, index, prefetch_weights = routing.gather_rows(a, a_index), None, True
+        if fused:
+            return backend.run(rows, gate_up, offs, out, config, a_index=index,
+                               prefetch_weights=prefetch_weights)
+        h = backend.run(rows, b, offs, empty_output(a, m, two_i, torch.float32), config,
+                        a_index=index, prefetch_weights=prefetch_weights)
+        return out.copy_(swiglu(h, a.dtype))
+
+    return fused_or_split(
         paths.pairs(Op.GROUPED_GEMM_SWIGLU, Op.GROUPED_GEMM, capability, a.dtype,
                     gate_up.shape[0]),
-        (a, gate_up, offs, out, a_index), (a, b, offs, OutputSpec((m, two_i), torch.float32),
-                                           a_index))
-    prefetch_weights = False
-    if a_index is not None and not backend.gathers:
-        # the row gather is the kernel ahead: offs and gate_up are older
-        a, a_index, prefetch_weights = routing.gather_rows(a, a_index), None, True
-    if fused:
-        return backend.run(a, gate_up, offs, out, config, a_index=a_index,
-                           prefetch_weights=prefetch_weights)
-    h = backend.run(a, b, offs, empty_output(a, m, two_i, torch.float32), config,
-                    a_index=a_index, prefetch_weights=prefetch_weights)
-    return out.copy_(swiglu(h, a.dtype))
+        (a, gate_up, offs, out, a_index),
+        (a, b, offs, OutputSpec((m, two_i), torch.float32), a_index), run_on)
 
 
 def _cpu(a, gate_up, offs, *, a_index=None):
@@ -145,10 +148,10 @@ def _grouped_with_grad(keyset, a, gate_up, offs, *, a_index=None):
 
 
 # ------------------------------------------------- the activation, and its gradient
-def _activation_backend(h, dy=None):
-    """(backend, config): the device's elementwise kernel where it takes ``h``,
-    else the reference."""
-    return first_taker(paths.device_backends(Op.SWIGLU_ACTIVATION, h), h, dy)
+def _activation(h, dy, run):
+    """``run(backend, config)`` on the device's elementwise kernel where it takes ``h``,
+    else on the reference (:func:`ts_moe.ops.backend.take`)."""
+    return take(paths.device_backends(Op.SWIGLU_ACTIVATION, h), (h, dy), run)
 
 
 def _swiglu_impl(h):
@@ -157,8 +160,7 @@ def _swiglu_impl(h):
     if out.numel() == 0:
         return out
     h = row_major(h)
-    backend, config = _activation_backend(h)
-    return backend.forward(h, out, config)
+    return _activation(h, None, lambda backend, config: backend.forward(h, out, config))
 
 
 def _swiglu_backward_impl(dy, h):
@@ -167,8 +169,7 @@ def _swiglu_backward_impl(dy, h):
     if dh.numel() == 0:
         return dh
     h, dy = row_major(h), row_major(dy)
-    backend, config = _activation_backend(h, dy)
-    return backend.backward(dy, h, dh, config)
+    return _activation(h, dy, lambda backend, config: backend.backward(dy, h, dh, config))
 
 
 def _swiglu_fake(h):
