@@ -127,5 +127,6 @@ def test_vllms_block_fp8_mixtral_layer_on_ts_moe_matches_the_hugging_face_block(
     # SwiGLU output rounded to bf16), the block's routing: the fp32 loop agrees closely
     with torch.inference_mode():
         _, weights, ids = block.gate(x)
-    loop = experts_loop(fp8_rows(x), w13, w2, weights, ids, swiglu_out=lambda a: fp8_rows(a.bfloat16()[None])[0])
+    loop = experts_loop(fp8_rows(x), w13, w2, weights, ids,
+                        swiglu_out=lambda a: fp8_rows(a.bfloat16()[None])[0])
     assert rel_err(out, loop) <= 1e-2

@@ -92,6 +92,21 @@ def test_the_entry_point_is_the_installed_packages_register():
     assert plugin.load() is module.register
 
 
+def test_opted_in_beside_another_vllm_release_the_plugin_says_so(monkeypatch):
+    import vllm
+
+    import ts_moe
+    from ts_moe.integrations.vllm import register
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with ts_moe.settings.override(vllm=True):
+        with pytest.raises(RuntimeError, match=r"written for vLLM 0\.33\.x .* vLLM 0\.34\.0 is "
+                                               r"installed; install vllm==0\.33\.0 or unset"):
+            register()
+    with ts_moe.settings.override(vllm=False):
+        register()  # off: a no-op, whatever vLLM is installed
+
+
 def test_not_opted_in_the_plugin_registers_nothing():
     found = vllm_process("once", opted_in=False)
     assert found == {"unquantized": None, "fp8": "vLLM's", "methods_imported": False,

@@ -22,13 +22,22 @@ runs in every vLLM process, early, and off it must leave vLLM's model executor a
 from ..settings import settings
 
 FP8_METHOD = "fp8"  # vLLM's quantization method name that TsMoeFp8Config takes
+VLLM_SERIES = "0.33."  # the modular-MoE API the methods and experts are written against
 
 
 def register() -> None:
     """vLLM's plugin entry point (module docstring): a no-op unless ``TS_MOE_VLLM=1`` (or
-    ``ts_moe.settings.vllm = True``); idempotent."""
+    ``ts_moe.settings.vllm = True``); idempotent. On, with a vLLM other than 0.33, a
+    RuntimeError saying so (the plugin stands on 0.33's internals)."""
     if not settings.vllm:
         return
+    import vllm
+
+    if not vllm.__version__.startswith(VLLM_SERIES):
+        raise RuntimeError(
+            f"TS_MOE_VLLM=1: ts_moe's vLLM plugin is written for vLLM {VLLM_SERIES}x (its "
+            f"modular MoE experts API), but vLLM {vllm.__version__} is installed; install "
+            f"vllm==0.33.0 or unset TS_MOE_VLLM")
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod as vllm_method)
