@@ -37,13 +37,14 @@ def clean(monkeypatch):
 def test_every_switch_and_variable_is_a_setting():
     assert {s.name for s in SETTINGS} == {
         "pdl", "disk_cache", "cache_dir", "reference", "decode_graphs", "sm100_kernel",
-        "router_kernel", "fp8_kernels"}
+        "router_kernel", "fp8_kernels", "vllm"}
     assert {s.env for s in ENV} == {"TS_MOE_PDL", "TS_MOE_NO_DISK_CACHE", "TS_MOE_CACHE_DIR",
-                                    "TS_MOE_REFERENCE", "TS_MOE_DECODE_GRAPHS"}
+                                    "TS_MOE_REFERENCE", "TS_MOE_DECODE_GRAPHS", "TS_MOE_VLLM"}
     assert isinstance(ts_moe.settings, Settings)
     assert repr(ts_moe.settings) == (
         "Settings(pdl=True, disk_cache=True, cache_dir=None, reference=False, "
-        "decode_graphs=True, sm100_kernel=False, router_kernel=False, fp8_kernels=True)")
+        "decode_graphs=True, sm100_kernel=False, router_kernel=False, fp8_kernels=True, "
+        "vllm=False)")
 
 
 @pytest.mark.parametrize("spec", [s for s in ENV if s.values], ids=lambda s: s.env)

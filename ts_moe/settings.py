@@ -51,6 +51,13 @@ FP8_KERNELS = Setting(
     does="FP8 calls on sm_90 run ts_moe's FP8 GEMM and quantizer kernels; off, "
          "`torch._scaled_grouped_mm` (rowwise) or the dequantize path",
     read="at each call (the decode graphs key on it)")
+VLLM = Setting(
+    "vllm", False, env="TS_MOE_VLLM", values={"0": False, "1": True},
+    does="vLLM's plugin entry point (`ts_moe.integrations.vllm`) puts ts_moe's experts "
+         "under vLLM's MoE layers: bf16/fp16 ones through vLLM's unquantized MoE method and "
+         "block-FP8 ones by replacing vLLM's `fp8` quantization config for the process; "
+         "off, the entry point registers nothing",
+    read="when vLLM loads its plugins, once per process")
 
 
 class Settings(_kernels.KernelSettings):
@@ -58,12 +65,13 @@ class Settings(_kernels.KernelSettings):
 
     __slots__ = ()
     SETTINGS = _kernels.KernelSettings.SETTINGS + (
-        REFERENCE, DECODE_GRAPHS, SM100_KERNEL, ROUTER_KERNEL, FP8_KERNELS)
+        REFERENCE, DECODE_GRAPHS, SM100_KERNEL, ROUTER_KERNEL, FP8_KERNELS, VLLM)
     reference = setting_property(REFERENCE)
     decode_graphs = setting_property(DECODE_GRAPHS)
     sm100_kernel = setting_property(SM100_KERNEL)
     router_kernel = setting_property(ROUTER_KERNEL)
     fp8_kernels = setting_property(FP8_KERNELS)
+    vllm = setting_property(VLLM)
 
 
 SETTINGS = Settings.SETTINGS
