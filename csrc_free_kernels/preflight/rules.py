@@ -12,14 +12,15 @@ guide): ``bench/notes/2026-12-06-preflight-rules.md``; what the pre-flight canno
 (values known only at run time, races) is listed there too.
 """
 
-from . import budget, bulk, collective, mbarrier, tcgen05, tma, wgmma
+from . import budget, bulk, collective, mbarrier, tcgen05, tma, tmem_lanes, tmem_order, wgmma
 from .context import Preflight, Violation
 from .trace import BuildFacts
 
 RULES = ("missing-fact", "tma-coordinate", "tensor-map", "tma-smem", "expect-tx",
          "mbarrier-align", "mbarrier-init", "mbarrier-fence", "budget", "setmaxnreg",
          "warpgroup-uniform", "warp-uniform", "named-barrier", "bulk-copy", "cluster",
-         "proxy-fence", "wgmma-descriptor", "tcgen05")
+         "proxy-fence", "wgmma-descriptor", "tcgen05", "tcgen05-order",
+         "tcgen05-lanes")
 
 # the rules that stand on the PTX and the facts alone, then those that count threads
 # (which a build without .reqntid, already reported as missing-fact, cannot feed)
@@ -30,7 +31,8 @@ _COUNTING = (bulk.check_bounds, mbarrier.check_init,
              budget.check_setmaxnreg, collective.check_warpgroup,
              collective.check_warp, collective.check_named,
              bulk.check_cluster, bulk.check_proxy_fence,
-             wgmma.check_descriptors, tcgen05.check_tcgen05)
+             wgmma.check_descriptors, tcgen05.check_tcgen05, tmem_order.check_order,
+             tmem_lanes.check_lanes)
 
 
 def check(build: str, ptx: str, facts: BuildFacts) -> list:

@@ -26,6 +26,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 import ts_pipeline
 
+from . import tcgen05_fence
 from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100
 from ..common.tile_schedule import RaggedTileSchedule, TileScheduler
 
@@ -427,6 +428,7 @@ class GroupedGemmSm100:
             for k in cutlass.range(k_tiles, unroll=1):
                 a_pipe.consumer_wait(read)
                 b_pipe.consumer_wait(read)
+                tcgen05_fence.after_thread_sync()  # the MMAs after the stage's waits
                 for kb in cutlass.range_constexpr(num_k_blocks):
                     crd = (None, None, kb, read.index)
                     cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
@@ -473,6 +475,7 @@ class GroupedGemmSm100:
             row = row0 + t
             store = row < seg_end
             acc_pipe.consumer_wait(read)
+            tcgen05_fence.after_thread_sync()  # the TMEM reads after the MMAs' commit
             for c in cutlass.range_constexpr(out_chunks):
                 cute.copy(t2r, tTR_tAcc[None, None, None, 0, c, read.index], frag)
                 values = frag.load()
@@ -489,9 +492,10 @@ class GroupedGemmSm100:
                         if col0 + v * vec < n_cols:
                             cute.autovec_copy(cute.local_tile(out, (vec,), (v,)),
                                               cute.local_tile(gOut, (vec,), (v,)))
-            # TMEM reads done before the MMA may overwrite the stage; one arrival
-            # per warp (the barrier counts the 8 epilogue warps of the pair)
+            # TMEM reads done (tcgen05.wait::ld) and ordered before the release, so the
+            # MMA may overwrite the stage; one arrival per warp (8 epilogue warps a pair)
             cute.arch.fence_view_async_tmem_load()
+            tcgen05_fence.before_thread_sync()
             with cute.arch.elect_one():
                 acc_pipe.consumer_release(read)
             read.advance()
