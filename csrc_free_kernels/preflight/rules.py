@@ -12,7 +12,8 @@ guide): ``bench/notes/2026-12-06-preflight-rules.md``; what the pre-flight canno
 (values known only at run time, races) is listed there too.
 """
 
-from . import budget, bulk, collective, mbarrier, tcgen05, tma, tmem_lanes, tmem_order, wgmma
+from . import (budget, bulk, collective, mbarrier, pdl_order, tcgen05, tma, tmem_lanes,
+               tmem_order, wgmma, wgmma_order)
 from .context import Preflight, Violation
 from .trace import BuildFacts
 
@@ -20,19 +21,19 @@ RULES = ("missing-fact", "tma-coordinate", "tensor-map", "tma-smem", "expect-tx"
          "mbarrier-align", "mbarrier-init", "mbarrier-fence", "budget", "setmaxnreg",
          "warpgroup-uniform", "warp-uniform", "named-barrier", "bulk-copy", "cluster",
          "proxy-fence", "wgmma-descriptor", "tcgen05", "tcgen05-order",
-         "tcgen05-lanes")
+         "tcgen05-lanes", "wgmma-order", "pdl-order")
 
 # the rules that stand on the PTX and the facts alone, then those that count threads
 # (which a build without .reqntid, already reported as missing-fact, cannot feed)
 _FIRST = (budget.check_facts, tma.check_maps, tma.check_tma, mbarrier.check_align,
-          budget.check_budget, bulk.check_bulk)
+          budget.check_budget, bulk.check_bulk, wgmma_order.check_wgmma_order)
 _COUNTING = (bulk.check_bounds, mbarrier.check_init,
              mbarrier.check_expect_tx, mbarrier.check_fence,
              budget.check_setmaxnreg, collective.check_warpgroup,
              collective.check_warp, collective.check_named,
              bulk.check_cluster, bulk.check_proxy_fence,
              wgmma.check_descriptors, tcgen05.check_tcgen05, tmem_order.check_order,
-             tmem_lanes.check_lanes)
+             tmem_lanes.check_lanes, pdl_order.check_pdl_order)
 
 
 def check(build: str, ptx: str, facts: BuildFacts) -> list:
