@@ -37,7 +37,8 @@ def _wrap(target: str, test: str) -> str:
 def test_a_load_on_another_stages_barrier_fails(builds):
     found = _check(builds, C2, (r"(\[%r704\+5120\], \[%rd66, \{%r743, %r32\}\]), \[%r35\]",
                                 r"\1, [%r35+8]"))
-    assert _rules(found) == ["expect-tx"]
+    # the last stage's load then names a barrier past the array's four (stage-range)
+    assert _rules(found) == ["expect-tx", "stage-range"]
     assert "no expect_tx arms" in str(found) and "deliver 32768" in str(found)
 
 
@@ -83,6 +84,87 @@ def test_half_the_threads_arriving_twice_passes(builds):
                    (r"mov\.b32 \t%r372, 1;", "mov.b32 \t%r372, 2;"),
                    (r"mov\.b32 \t%r381, 1;", "mov.b32 \t%r381, 2;"))
     assert found == [], found
+
+
+# ------------------------------------------------------------------ stage-range
+DECODE = "gemm_decode16"  # one-CTA ring of 8 stages, a producer and a consumer
+WRAP = r"setp\.eq\.b32 \t(%p\d+), (%r\d+), 8;\n\tselp\.b32 \t(%r\d+), 0, \2, \1;"
+
+
+def _consumer_counter(text: str) -> tuple:
+    """``(line, counter)``: the consumer's full-barrier wait (the text's last parity wait)
+    and the stage counter its address is ``8 x`` of."""
+    n, line = [(n, line) for n, line in enumerate(text.splitlines(), 1)
+               if "mbarrier.try_wait.parity" in line][-1]
+    addr = re.search(r"\[(%r\d+)\]", line).group(1)
+    offset = re.search(rf"add\.s32 \t{re.escape(addr)}, %r\d+, (%r\d+);", text).group(1)
+    return n, re.search(rf"shl\.b32 \t{re.escape(offset)}, (%r\d+), 3;", text).group(1)
+
+
+def _wraps(text: str, counter: str) -> list:
+    return [m for m in re.finditer(WRAP, text) if m.group(3) == counter]
+
+
+def test_a_ring_counter_that_wraps_one_stage_late_fails(builds):
+    text = builds[DECODE][0]
+    line, counter = _consumer_counter(text)
+    (wrap,) = _wraps(text, counter)
+    late = wrap.group(0).replace(", 8;", ", 9;")
+    found = _check(builds, DECODE, (re.escape(wrap.group(0)), late))
+    assert _rules(found) == ["stage-range"], found
+    assert found[0].line == line and "+0..+64" in found[0].why
+
+
+def test_a_ring_counter_wrapping_on_its_inequality_passes(builds):
+    text = builds[DECODE][0]
+    (wrap,) = _wraps(text, _consumer_counter(text)[1])
+    p, nxt, reg = wrap.groups()
+    same = (f"setp.ne.b32 \t{p}, {nxt}, 8;\n\tselp.b32 \t{reg}, {nxt}, 0, {p};")
+    assert _check(builds, DECODE, (re.escape(wrap.group(0)), same)) == []
+
+
+# ------------------------------------------------------------------ mbarrier-phase
+def _phase_of_first_wait(text: str) -> tuple:
+    """``(line, phase register)`` of the text's first parity wait (the producer's, on
+    the stages it fills: they start free)."""
+    n, line = next((n, line) for n, line in enumerate(text.splitlines(), 1)
+                   if "mbarrier.try_wait.parity" in line)
+    return n, re.search(r"\], (%r\d+),", line).group(1)
+
+
+def test_a_producer_starting_at_parity_0_hangs(builds):
+    text = builds[DECODE][0]
+    line, phase = _phase_of_first_wait(text)
+    found = _check(builds, DECODE, (rf"mov\.b32 \t{phase}, 1;", f"mov.b32 \t{phase}, 0;"),
+                   count=-1)
+    assert _rules(found) == ["mbarrier-phase"] and len(found) == 1, found
+    assert found[0].line == line and "a hang on the first round" in found[0].why
+
+
+def _flip_consumer_parity(text: str, times: int) -> tuple:
+    """The consumer's full-barrier wait with its parity operand xor-ed with 1 ``times``
+    times just before it; and that wait's line."""
+    wait = list(re.finditer(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[(%r\d+)\], "
+                            r"(%r\d+), 10000000;", text))[-1]
+    line = text.count("\n", 0, wait.start()) + 1
+    flips = "".join(f"\txor.b32 \t%r999{i + 1}, %r999{i}, 1;\n" for i in range(times))
+    start = text.rindex("// begin inline asm", 0, wait.start())
+    edited = (text[:start] + f"mov.b32 \t%r9990, {wait.group(2)};\n" + flips
+              + text[start:wait.start()] + wait.group(0).replace(wait.group(2), f"%r999{times}")
+              + text[wait.end():])
+    return edited, line + 1 + times
+
+
+def test_a_consumer_starting_at_parity_1_passes_before_the_bytes_land(builds):
+    edited, line = _flip_consumer_parity(builds[DECODE][0], 1)
+    found = preflight.check(DECODE, edited, builds[DECODE][1])
+    assert _rules(found) == ["mbarrier-phase"] and len(found) == 1, found
+    assert found[0].line == line and "before the first phase's bytes land" in found[0].why
+
+
+def test_a_consumer_parity_flipped_twice_passes(builds):
+    edited, _ = _flip_consumer_parity(builds[DECODE][0], 2)
+    assert preflight.check(DECODE, edited, builds[DECODE][1]) == []
 
 
 # ------------------------------------------------------------------ mbarrier-align

@@ -16,6 +16,8 @@ stage's (or another pipeline's) barrier names a different one.  Rules:
   equal the bytes the loads completing on it deliver, per pass through the CFG with
   back edges cut (alternative passes must agree); a load completes only on an armed
   barrier;
+- ``stage-range``: a barrier named through a stage register (``base + 8 x stage``) stays
+  inside its array over the register's known range (a modular counter's ``[0, N - 1]``);
 - ``mbarrier-fence``: in a cluster launch, a barrier that another CTA signals
   (a multicast or pair load, a remote arrive, a multicast commit) is initialised, then
   ``fence.mbarrier_init.release.cluster``, then the signalling thread synchronises
@@ -26,6 +28,7 @@ stage's (or another pipeline's) barrier names a different one.  Rules:
 import re
 
 from .lanes import dag_order, pass_sums
+from .ranges import sym_range
 
 TX_MAX = (1 << 20) - 1
 _WAIT = ("mbarrier.try_wait", "mbarrier.test_wait")
@@ -130,6 +133,7 @@ def check_init(pf) -> None:
             pf.fail("mbarrier-init", ins, f"{bar} names no barrier an mbarrier.init sets "
                                           f"up ({_place(sym)})")
             continue
+        _check_stage(pf, ins, sym, arr)
         if ins.op.startswith(_WAIT):
             waited.add(id(arr))
         n = _arrivals(pf, ins)
@@ -144,6 +148,22 @@ def check_init(pf) -> None:
     for arr, found in sites.values():
         if arr.count is not None:
             _check_phase(pf, arr, found)
+
+
+def _check_stage(pf, ins, sym, arr) -> None:
+    """``stage-range``: a barrier named through a stage register stays inside its array
+    over the register's range (a ring counter that wraps one step late names a barrier
+    past the last stage: another pipeline's, or none)."""
+    if not sym.registers():
+        return
+    rng = sym_range(pf, sym, ins)
+    if rng is None:
+        return  # a register with no known range: the array's stages are all it can name
+    last = arr.start + 8 * (arr.size - 1)
+    if rng[0] < arr.start or rng[1] > last:
+        pf.fail("stage-range", ins, f"names barriers at +{int(rng[0])}..+{int(rng[1])} "
+                                    f"over its stage registers' range, outside {arr} "
+                                    f"(+{arr.start}..+{last})")
 
 
 def _check_phase(pf, arr, found) -> None:
