@@ -109,6 +109,37 @@ def test_a_write_elsewhere_after_the_fence_passes(builds):
     assert found == [], found
 
 
+GATHER_FENCE = "\tcp.async.wait_group \t0;\n\tfence.proxy.async.shared::cta;\n"
+
+
+def _first_mma(text: str) -> int:
+    return next(n for n, line in enumerate(text.splitlines(), 1)
+                if line.strip().startswith("tcgen05.mma"))
+
+
+def test_the_2sm_mma_reading_unfenced_gathered_rows_fails(builds):
+    """The gather threads' cp.async rows reach the MMA through the tokens-full barrier;
+    without fence.proxy.async the MMA (async proxy) may read them stale."""
+    text = builds[SM100][0]
+    assert text.count(GATHER_FENCE) == 1
+    found = _check(builds, SM100, (GATHER_FENCE, "\tcp.async.wait_group \t0;\n\n"))
+    assert _rules(found) == ["proxy-fence"] and found[0].line == _first_mma(text)
+
+
+def test_the_fence_before_the_copies_complete_fails(builds):
+    """A fence before cp.async.wait_group orders copies not yet written."""
+    text = builds[SM100][0]
+    found = _check(builds, SM100, (GATHER_FENCE, "\tfence.proxy.async.shared::cta;\n"
+                                                 "\tcp.async.wait_group \t0;\n"))
+    assert _rules(found) == ["proxy-fence"] and found[0].line == _first_mma(text)
+
+
+def test_the_fence_repeated_after_the_copies_passes(builds):
+    found = _check(builds, SM100, (GATHER_FENCE, GATHER_FENCE
+                                   + "\tfence.proxy.async.shared::cta;\n"))
+    assert found == [], found
+
+
 # ------------------------------------------------------------------ wgmma-descriptor
 A_DESC, B_DESC = "4611686293305360384", "4611686293338849280"   # 128B; B MN-major
 

@@ -184,6 +184,31 @@ def test_a_cluster_barrier_without_its_init_fence_fails(builds):
     assert _rules(found) == ["mbarrier-fence"] and "multicast" in str(found)
 
 
+CLUSTER_SYNC = ("\tfence.mbarrier_init.release.cluster;\n\tbarrier.cluster.arrive.relaxed;\n"
+                "\tbarrier.cluster.wait;\n")
+
+
+def test_the_init_fence_after_the_cluster_barrier_fails(builds):
+    """The peer's first multicast load may reach a barrier whose init it has not seen:
+    the fence must come before the cluster barrier that carries it (its later waits on
+    local barriers do not)."""
+    text = builds[C2][0]
+    assert text.count(CLUSTER_SYNC) == 1
+    moved = ("\tbarrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;\n"
+             "\tfence.mbarrier_init.release.cluster;\n")
+    found = _check(builds, C2, (re.escape(CLUSTER_SYNC), moved))
+    assert _rules(found) == ["mbarrier-fence"] and "the cluster barrier" in found[0].why
+    first = next(n for n, line in enumerate(text.splitlines(), 1) if "multicast" in line)
+    assert found[0].line == first
+
+
+def test_a_second_cluster_barrier_after_the_fence_passes(builds):
+    found = _check(builds, C2, (re.escape(CLUSTER_SYNC), CLUSTER_SYNC.replace(
+        "\tbarrier.cluster.wait;\n",
+        "\tbarrier.cluster.wait;\n\tbarrier.cluster.arrive;\n\tbarrier.cluster.wait;\n")))
+    assert found == [], found
+
+
 def test_a_single_cta_barrier_without_the_fence_passes(builds):
     found = _check(builds, "gemm_prefill",
                    (r"\tfence\.mbarrier_init\.release\.cluster;\n", ""))

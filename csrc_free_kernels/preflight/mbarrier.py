@@ -20,9 +20,10 @@ stage's (or another pipeline's) barrier names a different one.  Rules:
   inside its array over the register's known range (a modular counter's ``[0, N - 1]``);
 - ``mbarrier-fence``: in a cluster launch, a barrier that another CTA signals
   (a multicast or pair load, a remote arrive, a multicast commit) is initialised, then
-  ``fence.mbarrier_init.release.cluster``, then the signalling thread synchronises
-  (a cluster barrier, a CTA barrier or an mbarrier wait: the acquire that the release
-  fence pairs with), before the signal.
+  ``fence.mbarrier_init.release.cluster``, then the cluster barrier
+  (``barrier.cluster.arrive``, then ``barrier.cluster.wait``: the cluster-scope acquire
+  the release fence pairs with, PTX ISA fence.mbarrier_init), before the signal, on the
+  signaller's path; a fence after the cluster barrier orders nothing the peer sees.
 """
 
 import re
@@ -326,38 +327,42 @@ def check_fence(pf) -> None:
     if not uses:
         return
     init_of = {id(i): arr for arr in pf.arrays for i in arr.inits}
-    state_in = {0: (frozenset(), frozenset())}  # (unfenced, fenced but not synced)
-    order, _ = dag_order(pf.k)
+    # the barriers each path holds: initialised but not fenced, fenced but the cluster
+    # barrier not arrived at since, arrived at but not waited on
+    state_in = {0: (frozenset(), frozenset(), frozenset())}
     work = list(range(len(pf.k.blocks)))
     flagged = set()
     while work:
         b = work.pop(0)
         if b not in state_in:
             continue
-        unfenced, unsynced = state_in[b]
+        unfenced, fenced, arrived = state_in[b]
         for i in pf.k.blocks[b]:
             ins = pf.k.instrs[i]
             if id(ins) in init_of:
                 unfenced = unfenced | {id(init_of[id(ins)])}
             elif ins.op.startswith("fence.mbarrier_init"):
-                unfenced, unsynced = frozenset(), unsynced | unfenced
-            elif re.match(r"barrier\.cluster\.wait|mbarrier\.(try|test)_wait|bar\.sync|"
-                          r"barrier\.sync", ins.op):
-                unsynced = frozenset()  # an acquire after the release fence
+                unfenced, fenced = frozenset(), fenced | unfenced
+            elif ins.op.startswith("barrier.cluster.arrive"):
+                fenced, arrived = frozenset(), arrived | fenced
+            elif ins.op.startswith("barrier.cluster.wait"):
+                arrived = frozenset()  # the acquire the release fence pairs with
             elif ins.index in uses and ins.index not in flagged:
                 arr = pf.array_of(pf.addrs.operand(barrier_operand(ins)))
-                if arr is not None and id(arr) in unfenced | unsynced:
+                step = None if arr is None else (
+                    "fence.mbarrier_init.release.cluster" if id(arr) in unfenced else
+                    "the cluster barrier (barrier.cluster.arrive, then wait)"
+                    if id(arr) in fenced | arrived else None)
+                if step:
                     flagged.add(ins.index)
-                    step = ("fence.mbarrier_init.release.cluster" if id(arr) in unfenced
-                            else "a synchronisation (a barrier or an mbarrier wait)")
                     pf.fail("mbarrier-fence", ins, f"another CTA of the cluster signals "
                                                    f"{arr} before {step} follows its init")
         for s in pf.k.succ[b]:
             if s == pf.k.exit:
                 continue
             old = state_in.get(s)
-            new = (unfenced, unsynced) if old is None else \
-                (old[0] | unfenced, old[1] | unsynced)
+            new = (unfenced, fenced, arrived) if old is None else \
+                (old[0] | unfenced, old[1] | fenced, old[2] | arrived)
             if new != old:
                 state_in[s] = new
                 work.append(s)
