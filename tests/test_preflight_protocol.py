@@ -14,6 +14,7 @@ from csrc_free_kernels import preflight
 from .test_preflight import _rules, builds  # noqa: F401 (the session's builds)
 
 C2 = "gemm_prefill_c2"     # a 2-CTA cluster: multicast loads, remote arrivals
+DECODE = "gemm_decode16"  # one-CTA ring of 8 stages, a producer and a consumer
 
 
 def _check(builds, name, *edits, facts=None, count=1):
@@ -86,8 +87,53 @@ def test_half_the_threads_arriving_twice_passes(builds):
     assert found == [], found
 
 
+# ------------------------------------------------------------------ re-init, arrive twice
+def _line(text: str, pattern: str) -> int:
+    return next(n for n, line in enumerate(text.splitlines(), 1) if re.search(pattern, line))
+
+
+def test_a_live_barrier_initialised_again_fails(builds):
+    """The first barrier set up again after the pipelines start (its phase and pending
+    arrivals lost)."""
+    text = builds[DECODE][0]
+    init = re.search(r"\tmbarrier\.init\.shared\.b64 \t\[(%r\d+)\], (%r\d+);\n", text)
+    wait = re.search(r"\t// begin inline asm\n\t\{\n\t\.reg \.pred\s+P1;", text)
+    planted = text[:wait.start()] + init.group(0) + text[wait.start():]
+    found = preflight.check(DECODE, planted, builds[DECODE][1])
+    assert _rules(found) == ["mbarrier-reinit"] and len(found) == 1
+    assert found[0].line == text.count("\n", 0, wait.start()) + 1
+
+
+def test_a_barrier_invalidated_before_its_new_init_passes_the_reinit_rule(builds):
+    text = builds[DECODE][0]
+    init = re.search(r"\tmbarrier\.init\.shared\.b64 \t\[(%r\d+)\], (%r\d+);\n", text)
+    wait = re.search(r"\t// begin inline asm\n\t\{\n\t\.reg \.pred\s+P1;", text)
+    planted = (text[:wait.start()] + f"\tmbarrier.inval.shared.b64 \t[{init.group(1)}];\n"
+               + init.group(0) + text[wait.start():])
+    assert "mbarrier-reinit" not in _rules(preflight.check(DECODE, planted, builds[DECODE][1]))
+
+
+RELEASE = r"\tmbarrier\.arrive\.shared\.b64 %rd\d+, \[(%r\d+)\+64\], (%r\d+);\n"
+
+
+def test_a_release_arrived_twice_by_the_same_threads_fails(builds):
+    text = builds[DECODE][0]
+    release = re.search(RELEASE, text)
+    found = _check(builds, DECODE, (re.escape(release.group(0)), release.group(0) * 2))
+    assert _rules(found) == ["arrive-twice"] and len(found) == 1
+    assert found[0].line == text.count("\n", 0, release.start()) + 2
+
+
+def test_releases_of_successive_stages_pass(builds):
+    """The consumer releases a stage in its k-loop and the last one after it, the stage
+    counter advanced between: not the same barrier twice."""
+    text = builds[DECODE][0]
+    releases = list(re.finditer(RELEASE, text))
+    assert len(releases) == 2 and releases[0].group(1) != releases[1].group(1)
+    assert "arrive-twice" not in _rules(preflight.check(DECODE, text, builds[DECODE][1]))
+
+
 # ------------------------------------------------------------------ stage-range
-DECODE = "gemm_decode16"  # one-CTA ring of 8 stages, a producer and a consumer
 WRAP = r"setp\.eq\.b32 \t(%p\d+), (%r\d+), 8;\n\tselp\.b32 \t(%r\d+), 0, \2, \1;"
 
 

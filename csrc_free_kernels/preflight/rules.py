@@ -12,22 +12,25 @@ guide): ``bench/notes/2026-12-06-preflight-rules.md``; what the pre-flight canno
 (values known only at run time, races) is listed there too.
 """
 
-from . import (budget, bulk, collective, mbarrier, pdl_order, phase, tcgen05, tma,
-               tmem_lanes, tmem_order, wgmma, wgmma_order)
+from . import (budget, bulk, collective, mbarrier, mbarrier_pass, pdl_order, phase, tcgen05,
+               tma, tmem_lanes, tmem_order, wgmma, wgmma_order)
 from .context import Preflight, Violation
 from .trace import BuildFacts
 
 RULES = ("missing-fact", "tma-coordinate", "tensor-map", "tma-smem", "expect-tx",
-         "mbarrier-align", "mbarrier-init", "stage-range", "mbarrier-phase", "mbarrier-fence", "budget",
-         "setmaxnreg", "warpgroup-uniform", "warp-uniform", "named-barrier", "bulk-copy",
-         "cluster", "proxy-fence", "wgmma-descriptor", "tcgen05", "tcgen05-order",
-         "tcgen05-lanes", "wgmma-order", "pdl-order")
+         "mbarrier-align", "mbarrier-init", "mbarrier-reinit", "arrive-twice", "stage-range",
+         "mbarrier-phase", "mbarrier-fence", "budget", "setmaxnreg", "warpgroup-uniform",
+         "warp-uniform", "named-barrier", "bulk-copy", "cluster", "proxy-fence",
+         "wgmma-descriptor", "wgmma-order", "tcgen05", "tcgen05-order", "tcgen05-lanes",
+         "pdl-order")
 
 # the rules that stand on the PTX and the facts alone, then those that count threads
 # (which a build without .reqntid, already reported as missing-fact, cannot feed)
 _FIRST = (budget.check_facts, tma.check_maps, tma.check_tma, mbarrier.check_align,
-          budget.check_budget, bulk.check_bulk, wgmma_order.check_wgmma_order)
-_COUNTING = (bulk.check_bounds, mbarrier.check_init, phase.check_phase,
+          budget.check_budget, bulk.check_bulk, wgmma_order.check_wgmma_order,
+          mbarrier_pass.check_reinit)
+_COUNTING = (bulk.check_bounds, mbarrier.check_init, mbarrier_pass.check_arrive_twice,
+             phase.check_phase,
              mbarrier.check_expect_tx, mbarrier.check_fence,
              budget.check_setmaxnreg, collective.check_warpgroup,
              collective.check_warp, collective.check_named,
