@@ -8,8 +8,9 @@ A broken rule rarely gives a clear error on the device: most give
 the PTX text of one build and its :class:`~.trace.BuildFacts` in, every
 :class:`Violation` out, each naming the build, the rule (:data:`RULES`) and the PTX line.
 The rules, by family, and their sources (PTX ISA, CUDA driver API, CUDA programming
-guide): ``bench/notes/2026-12-06-preflight-rules.md``; what the pre-flight cannot see
-(values known only at run time, races) is listed there too.
+guide): ``bench/notes/2026-12-06-preflight-rules.md`` and, for the ordering rules (fences,
+waits, groups, phases, PDL, tcgen05), ``bench/notes/2026-12-07-preflight-third.md``; what
+the pre-flight cannot see (values known only at run time, races) is listed there too.
 """
 
 from . import (budget, bulk, collective, mbarrier, mbarrier_pass, pdl_order, phase, tcgen05,
