@@ -13,22 +13,23 @@ waits, groups, phases, PDL, tcgen05), ``bench/notes/2026-12-07-preflight-third.m
 the pre-flight cannot see (values known only at run time, races) is listed there too.
 """
 
-from . import (budget, bulk, collective, mbarrier, mbarrier_pass, pdl_order, phase, tcgen05,
-               tma, tmem_lanes, tmem_order, wgmma, wgmma_order)
+from . import (access, budget, bulk, collective, mbarrier, mbarrier_pass, pdl_order, phase,
+               tcgen05, tma, tmem_lanes, tmem_order, wgmma, wgmma_order)
 from .context import Preflight, Violation
 from .trace import BuildFacts
 
 RULES = ("missing-fact", "tma-coordinate", "tensor-map", "tma-smem", "expect-tx",
          "mbarrier-align", "mbarrier-init", "mbarrier-reinit", "arrive-twice", "stage-range",
          "mbarrier-phase", "mbarrier-fence", "budget", "setmaxnreg", "warpgroup-uniform",
-         "warp-uniform", "named-barrier", "bulk-copy", "cluster", "proxy-fence",
-         "wgmma-descriptor", "wgmma-order", "tcgen05", "tcgen05-order", "tcgen05-lanes",
-         "pdl-order")
+         "warp-uniform", "named-barrier", "bulk-copy", "access-align", "smem-bounds",
+         "cluster", "proxy-fence", "wgmma-descriptor", "wgmma-order", "tcgen05",
+         "tcgen05-order", "tcgen05-lanes", "pdl-order")
 
 # the rules that stand on the PTX and the facts alone, then those that count threads
 # (which a build without .reqntid, already reported as missing-fact, cannot feed)
 _FIRST = (budget.check_facts, tma.check_maps, tma.check_tma, mbarrier.check_align,
-          budget.check_budget, bulk.check_bulk, wgmma_order.check_wgmma_order,
+          budget.check_budget, bulk.check_bulk, access.check_access,
+          wgmma_order.check_wgmma_order,
           mbarrier_pass.check_reinit)
 _COUNTING = (bulk.check_bounds, mbarrier.check_init, mbarrier_pass.check_arrive_twice,
              phase.check_phase,
