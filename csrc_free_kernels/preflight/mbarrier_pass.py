@@ -28,7 +28,6 @@ def check_reinit(pf) -> None:
              if ins.op.startswith("mbarrier.init") and barrier_operand(ins)}
     if not inits:
         return
-    order, _ = dag_order(k)
     live_in = {0: {}}  # block -> {place: the init that set it up}, over every path
     work, flagged = [0], set()
     while work:
