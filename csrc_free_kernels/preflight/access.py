@@ -7,8 +7,10 @@ bounds.
   naturally aligned, a vector to its whole size; a misaligned one faults with a
   misaligned address).  The address's alignment is the dataflow's
   (:meth:`~.ptx.Kernel.alignment`): shared symbols by their declared alignment, global
-  tensors by what the launch promises of their base and strides.  A global scalar's
-  alignment is its element's, which the tensor's type gives; it is not re-checked.
+  tensors by what the launch promises of their base and strides (global accesses are
+  checked where the launch's operand types were recorded, as in every build since
+  ``BuildFacts.operands``).  A global scalar's alignment is its element's, which the
+  tensor's type gives; it is not re-checked.
 - ``smem-bounds``: a shared-memory access whose offset has a known range (constants,
   thread values, ring counters: :mod:`.ranges`) stays inside the shared memory it names.
   One whose offset is not known is not checked (most are: an index from data).
@@ -31,11 +33,12 @@ def _bytes(op: str) -> int:
 
 
 def check_access(pf) -> None:
+    promised = getattr(pf.facts, "operands", None) is not None
     for ins in pf.k.instrs:
         if not _ACCESS.match(ins.op):
             continue
         shared = ".shared" in ins.op
-        if not shared and not (".global" in ins.op and _VECTOR.search(ins.op)):
+        if not shared and not (promised and ".global" in ins.op and _VECTOR.search(ins.op)):
             continue
         addr = next((a for a in ins.args if a.startswith("[")), None)
         if addr is None:
