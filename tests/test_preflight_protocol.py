@@ -187,6 +187,19 @@ def test_a_producer_starting_at_parity_0_hangs(builds):
     assert found[0].line == line and "a hang on the first round" in found[0].why
 
 
+def test_a_consumer_waiting_on_the_barrier_it_releases_hangs(builds):
+    """The wrong barrier: the consumer's full-stage wait moved to the empty barrier of
+    the same stage (+64), which only its own release, after that wait, completes."""
+    text = builds[DECODE][0]
+    line, _ = _consumer_counter(text)
+    wait = text.splitlines()[line - 1]
+    addr = re.search(r"\[(%r\d+)\]", wait).group(1)
+    found = _check(builds, DECODE, (re.escape(wait.strip()), wait.strip().replace(
+        f"[{addr}]", f"[{addr}+64]")))
+    hangs = [v for v in found if "a hang on the first round" in v.why]
+    assert _rules(found) == ["mbarrier-phase"] and [v.line for v in hangs] == [line]
+
+
 def _flip_consumer_parity(text: str, times: int) -> tuple:
     """The consumer's full-barrier wait with its parity operand xor-ed with 1 ``times``
     times just before it; and that wait's line."""
