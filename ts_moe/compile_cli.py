@@ -81,7 +81,8 @@ def compile_arch(arch: str, only: str | None = None, which: str = "checked") -> 
                     print(violation, file=sys.stderr)
                 return 1
         built += len(family_builds)
-    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} {which} builds for {arch}, each "
+    kind = "" if which == "checked" else f"{which} "  # the default's line as it always was
+    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} {kind}builds for {arch}, each "
          f"through the pre-flight ({', '.join(preflight.RULES)}): no violation")
     return 0
 
