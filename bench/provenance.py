@@ -2,8 +2,10 @@
 
 Every result JSON written by the harness carries :func:`collect`'s dict under
 ``"provenance"``: the git commit of the checkout and whether its tracked files
-had uncommitted changes (``dirty``), the host, the GPU and its driver, and the
-torch, CUDA, nvidia-cutlass-dsl and transformers versions.  A field that cannot
+had uncommitted changes (``dirty``), the host, the GPU and its driver, the
+torch, CUDA, nvidia-cutlass-dsl and transformers versions, and the CUDA flavour of
+the DSL compiler the process loaded (``dsl-flavor``: "cu12" or "cu13"; one release's
+two flavours make different cubins, ``ts_moe/toolchain.py``).  A field that cannot
 be known here (no git checkout, no GPU, a package not installed) is ``None``,
 never a guess.  A JSON without the dict says nothing of its provenance, and
 :func:`describe` says so.
@@ -22,8 +24,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CODE_PATHS = ("csrc_free_kernels", "ts_moe")  # a change here makes earlier runs stale
-PACKAGES = ("nvidia-cutlass-dsl", "transformers")
-FIELDS = ("commit", "dirty", "host", "gpu", "driver", "torch", "cuda", *PACKAGES)
+_DSL = "nvidia-cutlass-dsl"
+PACKAGES = (_DSL, "transformers")
+FIELDS = ("commit", "dirty", "host", "gpu", "driver", "torch", "cuda", *PACKAGES, "dsl-flavor")
 
 
 def _git(*args, repo: Path = REPO) -> str | None:
@@ -41,6 +44,15 @@ def _package(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _dsl_flavor() -> str | None:
+    """The flavour of the DSL compiler this process loads; None without the DSL."""
+    if _package(_DSL) is None:
+        return None
+    from csrc_free_kernels.common.kernel_cache import dsl_flavor
+
+    return dsl_flavor()
 
 
 def _driver() -> str | None:
@@ -84,6 +96,7 @@ def collect(device: torch.device | None = None, repo: Path = REPO,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         **{name: _package(name) for name in PACKAGES},
+        "dsl-flavor": _dsl_flavor(),
     }
 
 
@@ -103,10 +116,17 @@ def describe(result: dict) -> str:
              f"host {prov.get('host') or 'unknown'}",
              f"GPU {prov.get('gpu') or 'none'}",
              f"driver {prov.get('driver') or 'none'}"]
-    parts += [f"{name} {prov.get(key) or 'not installed'}"
+    parts += [f"{name} {prov.get(key) or 'not installed'}{_flavor(prov) if key == _DSL else ''}"
               for name, key in (("torch", "torch"), ("CUDA", "cuda"),
                                 *((p, p) for p in PACKAGES))]
     return ", ".join(parts)
+
+
+def _flavor(prov: dict) -> str:
+    """`` (cu13)`` after an installed DSL's release: the compiler flavour it loaded."""
+    if not prov.get(_DSL):
+        return ""
+    return f" ({prov.get('dsl-flavor') or 'flavour not recorded'})"
 
 
 def commit_time(commit: str, repo: Path = REPO) -> datetime.datetime | None:

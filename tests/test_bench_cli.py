@@ -141,8 +141,11 @@ def _git_head() -> str | None:
 
 
 def test_cpu_smoke_run_records_its_provenance(cpu_machine, tmp_path):
-    """Commit, tree state, host, GPU (none), driver (none) and the package versions."""
+    """Commit, tree state, host, GPU (none), driver (none), the package versions and the
+    flavour of the DSL compiler this process loads."""
     from importlib.metadata import version
+
+    from csrc_free_kernels.common.kernel_cache import dsl_flavor
 
     argv = ["--models", "cpu-qwen3", "--T", "16", "--gemms", "down", "--routing", "uniform",
             "--backends", "reference", "--target-ms", "1", "--no-plots",
@@ -155,6 +158,11 @@ def test_cpu_smoke_run_records_its_provenance(cpu_machine, tmp_path):
     assert prov["host"] and prov["gpu"] is None and prov["driver"] is None
     assert prov["torch"] == torch.__version__ and prov["cuda"] == torch.version.cuda
     assert prov["nvidia-cutlass-dsl"] == version("nvidia-cutlass-dsl")
+    assert prov["dsl-flavor"] == dsl_flavor() and prov["dsl-flavor"].startswith("cu")
+    described = provenance.describe({"provenance": prov})
+    assert f"nvidia-cutlass-dsl {prov['nvidia-cutlass-dsl']} ({dsl_flavor()})" in described
+    older = {key: value for key, value in prov.items() if key != "dsl-flavor"}
+    assert "(flavour not recorded)" in provenance.describe({"provenance": older})
 
 
 def _status() -> str:

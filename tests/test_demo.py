@@ -173,8 +173,8 @@ def test_compile_command_fails_a_build_the_preflight_refuses(tmp_path):
         "preflight.collect = broken\n"
         "from ts_moe import compile_cli\n"
         "real = compile_cli.builds\n"
-        "compile_cli.builds = lambda arch, only=None: [(f, [b for b in bs if b.name == "
-        "'gemm_decode16']) for f, bs in real(arch, 'gemm_sm90')]\n"
+        "compile_cli.builds = lambda arch, only=None, which='checked': [(f, [b for b in bs "
+        "if b.name == 'gemm_decode16']) for f, bs in real(arch, 'gemm_sm90')]\n"
         "sys.exit(m.main(['compile', '--family', 'gemm_sm90']))\n")
     env = {**os.environ, "TS_MOE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO),
            "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",

@@ -153,6 +153,29 @@ def test_swiglu_fused_where_the_tiles_fit_else_gemm_and_activation(kernels_on_cp
         assert kernels_on_cpu[-1][2] is (a_index is not None)  # prefetch after the gather
 
 
+def test_n_major_swiglu_weights_take_tiles_the_kernel_builds(kernels_on_cpu):
+    """A decode-shaped SwiGLU whose 64-column tiles fill the SMs better: K-major gate/up
+    takes them, N-major (a unit stride on 2I) the 128-column decode tiles, whose gate
+    and up parts are whole swizzle atoms; either way the launch is a reachable build."""
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as launch
+
+    reachable = {(b.spec["config"].name, b.spec["b_n_major"]) for b in launch.builds()
+                 if b.spec["swiglu"]}
+    a = torch.randn(4, 64).to(BF16)
+    offs = _offs([1, 1, 1, 1])
+    k_major = (torch.randn(4, 512, 64) * 0.125).to(BF16)
+    n_major = k_major.transpose(1, 2).contiguous().transpose(1, 2)
+    for gate_up, n_major_weights, tiles in ((k_major, False, "decode16_n64"),
+                                            (n_major, True, "decode16")):
+        kernels_on_cpu.clear()
+        h = swiglu._cuda(a, gate_up, offs)
+        assert kernels_on_cpu == [("swiglu", tiles, False)]
+        assert (tiles, n_major_weights) in reachable
+        ref = grouped_gemm_reference(a, gate_up.transpose(1, 2), offs, torch.float32)
+        assert rel_err(h, F.silu(ref[:, :256]) * ref[:, 256:]) < 1e-2
+    assert ("decode16_n64", True) not in reachable
+
+
 def test_routing_ops_and_activation_take_their_kernels(kernels_on_cpu):
     import ts_moe
 

@@ -2,9 +2,8 @@
 (``csrc_free_kernels.common.compile.get_compiled``) puts the build through the
 pre-flight and refuses one that breaks a rule, naming the build, the rule and the PTX
 line, once per process: the op's call then takes the next path, with one warning, and
-``ts-moe info`` lists the refusal.  CI compiles each family's checked builds
-(``Kernels.checked``), and every build a call can reach that CI leaves out shares its
-kernel and configuration with a checked one, the gate checking it at its first call."""
+``ts-moe info`` lists the refusal.  CI pre-flights every build a call can reach (the
+demo's compile and the PTX tests each family's checked builds, ``.ci/run`` the others)."""
 
 import pytest
 import torch
@@ -161,24 +160,27 @@ def test_a_refused_build_sends_the_call_to_the_next_path_with_one_warning():
     assert got["info"][head + 1] == f"  {got['build']}: breaks setmaxnreg"
 
 
-def test_every_reachable_build_is_checked_or_shares_its_kernel_with_one():
-    """CI compiles each family's checked builds; a reachable build it leaves out differs
-    from a checked one only in its element types, weight layout or prefetch (the kernel
-    class and configuration, its barriers and warp roles, the same), and the run-time
-    gate checks it at its first call.  Every family says why in its ``checked``."""
+def test_ci_preflights_every_reachable_build():
+    """CI pre-flights every build a call can reach: the demo's compile step the builds each
+    family checks (``Kernels.checked``, which the PTX tests compile too; each family says
+    why in its ``checked``), and ``.ci/run``'s ``python -m ts_moe compile --builds
+    unchecked`` beside the suite every other one; the two are disjoint and together the
+    build space (``ptx_dump.space``)."""
+    import pathlib
+
+    from csrc_free_kernels import ptx_dump
+    from ts_moe import compile_cli
+
     for family in FAMILIES:
-        kernels = family.load()
-        builds = list(kernels.builds())
-        checked = [b for b in builds if kernels.checked(b)]
-        assert checked, family.name
-        assert kernels.checked.__doc__, family.name  # the family's reason, in words
-
-        def kernel_of(b):
-            spec = b.spec
-            return (b.key[0], spec.get("config"), spec.get("recipe"), spec.get("swiglu"),
-                    spec.get("from_logits"), spec.get("weighted"), spec.get("backward"),
-                    spec.get("gather"))
-
-        covered = {kernel_of(b) for b in checked}
-        left_out = [b.name for b in builds if kernel_of(b) not in covered]
-        assert not left_out, (family.name, left_out)
+        assert family.load().checked.__doc__, family.name  # the family's reason, in words
+    for arch in compile_cli.ARCHES:
+        names = {which: [b.name for _, found in compile_cli.builds(arch, which=which)
+                         for b in found] for which in compile_cli.WHICH}
+        checked, unchecked = set(names["checked"]), set(names["unchecked"])
+        assert checked and not checked & unchecked, arch
+        assert checked | unchecked == set(names["reachable"]) == {
+            n for n, (a, _, _) in ptx_dump.space().items() if a == arch}, arch
+    ci = (pathlib.Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
+    steps = [line for line in ci.splitlines() if not line.lstrip().startswith("#")]
+    assert any("python -m ts_moe compile --builds unchecked" in line for line in steps)
+    assert any("run_in_venv .venv-demo 1" in line for line in steps)  # the demo, checked

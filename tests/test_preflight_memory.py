@@ -5,6 +5,7 @@ the proxy fence, wgmma descriptors, tcgen05.  Sources per rule:
 ``bench/notes/2026-12-06-preflight-rules.md``."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -79,6 +80,47 @@ def test_a_portable_cluster_of_eight_passes(builds):
     assert _check(builds, "gemm_prefill", facts=facts) == []
 
 
+# ------------------------------------------------------------------ ordinary accesses
+# sm100: the epilogue reads the TMEM address the allocator wrote (a constant offset)
+TMEM_SLOT = r"bar\.sync \t1, 160;\n\tld\.shared\.b32 \t(%r\d+), \[(%r\d+)\+232\];"
+
+
+def _slot_load(builds, offset: int):
+    """A load planted after that one, from ``offset`` of the same base; its line."""
+    text = builds[SM100][0]
+    slot = re.search(TMEM_SLOT, text)
+    planted = f"{slot.group(0)}\n\tld.shared.b32 \t%r9990, [{slot.group(2)}+{offset}];"
+    found = _check(builds, SM100, (re.escape(slot.group(0)), planted))
+    return found, text.count("\n", 0, slot.start()) + 3
+
+
+def test_a_shared_load_past_the_allocation_fails(builds):
+    found, line = _slot_load(builds, builds[SM100][1].smem_bytes)
+    assert _rules(found) == ["smem-bounds"] and found[0].line == line
+
+
+def test_a_misaligned_shared_load_fails(builds):
+    found, line = _slot_load(builds, 234)
+    assert _rules(found) == ["access-align"] and found[0].line == line
+    assert "4-byte aligned" in found[0].why
+
+
+def test_a_shared_load_of_the_next_word_passes_both(builds):
+    found, _ = _slot_load(builds, 236)
+    assert not {"smem-bounds", "access-align"} & set(_rules(found)), found
+
+
+@pytest.mark.parametrize("offset, rules", [(72, ["access-align"]), (80, [])])
+def test_a_vector_store_to_global_is_aligned_to_its_size(builds, offset, rules):
+    text = builds["gemm_decode16"][0]
+    store = re.search(r"st\.global\.v4\.b32 \t\[(%rd\d+)\+64\]", text)
+    found = _check(builds, "gemm_decode16", (re.escape(store.group(0)),
+                                             store.group(0).replace("+64]", f"+{offset}]")))
+    assert _rules(found) == rules, found
+    if rules:
+        assert found[0].line == text.count("\n", 0, store.start()) + 1
+
+
 # ------------------------------------------------------------------ proxy-fence
 FENCE = r"\tfence\.proxy\.async\.shared::cta;\n(\t// begin inline asm\n\tbar\.arrive 5, 288;)"
 
@@ -106,6 +148,37 @@ def test_a_write_into_the_rows_after_the_fence_fails(builds):
 def test_a_write_elsewhere_after_the_fence_passes(builds):
     found = _check(builds, SW, (FENCE, "\tfence.proxy.async.shared::cta;\n"
                                        "\tst.shared.b32 \t[%r1+2100], %r2;\n" + r"\1"))
+    assert found == [], found
+
+
+GATHER_FENCE = "\tcp.async.wait_group \t0;\n\tfence.proxy.async.shared::cta;\n"
+
+
+def _first_mma(text: str) -> int:
+    return next(n for n, line in enumerate(text.splitlines(), 1)
+                if line.strip().startswith("tcgen05.mma"))
+
+
+def test_the_2sm_mma_reading_unfenced_gathered_rows_fails(builds):
+    """The gather threads' cp.async rows reach the MMA through the tokens-full barrier;
+    without fence.proxy.async the MMA (async proxy) may read them stale."""
+    text = builds[SM100][0]
+    assert text.count(GATHER_FENCE) == 1
+    found = _check(builds, SM100, (GATHER_FENCE, "\tcp.async.wait_group \t0;\n\n"))
+    assert _rules(found) == ["proxy-fence"] and found[0].line == _first_mma(text)
+
+
+def test_the_fence_before_the_copies_complete_fails(builds):
+    """A fence before cp.async.wait_group orders copies not yet written."""
+    text = builds[SM100][0]
+    found = _check(builds, SM100, (GATHER_FENCE, "\tfence.proxy.async.shared::cta;\n"
+                                                 "\tcp.async.wait_group \t0;\n"))
+    assert _rules(found) == ["proxy-fence"] and found[0].line == _first_mma(text)
+
+
+def test_the_fence_repeated_after_the_copies_passes(builds):
+    found = _check(builds, SM100, (GATHER_FENCE, GATHER_FENCE
+                                   + "\tfence.proxy.async.shared::cta;\n"))
     assert found == [], found
 
 

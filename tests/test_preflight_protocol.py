@@ -14,6 +14,7 @@ from csrc_free_kernels import preflight
 from .test_preflight import _rules, builds  # noqa: F401 (the session's builds)
 
 C2 = "gemm_prefill_c2"     # a 2-CTA cluster: multicast loads, remote arrivals
+DECODE = "gemm_decode16"  # one-CTA ring of 8 stages, a producer and a consumer
 
 
 def _check(builds, name, *edits, facts=None, count=1):
@@ -37,7 +38,8 @@ def _wrap(target: str, test: str) -> str:
 def test_a_load_on_another_stages_barrier_fails(builds):
     found = _check(builds, C2, (r"(\[%r704\+5120\], \[%rd66, \{%r743, %r32\}\]), \[%r35\]",
                                 r"\1, [%r35+8]"))
-    assert _rules(found) == ["expect-tx"]
+    # the last stage's load then names a barrier past the array's four (stage-range)
+    assert _rules(found) == ["expect-tx", "stage-range"]
     assert "no expect_tx arms" in str(found) and "deliver 32768" in str(found)
 
 
@@ -85,6 +87,145 @@ def test_half_the_threads_arriving_twice_passes(builds):
     assert found == [], found
 
 
+# ------------------------------------------------------------------ re-init, arrive twice
+def _line(text: str, pattern: str) -> int:
+    return next(n for n, line in enumerate(text.splitlines(), 1) if re.search(pattern, line))
+
+
+def test_a_live_barrier_initialised_again_fails(builds):
+    """The first barrier set up again after the pipelines start (its phase and pending
+    arrivals lost)."""
+    text = builds[DECODE][0]
+    init = re.search(r"\tmbarrier\.init\.shared\.b64 \t\[(%r\d+)\], (%r\d+);\n", text)
+    wait = re.search(r"\t// begin inline asm\n\t\{\n\t\.reg \.pred\s+P1;", text)
+    planted = text[:wait.start()] + init.group(0) + text[wait.start():]
+    found = preflight.check(DECODE, planted, builds[DECODE][1])
+    assert _rules(found) == ["mbarrier-reinit"] and len(found) == 1
+    assert found[0].line == text.count("\n", 0, wait.start()) + 1
+
+
+def test_a_barrier_invalidated_before_its_new_init_passes_the_reinit_rule(builds):
+    text = builds[DECODE][0]
+    init = re.search(r"\tmbarrier\.init\.shared\.b64 \t\[(%r\d+)\], (%r\d+);\n", text)
+    wait = re.search(r"\t// begin inline asm\n\t\{\n\t\.reg \.pred\s+P1;", text)
+    planted = (text[:wait.start()] + f"\tmbarrier.inval.shared.b64 \t[{init.group(1)}];\n"
+               + init.group(0) + text[wait.start():])
+    assert "mbarrier-reinit" not in _rules(preflight.check(DECODE, planted, builds[DECODE][1]))
+
+
+RELEASE = r"\tmbarrier\.arrive\.shared\.b64 %rd\d+, \[(%r\d+)\+64\], (%r\d+);\n"
+
+
+def test_a_release_arrived_twice_by_the_same_threads_fails(builds):
+    text = builds[DECODE][0]
+    release = re.search(RELEASE, text)
+    found = _check(builds, DECODE, (re.escape(release.group(0)), release.group(0) * 2))
+    assert _rules(found) == ["arrive-twice"] and len(found) == 1
+    assert found[0].line == text.count("\n", 0, release.start()) + 2
+
+
+def test_releases_of_successive_stages_pass(builds):
+    """The consumer releases a stage in its k-loop and the last one after it, the stage
+    counter advanced between: not the same barrier twice."""
+    text = builds[DECODE][0]
+    releases = list(re.finditer(RELEASE, text))
+    assert len(releases) == 2 and releases[0].group(1) != releases[1].group(1)
+    assert "arrive-twice" not in _rules(preflight.check(DECODE, text, builds[DECODE][1]))
+
+
+# ------------------------------------------------------------------ stage-range
+WRAP = r"setp\.eq\.b32 \t(%p\d+), (%r\d+), 8;\n\tselp\.b32 \t(%r\d+), 0, \2, \1;"
+
+
+def _consumer_counter(text: str) -> tuple:
+    """``(line, counter)``: the consumer's full-barrier wait (the text's last parity wait)
+    and the stage counter its address is ``8 x`` of."""
+    n, line = [(n, line) for n, line in enumerate(text.splitlines(), 1)
+               if "mbarrier.try_wait.parity" in line][-1]
+    addr = re.search(r"\[(%r\d+)\]", line).group(1)
+    offset = re.search(rf"add\.s32 \t{re.escape(addr)}, %r\d+, (%r\d+);", text).group(1)
+    return n, re.search(rf"shl\.b32 \t{re.escape(offset)}, (%r\d+), 3;", text).group(1)
+
+
+def _wraps(text: str, counter: str) -> list:
+    return [m for m in re.finditer(WRAP, text) if m.group(3) == counter]
+
+
+def test_a_ring_counter_that_wraps_one_stage_late_fails(builds):
+    text = builds[DECODE][0]
+    line, counter = _consumer_counter(text)
+    (wrap,) = _wraps(text, counter)
+    late = wrap.group(0).replace(", 8;", ", 9;")
+    found = _check(builds, DECODE, (re.escape(wrap.group(0)), late))
+    assert _rules(found) == ["stage-range"], found
+    assert found[0].line == line and "+0..+64" in found[0].why
+
+
+def test_a_ring_counter_wrapping_on_its_inequality_passes(builds):
+    text = builds[DECODE][0]
+    (wrap,) = _wraps(text, _consumer_counter(text)[1])
+    p, nxt, reg = wrap.groups()
+    same = (f"setp.ne.b32 \t{p}, {nxt}, 8;\n\tselp.b32 \t{reg}, {nxt}, 0, {p};")
+    assert _check(builds, DECODE, (re.escape(wrap.group(0)), same)) == []
+
+
+# ------------------------------------------------------------------ mbarrier-phase
+def _phase_of_first_wait(text: str) -> tuple:
+    """``(line, phase register)`` of the text's first parity wait (the producer's, on
+    the stages it fills: they start free)."""
+    n, line = next((n, line) for n, line in enumerate(text.splitlines(), 1)
+                   if "mbarrier.try_wait.parity" in line)
+    return n, re.search(r"\], (%r\d+),", line).group(1)
+
+
+def test_a_producer_starting_at_parity_0_hangs(builds):
+    text = builds[DECODE][0]
+    line, phase = _phase_of_first_wait(text)
+    found = _check(builds, DECODE, (rf"mov\.b32 \t{phase}, 1;", f"mov.b32 \t{phase}, 0;"),
+                   count=-1)
+    assert _rules(found) == ["mbarrier-phase"] and len(found) == 1, found
+    assert found[0].line == line and "a hang on the first round" in found[0].why
+
+
+def test_a_consumer_waiting_on_the_barrier_it_releases_hangs(builds):
+    """The wrong barrier: the consumer's full-stage wait moved to the empty barrier of
+    the same stage (+64), which only its own release, after that wait, completes."""
+    text = builds[DECODE][0]
+    line, _ = _consumer_counter(text)
+    wait = text.splitlines()[line - 1]
+    addr = re.search(r"\[(%r\d+)\]", wait).group(1)
+    found = _check(builds, DECODE, (re.escape(wait.strip()), wait.strip().replace(
+        f"[{addr}]", f"[{addr}+64]")))
+    hangs = [v for v in found if "a hang on the first round" in v.why]
+    assert _rules(found) == ["mbarrier-phase"] and [v.line for v in hangs] == [line]
+
+
+def _flip_consumer_parity(text: str, times: int) -> tuple:
+    """The consumer's full-barrier wait with its parity operand xor-ed with 1 ``times``
+    times just before it; and that wait's line."""
+    wait = list(re.finditer(r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[(%r\d+)\], "
+                            r"(%r\d+), 10000000;", text))[-1]
+    line = text.count("\n", 0, wait.start()) + 1
+    flips = "".join(f"\txor.b32 \t%r999{i + 1}, %r999{i}, 1;\n" for i in range(times))
+    start = text.rindex("// begin inline asm", 0, wait.start())
+    edited = (text[:start] + f"mov.b32 \t%r9990, {wait.group(2)};\n" + flips
+              + text[start:wait.start()] + wait.group(0).replace(wait.group(2), f"%r999{times}")
+              + text[wait.end():])
+    return edited, line + 1 + times
+
+
+def test_a_consumer_starting_at_parity_1_passes_before_the_bytes_land(builds):
+    edited, line = _flip_consumer_parity(builds[DECODE][0], 1)
+    found = preflight.check(DECODE, edited, builds[DECODE][1])
+    assert _rules(found) == ["mbarrier-phase"] and len(found) == 1, found
+    assert found[0].line == line and "before the first phase's bytes land" in found[0].why
+
+
+def test_a_consumer_parity_flipped_twice_passes(builds):
+    edited, _ = _flip_consumer_parity(builds[DECODE][0], 2)
+    assert preflight.check(DECODE, edited, builds[DECODE][1]) == []
+
+
 # ------------------------------------------------------------------ mbarrier-align
 def test_a_misaligned_wait_fails(builds):
     found = _check(builds, C2, (r"add\.s32 \t%r698, %r35, 32;", "add.s32 \t%r698, %r35, 36;"))
@@ -100,6 +241,31 @@ def test_a_wait_on_another_aligned_barrier_is_aligned(builds):
 def test_a_cluster_barrier_without_its_init_fence_fails(builds):
     found = _check(builds, C2, (r"\tfence\.mbarrier_init\.release\.cluster;\n", ""))
     assert _rules(found) == ["mbarrier-fence"] and "multicast" in str(found)
+
+
+CLUSTER_SYNC = ("\tfence.mbarrier_init.release.cluster;\n\tbarrier.cluster.arrive.relaxed;\n"
+                "\tbarrier.cluster.wait;\n")
+
+
+def test_the_init_fence_after_the_cluster_barrier_fails(builds):
+    """The peer's first multicast load may reach a barrier whose init it has not seen:
+    the fence must come before the cluster barrier that carries it (its later waits on
+    local barriers do not)."""
+    text = builds[C2][0]
+    assert text.count(CLUSTER_SYNC) == 1
+    moved = ("\tbarrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;\n"
+             "\tfence.mbarrier_init.release.cluster;\n")
+    found = _check(builds, C2, (re.escape(CLUSTER_SYNC), moved))
+    assert _rules(found) == ["mbarrier-fence"] and "the cluster barrier" in found[0].why
+    first = next(n for n, line in enumerate(text.splitlines(), 1) if "multicast" in line)
+    assert found[0].line == first
+
+
+def test_a_second_cluster_barrier_after_the_fence_passes(builds):
+    found = _check(builds, C2, (re.escape(CLUSTER_SYNC), CLUSTER_SYNC.replace(
+        "\tbarrier.cluster.wait;\n",
+        "\tbarrier.cluster.wait;\n\tbarrier.cluster.arrive;\n\tbarrier.cluster.wait;\n")))
+    assert found == [], found
 
 
 def test_a_single_cta_barrier_without_the_fence_passes(builds):

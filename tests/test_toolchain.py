@@ -75,8 +75,38 @@ def test_every_toolchain_named_is_compared_with_the_gpu_runs_one():
         assert f.dsl in toolchain.COMPARED, f
     assert "statuses hold" in toolchain.verdict(toolchain.VERIFIED)
     assert "the statuses hold" in toolchain.verdict(toolchain.Toolchain("4.8.0", "cu13"))
-    assert "every kernel unproven" in toolchain.verdict(toolchain.Toolchain("4.8.0", "cu12"))
     assert "not compared" in toolchain.verdict(toolchain.Toolchain("9.9.9", "cu12"))
+
+
+def test_cu12_holds_by_its_own_gpu_run_and_no_other_way():
+    """4.8.1 cu12's code differs from the GPU runs' in every build, so it holds only by its
+    own whole-suite pass (GPU_RUNS); 4.8.0 cu12 by being byte-identical to it."""
+    cu12 = toolchain.Toolchain("4.8.1", "cu12")
+    assert toolchain.COMPARED[cu12].differs == toolchain.EVERY_BUILD
+    run = toolchain.GPU_RUNS[cu12]
+    assert "its own code on a GPU" in toolchain.verdict(cu12) and str(run) in \
+        toolchain.verdict(cu12)
+    assert "byte-identical to nvidia-cutlass-dsl 4.8.1 (cu12)" in toolchain.verdict(
+        toolchain.Toolchain("4.8.0", "cu12"))
+    without = {t: r for t, r in toolchain.GPU_RUNS.items() if t != cu12}
+    with pytest.MonkeyPatch.context() as mp:  # without its run, both cu12 rows are unproven
+        mp.setattr(toolchain, "GPU_RUNS", without)
+        assert "every kernel unproven" in toolchain.verdict(cu12)
+        assert "every kernel unproven" in toolchain.verdict(toolchain.Toolchain("4.8.0", "cu12"))
+
+
+def test_each_gpu_run_is_the_noted_passing_one():
+    """Each run's commit, device and summary line are those of its note, and a pass:
+    nothing failed, errored, skipped or was left unrun."""
+    for tc, run in toolchain.GPU_RUNS.items():
+        note = (ROOT / run.evidence).read_text()
+        assert run.summary in note and run.commit[:7] in note, tc
+        assert "H100" in run.device and "H100" in note
+        counts = dict((kind, int(n)) for n, kind in
+                      re.findall(r"(\d+) (passed|failed|errors|skipped)", run.summary))
+        assert counts["passed"] > 0 and counts["failed"] == counts["errors"] == \
+            counts["skipped"] == 0 and "(0 not run)" in run.summary
+        assert f"| {tc.flavor} |" in note
 
 
 def test_this_process_toolchain_is_the_loaded_compiler():
@@ -98,7 +128,14 @@ def test_readme_names_the_frameworks_and_each_toolchain_compared():
     for f in toolchain.FRAMEWORKS:
         assert f"`{f.requirement}`" in quick, f.requirement
     for t in toolchain.COMPARED:
-        assert re.search(rf"^\| {re.escape(t.dsl)} \| {t.flavor} \|", quick, re.M), t
+        row = re.search(rf"^\| {re.escape(t.dsl)} \| {t.flavor} \|.*$", quick, re.M)
+        assert row, t
+        # the row's last cell says what the verdict says: the statuses hold, or not
+        holds = "statuses hold" in toolchain.verdict(t)
+        assert row.group(0).rstrip(" |").rsplit("|", 1)[1].strip().startswith(
+            "hold" if holds else "every kernel unproven"), row.group(0)
+    for run in toolchain.GPU_RUNS.values():
+        assert run.commit[:7] in quick and run.evidence in quick
 
 
 # ------------------------------------------------------------- scripts/compare_ptx.py

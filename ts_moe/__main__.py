@@ -167,7 +167,7 @@ COMMANDS: dict[str, Command] = {
     "compile": Command("build every kernel family for its arch without a GPU, each build "
                        "through the pre-flight (nothing is cached)",
                        compile_cli.add_arguments,
-                       lambda args: compile_cli.run(args.arch, args.family)),
+                       lambda args: compile_cli.run(args.arch, args.family, args.builds)),
     "cache": Command("show the compiled-kernel cache (--clear empties it)",
                      cache_cli.add_arguments, lambda args: cache_cli.run(args.clear)),
     "info": Command("each kernel family's status, whether it imported and the path this "

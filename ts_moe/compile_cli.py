@@ -1,8 +1,11 @@
 """``python -m ts_moe compile``: build every kernel family for its arch without a GPU,
 each build through the pre-flight of the hardware's rules (``csrc_free_kernels.preflight``).
 
-The builds are the families' own (``csrc_free_kernels.families``): those each family
-checks on the CPU (``Kernels.checked``), compiled exactly as a call compiles them
+The builds are the families' own (``csrc_free_kernels.families``): by default those each
+family checks on the CPU (``Kernels.checked``, what the PTX tests compile too); with
+``--builds unchecked`` every other build a call can reach (CI builds these beside the
+suite, so that every reachable build is pre-flighted), ``--builds reachable`` all of them.
+Each is compiled exactly as a call compiles it
 (``csrc_free_kernels.common.compile.compile_build``), nothing cached.  The DSL takes its
 target arch when it is imported, so each arch builds in a process of its own
 (:func:`run`); a violation, or a build that fails, fails the step, naming the build.
@@ -20,6 +23,7 @@ from csrc_free_kernels.families import BY_NAME, FAMILIES
 
 ARCHES = tuple(dict.fromkeys(f.arch for f in FAMILIES))  # sm_90a first
 KEEP = "ptx,cubin"  # what the DSL keeps of each build for the pre-flight
+WHICH = ("checked", "unchecked", "reachable")  # the builds --builds names
 
 
 def add_arguments(parser) -> None:
@@ -27,27 +31,31 @@ def add_arguments(parser) -> None:
                         help="one arch (default: every family, each for its arch)")
     parser.add_argument("--family", choices=sorted(BY_NAME),
                         help="one family (on its arch)")
+    parser.add_argument("--builds", choices=WHICH, default="checked",
+                        help="the builds each family checks on the CPU (default), the other "
+                             "builds a call can reach, or every reachable build")
 
 
 def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def builds(arch: str, only: str | None = None) -> list:
+def builds(arch: str, only: str | None = None, which: str = "checked") -> list:
     """``[(family, [Build])]`` of the families built for ``arch`` (or of the family named
-    ``only``): the builds each checks."""
+    ``only``): the builds each checks, the others it can reach, or all (``which``)."""
+    keep = {"checked": (True,), "unchecked": (False,), "reachable": (True, False)}[which]
     found = []
     for family in FAMILIES:
         if family.arch == arch and only in (None, family.name):
             kernels = family.load()
-            found.append((family, [b for b in kernels.builds() if kernels.checked(b)]))
+            found.append((family, [b for b in kernels.builds() if kernels.checked(b) in keep]))
     return found
 
 
-def compile_arch(arch: str, only: str | None = None) -> int:
+def compile_arch(arch: str, only: str | None = None, which: str = "checked") -> int:
     """Every family of ``arch`` (or the one named ``only``) built in this process (the DSL
-    imported for ``arch``, its PTX and cubin kept), a line per family, each build through
-    the pre-flight."""
+    imported for ``arch``, its PTX and cubin kept), a line per family, each build (of
+    ``which``: :func:`builds`) through the pre-flight."""
     from csrc_free_kernels import preflight
     from csrc_free_kernels.common.compile import compile_build
 
@@ -57,7 +65,7 @@ def compile_arch(arch: str, only: str | None = None) -> int:
     settings.disk_cache = False  # build only: nothing written to the cache
     start = time.perf_counter()
     built = 0
-    for family, family_builds in builds(arch, only):
+    for family, family_builds in builds(arch, only, which):
         _say(f"  [{time.perf_counter() - start:5.1f} s] {family.name} ({family.title}): "
              f"{len(family_builds)} builds")
         for b in family_builds:
@@ -74,8 +82,9 @@ def compile_arch(arch: str, only: str | None = None) -> int:
                     print(violation, file=sys.stderr)
                 return 1
         built += len(family_builds)
-    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} builds for {arch}, each through "
-         f"the pre-flight ({', '.join(preflight.RULES)}): no violation")
+    kind = "" if which == "checked" else f"{which} "  # the default's line as it always was
+    _say(f"  [{time.perf_counter() - start:5.1f} s] {built} {kind}builds for {arch}, each "
+         f"through the pre-flight ({', '.join(preflight.RULES)}): no violation")
     return 0
 
 
@@ -107,10 +116,11 @@ def child_env(arch: str, dump_dir: str) -> dict:
                                             *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
-def child(arch: str, family: str | None = None) -> list[str]:
-    """The command of the child that builds ``arch`` (or ``family`` on it)."""
+def child(arch: str, family: str | None = None, which: str = "checked") -> list[str]:
+    """The command of the child that builds ``arch`` (or ``family`` on it), the builds
+    ``which`` names."""
     return [sys.executable, "-m", "ts_moe", "compile", "--arch", arch,
-            *(("--family", family) if family else ())]
+            *(("--family", family) if family else ()), "--builds", which]
 
 
 def start(arch: str, dump_dir: str) -> dict:
@@ -120,7 +130,7 @@ def start(arch: str, dump_dir: str) -> dict:
     return {"env": child_env(arch, dump_dir), "cwd": dump_dir}
 
 
-def run(arch: str | None = None, family: str | None = None) -> int:
+def run(arch: str | None = None, family: str | None = None, which: str = "checked") -> int:
     """Build ``arch`` (default: each arch in turn; the arch of ``family`` where one is
     named), each in a fresh process unless this one was started for it; the first
     failure's exit status, 2 for a ``family`` not built for ``arch``."""
@@ -132,10 +142,10 @@ def run(arch: str | None = None, family: str | None = None) -> int:
     arch = BY_NAME[family].arch if family else arch
     if arch is not None and os.environ.get("CUTE_DSL_ARCH") == arch and \
             os.environ.get("CUTE_DSL_KEEP") == KEEP and os.environ.get("CUTE_DSL_DUMP_DIR"):
-        return compile_arch(arch, family)
+        return compile_arch(arch, family, which)
     for one in (arch,) if arch else ARCHES:
         with scratch.directory("ts_moe_build_") as dump_dir:
-            status = subprocess.call(child(one, family), **start(one, dump_dir))
+            status = subprocess.call(child(one, family, which), **start(one, dump_dir))
         if status:
             return status
     return 0

@@ -10,9 +10,12 @@ the cu13 one, which the DSL takes on a CUDA 13 driver and on a machine without a
 the GPU runs' toolchain (:data:`VERIFIED`), over every build of
 ``csrc_free_kernels.ptx_dump`` and of the probes, for sm_90a and sm_100a; CI compiles
 them on the oldest supported release in both flavours and checks it
-(``scripts/compare_ptx.py``).  :data:`FRAMEWORKS` are the releases ts_moe installs
+(``scripts/compare_ptx.py``).  :data:`GPU_RUNS` are the whole-suite GPU passes each
+flavour's own code has had: a toolchain holds the statuses if its code ran there, or is
+byte-identical to one that did.  :data:`FRAMEWORKS` are the releases ts_moe installs
 beside, with the toolchain each pins (``scripts/resolve_beside.py`` checks both).
-TVM-FFI does not enter the PTX.  The evidence: bench/notes/2026-12-06-dsl-4.8.0-and-cu13.md.
+TVM-FFI does not enter the PTX.  The evidence: bench/notes/2026-12-06-dsl-4.8.0-and-cu13.md,
+bench/notes/2026-12-07-cu12-gpu-pass.md.
 """
 
 import dataclasses
@@ -44,6 +47,21 @@ class Comparison:
 
 
 @dataclasses.dataclass(frozen=True)
+class GpuRun:
+    """A pass of the whole GPU suite (``scripts/gpu_check.py``) on code a toolchain compiled:
+    the commit of the tree, the device, the check's summary line and where it is kept."""
+
+    commit: str
+    device: str
+    summary: str
+    evidence: str
+
+    def __str__(self) -> str:
+        counts = self.summary.removeprefix("GPU check: ").split(" in ")[0]
+        return f"the whole GPU suite, {counts}, at {self.commit[:7]} on {self.device}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Framework:
     """A serving framework's release (``requirement``) and what it pins: the DSL (with
     the flavour it takes on a CUDA 13 driver), TVM-FFI and torch."""
@@ -61,6 +79,17 @@ TVM_FFI_VERIFIED = "0.1.15"  # the GPU runs' TVM-FFI, calling the compiled kerne
 TVM_FFI_OLDEST = "0.1.11"
 _CU12 = ("the cu12 flavour writes PTX ISA 8.8 instead of 9.4, the same instructions, and "
          "assembles it with CUDA 12's ptxas: every cubin differs")
+_H100_NOTE = "bench/notes/2026-12-07-cu12-gpu-pass.md"
+_H100 = "an NVIDIA H100 80GB HBM3 (driver 580.159.04)"
+GPU_RUNS = {
+    VERIFIED: GpuRun("38ed62d31b46a7c90aea8f28c51d6e3586798144", _H100,
+                     "GPU check: 643 passed, 0 failed, 0 errors, 0 skipped in 17 files "
+                     "(0 not run), 458 s", _H100_NOTE),
+    Toolchain("4.8.1", "cu12"): GpuRun("38ed62d31b46a7c90aea8f28c51d6e3586798144", _H100,
+                                       "GPU check: 643 passed, 0 failed, 0 errors, 0 skipped "
+                                       "in 17 files (0 not run), 522 s",
+                                       _H100_NOTE),
+}
 COMPARED = {c.toolchain: c for c in (
     Comparison(VERIFIED, (), "the toolchain of the GPU runs"),
     Comparison(Toolchain("4.8.0", "cu13"), (),
@@ -86,12 +115,19 @@ def current() -> Toolchain:
 
 
 def verdict(toolchain: Toolchain) -> str:
-    """Whether the kernel families' GPU statuses hold for code compiled on ``toolchain``."""
+    """Whether the kernel families' GPU statuses hold for code compiled on ``toolchain``:
+    its own code passed the whole GPU suite (:data:`GPU_RUNS`), or it is byte for byte
+    the code of a toolchain whose did."""
     c = COMPARED.get(toolchain)
     if c is None:
         return f"not compared with {VERIFIED}, the GPU runs' one: every kernel unproven on a GPU"
+    if toolchain in GPU_RUNS:
+        return f"the statuses hold (its own code on a GPU: {GPU_RUNS[toolchain]})"
     if not c.differs:
         return f"the statuses hold ({c.why})"
+    if c.same_as in GPU_RUNS:
+        return (f"the statuses hold (its code is byte-identical to {c.same_as}'s, which ran: "
+                f"{GPU_RUNS[c.same_as]})")
     which = "every kernel" if c.differs == EVERY_BUILD else ", ".join(c.differs)
     return f"{which} unproven on a GPU ({c.why})"
 
@@ -105,6 +141,8 @@ def lines() -> list[str]:
     out = [f"toolchain: {here}, apache-tvm-ffi {tvm_ffi.__version__}: {verdict(here)}",
            f"  the statuses above are for {VERIFIED}; on the others compared, build by build:"]
     out += [f"    {t}: {verdict(t)}" for t in COMPARED if t != VERIFIED]
+    out += [f"  {t} on a GPU: \"{run.summary}\" at {run.commit[:12]} on {run.device} "
+            f"({run.evidence})" for t, run in GPU_RUNS.items()]
     out.append(f"  apache-tvm-ffi is not in the kernels' code (on {TVM_FFI_OLDEST} their "
                f"compiled objects are the same bytes); the GPU runs called them through "
                f"{TVM_FFI_VERIFIED}")

@@ -44,6 +44,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def reads_before_wait() -> None:
+    """In a PDL kernel that reads global memory before :func:`enter` on purpose (weights
+    and ``offs`` the kernel ahead does not write: ``prefetch_weights``), called while it
+    traces: the pre-flight's ``pdl-order`` rule then allows L2 and TMA loads before the
+    wait (``csrc_free_kernels/preflight/pdl_order.py``); writes never."""
+    if enabled():
+        from ..preflight.trace import declare_pdl_early_reads
+
+        declare_pdl_early_reads()
+
+
 def enter() -> None:
     """At a PDL kernel's start, in every thread: wait for the stream ahead, then
     let the next kernel launch (emits nothing without :data:`ENABLED`)."""

@@ -255,6 +255,8 @@ class GroupedGemmSm90(RaggedTileMma):
         early = self.prefetch_weights
         if cutlass.const_expr(not early):
             pdl.enter()  # before the first global access (offs, tokens, weights, out)
+        else:
+            pdl.reads_before_wait()  # offs and weights first (the pre-flight's record)
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()

@@ -166,11 +166,23 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
     return PREFILL
 
 
-def swiglu_config(num_experts: int, two_inter: int, k: int, m: int) -> TileConfig | Declined:
+def swiglu_takes(cfg: TileConfig, n_major: bool) -> bool:
+    """Whether the fused SwiGLU kernel builds ``cfg`` for weights of that layout: N-major,
+    each weight warp's part is whole 64-column swizzle atoms, and decode16_n64's 32-column
+    gate and up parts are not."""
+    return not (n_major and cfg is DECODE16_N64)
+
+
+def swiglu_config(num_experts: int, two_inter: int, k: int, m: int,
+                  n_major: bool = False) -> TileConfig | Declined:
     """The fused SwiGLU kernel's tiles for these shapes, or the reason it cannot
     run: a tile's gate and up parts must be whole, so I must be a multiple of
-    ``tile_n / 2`` (the caller then runs a plain GEMM and the activation apart)."""
+    ``tile_n / 2`` (the caller then runs a plain GEMM and the activation apart).
+    With N-major weights (``n_major``) the shapes :func:`swiglu_takes` refuses take the
+    128-column decode tiles."""
     cfg = choose_config(num_experts, two_inter, k, m)
+    if not swiglu_takes(cfg, n_major):
+        cfg = DECODE16
     if (two_inter // 2) % (cfg.tile_n // 2):
         return Declined(f"I = {two_inter // 2}: the fused SwiGLU kernel's {cfg.name} tiles "
                         f"need a multiple of {cfg.tile_n // 2}")

@@ -21,7 +21,8 @@ from ..common import compile as kcompile
 from ..common.family import Build, Kernels, Op
 from ..common.kernel_config import Declined
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90
-from .grouped_gemm_sm90_config import CONFIGS, MAX_EXPERTS, TileConfig, choose_config, swiglu_config
+from .grouped_gemm_sm90_config import (CONFIGS, MAX_EXPERTS, TileConfig, choose_config,
+                                      swiglu_config, swiglu_takes)
 
 HALF = (torch.bfloat16, torch.float16)  # the kernels' operand types
 
@@ -68,6 +69,8 @@ def builds():
     for config, dtype, b_n_major, prefetch in itertools.product(
             CONFIGS.values(), HALF, (True, False), (False, True)):
         for swiglu, out in ((False, dtype), (False, torch.float32), (True, dtype)):
+            if swiglu and not swiglu_takes(config, b_n_major):
+                continue  # such calls take other tiles (swiglu_config)
             b = build(config, dtype, out, b_n_major, swiglu, prefetch)
             if b.key not in seen:
                 seen.add(b.key)
@@ -146,7 +149,8 @@ class GroupedGemmSwigluBackend:
     gathers = False
 
     def choose_config(self, a, gate_up, offs, out, a_index) -> TileConfig | Declined:
-        return swiglu_config(gate_up.shape[0], gate_up.shape[1], a.shape[1], out.shape[0])
+        return swiglu_config(gate_up.shape[0], gate_up.shape[1], a.shape[1], out.shape[0],
+                             n_major=_row_major(gate_up.transpose(-2, -1)))
 
     def run(self, a, gate_up, offs, out, config, *, a_index=None, prefetch_weights=False):
         return _launch(a, gate_up.transpose(-2, -1), offs, out, config, GroupedGemmSwigluSm90,

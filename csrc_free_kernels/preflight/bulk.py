@@ -12,16 +12,19 @@ Notes: ``bench/notes/2026-12-06-preflight-rules.md``.
   a multicast ``ctaMask`` names only CTAs of the cluster, and is not empty; ``mapa``
   ranks stay below the cluster size;
 - ``proxy-fence``: shared memory that threads write (``st.shared``, ``stmatrix``,
-  ``cp.async``, atomics: the generic proxy) and a TMA or bulk store then reads (the async
-  proxy) has a ``fence.proxy.async`` between them, on the writer's path (PTX ISA, memory
-  consistency model: proxies); a write reaches a store on another thread through the
+  ``cp.async``, atomics: the generic proxy) and a TMA or bulk store or a ``tcgen05.mma``
+  then reads (the async proxy: an MMA's operands by their descriptors, the allocation
+  each descriptor's start falls in) has a ``fence.proxy.async`` between
+  them, on the writer's path (PTX ISA, memory consistency model: proxies), after the
+  writes are done (a ``cp.async``'s at ``cp.async.wait_group``/``wait_all``: a fence
+  before that orders nothing); a write reaches a reader on another thread through the
   named barrier or mbarrier they meet at.
 """
 
 import re
 
 from .mbarrier import barrier_operand
-from .ranges import footprint, operand_range, shared_size, sym_range
+from .ranges import allocation_at, footprint, operand_range, shared_size, sym_range
 
 PORTABLE_CLUSTER = 8
 
@@ -146,6 +149,7 @@ _GENERIC_WRITE = re.compile(r"^(st\.shared|stmatrix|atom\.shared|red\.shared|"
                             r"cp\.async\.(ca|cg)\.shared)")
 _ASYNC_READ = re.compile(r"^cp(\.reduce)?\.async\.bulk(\.tensor\.\dd)?\.global\.shared")
 _BAR_SITE = re.compile(r"^(bar|barrier)(\.cta)?\.(sync|arrive|red)")
+WRITTEN, PENDING = 1, 2  # a path's writes: done and not fenced; cp.async not yet waited
 
 
 def _read_region(pf, ins):
@@ -173,21 +177,42 @@ def _write_overlaps(pf, ins, region) -> bool:
 
 
 def check_proxy_fence(pf) -> None:
-    readers = [ins for ins in pf.k.instrs if _ASYNC_READ.match(ins.op)]
     regions = {}
-    for ins in readers:
-        regions.setdefault(_read_region(pf, ins), []).append(ins)
+    for ins in pf.k.instrs:
+        if _ASYNC_READ.match(ins.op):
+            regions.setdefault(_read_region(pf, ins), []).append(ins)
+        elif ins.op.startswith("tcgen05.mma"):
+            for region in _mma_regions(pf, ins):
+                regions.setdefault(region, []).append(ins)
+    flagged = set()  # a reader reported once, whichever region it reads
     for region, stores in regions.items():
-        _check_region(pf, region, stores)
+        _check_region(pf, region, stores, flagged)
 
 
-def _check_region(pf, region, stores) -> None:
+def _mma_regions(pf, ins) -> list:
+    """The shared memory a ``tcgen05.mma``'s descriptors read (the async proxy): for each
+    descriptor, the allocation its start address falls in (left out if not known)."""
+    from .wgmma import _fields, _operands
+
+    found = []
+    for reg, _, _ in _operands(ins):
+        sym = pf.addrs.value(reg)
+        symbols = sym.symbols()
+        if len(symbols) != 1 or sym.const.denominator != 1:
+            continue
+        alloc = allocation_at(pf, symbols[0][0], _fields(int(sym.const), True)["start"])
+        if alloc:
+            found.append((symbols[0][0], *alloc))
+    return found
+
+
+def _check_region(pf, region, stores, flagged) -> None:
     writes = {ins.index for ins in pf.k.instrs
               if _GENERIC_WRITE.match(ins.op) and _write_overlaps(pf, ins, region)}
     if not writes:
         return
     store_ids = {ins.index for ins in stores}
-    carry, flagged = {}, set()
+    carry = {}
     classes = pf.lanes.classes()
     for _ in range(8):  # until what the barriers carry settles
         before = dict(carry)
@@ -199,7 +224,7 @@ def _check_region(pf, region, stores) -> None:
 
 def _walk(pf, edges, lanes, writes, store_ids, carry, flagged) -> None:
     k = pf.k
-    dirty_in, work = {0: False}, [0]
+    dirty_in, work = {0: 0}, [0]
     while work:
         b = work.pop()
         dirty = dirty_in[b]
@@ -208,24 +233,28 @@ def _walk(pf, edges, lanes, writes, store_ids, carry, flagged) -> None:
             if not lanes & pf.lanes.at(ins):
                 continue
             if i in writes:
-                dirty = True
+                dirty |= PENDING if ins.op.startswith("cp.async.") else WRITTEN
+            elif ins.op.startswith(("cp.async.wait_group", "cp.async.wait_all")):
+                done = ins.op.startswith("cp.async.wait_all") or pf.constant(ins.args[0]) == 0
+                if dirty & PENDING:  # the copies' writes are done: now they need the fence
+                    dirty = (dirty & ~PENDING if done else dirty) | WRITTEN
             elif ins.op.startswith("fence.proxy.async"):
-                dirty = False
+                dirty &= ~WRITTEN
             elif i in store_ids and dirty and i not in flagged:
                 flagged.add(i)
                 pf.fail("proxy-fence", ins, "reads shared memory that threads wrote with "
-                                            "no fence.proxy.async between: the store may "
-                                            "send stale data")
+                                            "no fence.proxy.async after the writes: it may "
+                                            "read stale data")
             key = _meeting_point(pf, ins)
             if key is not None:
                 if dirty and ".arrive" in ins.op or dirty and "sync" in ins.op:
                     carry[key] = True
                 if not ins.op.startswith("mbarrier.arrive") and ".arrive" not in ins.op:
-                    dirty = dirty or carry.get(key, False)
+                    dirty |= WRITTEN if carry.get(key) else 0
         for s in k.succ[b]:
             if (b, s) in edges and s != k.exit and \
-                    (s not in dirty_in or dirty and not dirty_in[s]):
-                dirty_in[s] = dirty_in.get(s, False) or dirty
+                    (s not in dirty_in or dirty & ~dirty_in[s]):
+                dirty_in[s] = dirty_in.get(s, 0) | dirty
                 work.append(s)
 
 

@@ -16,16 +16,20 @@ stage's (or another pipeline's) barrier names a different one.  Rules:
   equal the bytes the loads completing on it deliver, per pass through the CFG with
   back edges cut (alternative passes must agree); a load completes only on an armed
   barrier;
+- ``stage-range``: a barrier named through a stage register (``base + 8 x stage``) stays
+  inside its array over the register's known range (a modular counter's ``[0, N - 1]``);
 - ``mbarrier-fence``: in a cluster launch, a barrier that another CTA signals
   (a multicast or pair load, a remote arrive, a multicast commit) is initialised, then
-  ``fence.mbarrier_init.release.cluster``, then the signalling thread synchronises
-  (a cluster barrier, a CTA barrier or an mbarrier wait: the acquire that the release
-  fence pairs with), before the signal.
+  ``fence.mbarrier_init.release.cluster``, then the cluster barrier
+  (``barrier.cluster.arrive``, then ``barrier.cluster.wait``: the cluster-scope acquire
+  the release fence pairs with, PTX ISA fence.mbarrier_init), before the signal, on the
+  signaller's path; a fence after the cluster barrier orders nothing the peer sees.
 """
 
 import re
 
 from .lanes import dag_order, pass_sums
+from .ranges import sym_range
 
 TX_MAX = (1 << 20) - 1
 _WAIT = ("mbarrier.try_wait", "mbarrier.test_wait")
@@ -130,6 +134,7 @@ def check_init(pf) -> None:
             pf.fail("mbarrier-init", ins, f"{bar} names no barrier an mbarrier.init sets "
                                           f"up ({_place(sym)})")
             continue
+        _check_stage(pf, ins, sym, arr)
         if ins.op.startswith(_WAIT):
             waited.add(id(arr))
         n = _arrivals(pf, ins)
@@ -144,6 +149,22 @@ def check_init(pf) -> None:
     for arr, found in sites.values():
         if arr.count is not None:
             _check_phase(pf, arr, found)
+
+
+def _check_stage(pf, ins, sym, arr) -> None:
+    """``stage-range``: a barrier named through a stage register stays inside its array
+    over the register's range (a ring counter that wraps one step late names a barrier
+    past the last stage: another pipeline's, or none)."""
+    if not sym.registers():
+        return
+    rng = sym_range(pf, sym, ins)
+    if rng is None:
+        return  # a register with no known range: the array's stages are all it can name
+    last = arr.start + 8 * (arr.size - 1)
+    if rng[0] < arr.start or rng[1] > last:
+        pf.fail("stage-range", ins, f"names barriers at +{int(rng[0])}..+{int(rng[1])} "
+                                    f"over its stage registers' range, outside {arr} "
+                                    f"(+{arr.start}..+{last})")
 
 
 def _check_phase(pf, arr, found) -> None:
@@ -306,38 +327,42 @@ def check_fence(pf) -> None:
     if not uses:
         return
     init_of = {id(i): arr for arr in pf.arrays for i in arr.inits}
-    state_in = {0: (frozenset(), frozenset())}  # (unfenced, fenced but not synced)
-    order, _ = dag_order(pf.k)
+    # the barriers each path holds: initialised but not fenced, fenced but the cluster
+    # barrier not arrived at since, arrived at but not waited on
+    state_in = {0: (frozenset(), frozenset(), frozenset())}
     work = list(range(len(pf.k.blocks)))
     flagged = set()
     while work:
         b = work.pop(0)
         if b not in state_in:
             continue
-        unfenced, unsynced = state_in[b]
+        unfenced, fenced, arrived = state_in[b]
         for i in pf.k.blocks[b]:
             ins = pf.k.instrs[i]
             if id(ins) in init_of:
                 unfenced = unfenced | {id(init_of[id(ins)])}
             elif ins.op.startswith("fence.mbarrier_init"):
-                unfenced, unsynced = frozenset(), unsynced | unfenced
-            elif re.match(r"barrier\.cluster\.wait|mbarrier\.(try|test)_wait|bar\.sync|"
-                          r"barrier\.sync", ins.op):
-                unsynced = frozenset()  # an acquire after the release fence
+                unfenced, fenced = frozenset(), fenced | unfenced
+            elif ins.op.startswith("barrier.cluster.arrive"):
+                fenced, arrived = frozenset(), arrived | fenced
+            elif ins.op.startswith("barrier.cluster.wait"):
+                arrived = frozenset()  # the acquire the release fence pairs with
             elif ins.index in uses and ins.index not in flagged:
                 arr = pf.array_of(pf.addrs.operand(barrier_operand(ins)))
-                if arr is not None and id(arr) in unfenced | unsynced:
+                step = None if arr is None else (
+                    "fence.mbarrier_init.release.cluster" if id(arr) in unfenced else
+                    "the cluster barrier (barrier.cluster.arrive, then wait)"
+                    if id(arr) in fenced | arrived else None)
+                if step:
                     flagged.add(ins.index)
-                    step = ("fence.mbarrier_init.release.cluster" if id(arr) in unfenced
-                            else "a synchronisation (a barrier or an mbarrier wait)")
                     pf.fail("mbarrier-fence", ins, f"another CTA of the cluster signals "
                                                    f"{arr} before {step} follows its init")
         for s in pf.k.succ[b]:
             if s == pf.k.exit:
                 continue
             old = state_in.get(s)
-            new = (unfenced, unsynced) if old is None else \
-                (old[0] | unfenced, old[1] | unsynced)
+            new = (unfenced, fenced, arrived) if old is None else \
+                (old[0] | unfenced, old[1] | fenced, old[2] | arrived)
             if new != old:
                 state_in[s] = new
                 work.append(s)

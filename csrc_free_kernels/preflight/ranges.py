@@ -64,8 +64,9 @@ def _counter(pf, reg: str):
     defs = pf.k.writes.get(reg, [])
     starts, limit = [], None
     for d in defs:
-        if d.op.startswith("mov") and imm(d.args[1]) is not None and not d.guard:
-            starts.append(imm(d.args[1]))
+        start = _start_value(pf, d)
+        if start is not None:
+            starts.append(start)
             continue
         if not d.op.startswith("selp") or len(d.args) != 4:
             return None
@@ -81,6 +82,20 @@ def _counter(pf, reg: str):
     if limit is None or not starts or min(starts) < 0 or max(starts) >= limit:
         return None
     return min(starts), limit - 1
+
+
+def _start_value(pf, d):
+    """A counter's start: an unguarded ``mov`` of an immediate, or of a register every
+    write reaching it sets to one immediate (the phase bit it starts beside)."""
+    if not d.op.startswith("mov") or d.guard or len(d.args) != 2:
+        return None
+    value = imm(d.args[1])
+    if value is not None:
+        return value
+    reaching = pf.k.reaching().get(d.index, {}).get(d.args[1].strip()) or ()
+    values = {imm(pf.k.instrs[r].args[1]) if pf.k.instrs[r].op.startswith("mov") and
+              not pf.k.instrs[r].guard else None for r in reaching}
+    return values.pop() if len(values) == 1 and None not in values else None
 
 
 def _wrap_limit(pf, nxt: str, reg: str, pred: str, zero_when_true: bool):

@@ -63,9 +63,10 @@ class BuildFacts:
     atom passed twice is two parameters); its shared-memory bytes; from the cubin the
     DSL produced, the registers per thread and the stack frame (0: no local memory);
     from the launch, the cluster shape (x, y, z) and the printed types of the kernel's
-    operands in order (a tensor's address alignment and strides' divisibility); and the
+    operands in order (a tensor's address alignment and strides' divisibility); the
     shared-memory allocations (each field of an allocated struct) as ``[start, end)``
-    byte ranges.  None: not recorded,
+    byte ranges; and ``pdl_early_reads``, whether the kernel declared global reads before
+    its ``griddepcontrol.wait`` (:func:`declare_pdl_early_reads`).  None: not recorded,
     which the pre-flight reports wherever a rule needs it."""
 
     maps: list = dataclasses.field(default_factory=list)
@@ -76,6 +77,7 @@ class BuildFacts:
     cluster: list | None = None
     operands: list | None = None
     smem_regions: list | None = None
+    pdl_early_reads: bool | None = None
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self),
@@ -174,6 +176,17 @@ _ATOM_OPS = {"atom_make_non_exec_tiled_tma_load": "load",
              "atom_make_non_exec_tiled_tma_reduce": "reduce"}
 
 
+_RECORDING: list = []  # the facts of the builds being traced, innermost last
+
+
+def declare_pdl_early_reads() -> None:
+    """Called by a kernel while it traces: this build reads global memory before its
+    ``griddepcontrol.wait`` on purpose (data the kernel ahead does not write), which the
+    ``pdl-order`` rule then allows for L2 and TMA loads.  Outside :func:`recording`, nothing."""
+    if _RECORDING:
+        _RECORDING[-1].pdl_early_reads = True
+
+
 @contextlib.contextmanager
 def recording():
     """Within it, every TMA atom and shared-memory allocation the DSL makes, and the
@@ -184,7 +197,7 @@ def recording():
     from cutlass.cutlass_dsl.cutlass import CutlassBaseDSL
     from cutlass.memory import smem
 
-    facts = BuildFacts()
+    facts = BuildFacts(pdl_early_reads=False)
     saved = {name: getattr(nvgpu_ir, name) for name in _ATOM_OPS}
     atoms = []  # the atoms' IR values, in the order of facts.maps
 
@@ -231,9 +244,11 @@ def recording():
         setattr(nvgpu_ir, name, watch(name, make))
     smem.SmemAllocator._smem_alloca = counted_alloca
     CutlassBaseDSL.cuda_launch_func = staticmethod(recorded_launch)
+    _RECORDING.append(facts)
     try:
         yield facts
     finally:
+        _RECORDING.remove(facts)
         for name, make in saved.items():
             setattr(nvgpu_ir, name, make)
         smem.SmemAllocator._smem_alloca = alloca

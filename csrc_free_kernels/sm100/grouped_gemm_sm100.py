@@ -1,17 +1,15 @@
 """Ragged grouped GEMM for Blackwell (sm_100a): tcgen05 MMA on 2-CTA pairs, gathered token rows.
 
-**Compile- and schedule-verified only.**  No Blackwell GPU was available to this
-project: this kernel has never run.  CI compiles every configuration for
-sm_100a, checks its PTX (``tests/test_grouped_gemm_sm100_ptx.py``) and model-
-checks its barrier protocol (``tests/test_sm100_protocol.py``); nothing here is
-a measured result.  ``ts_moe`` runs it only on an explicit opt-in.
+**Compile- and schedule-verified only.**  No Blackwell GPU was available to this project:
+this kernel has never run.  CI compiles every configuration for sm_100a, checks its PTX
+(``tests/test_grouped_gemm_sm100_ptx.py``, the pre-flight's tcgen05 rules) and model-checks
+its barrier protocol (``tests/test_sm100_protocol.py``); nothing here is a measured result.
+``ts_moe`` runs it only on an explicit opt-in.
 
-Same op semantics as the Hopper kernel (``grouped_gemm_sm90``): ``offs`` read
-on the device, zeros past ``offs[-1]``, K and N tails, both weight layouts,
-plus a row index (``a_index``) through which the token rows are gathered.
-See :class:`GroupedGemmSm100`; its configurations are in
-:mod:`.grouped_gemm_sm100_config`, its torch entry point in
-:mod:`.grouped_gemm_sm100_launch`.
+Same op semantics as the Hopper kernel (``grouped_gemm_sm90``): ``offs`` read on the
+device, zeros past ``offs[-1]``, K and N tails, both weight layouts, plus a row index
+(``a_index``) through which the token rows are gathered.  Configurations:
+:mod:`.grouped_gemm_sm100_config`; the torch entry point: :mod:`.grouped_gemm_sm100_launch`.
 """
 
 import enum
@@ -26,6 +24,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 import ts_pipeline
 
+from . import tcgen05_fence
 from .grouped_gemm_sm100_config import MAX_EXPERTS, TileConfigSm100
 from ..common.tile_schedule import RaggedTileSchedule, TileScheduler
 
@@ -233,6 +232,14 @@ class GroupedGemmSm100:
         k_tiles = (mA.shape[1] + self.cfg.tile_k - 1) // self.cfg.tile_k
 
         a_pipe, b_pipe, acc_pipe = self.make_pipelines(storage, cluster_layout_vmnk)
+        # its dealloc barrier, which the peer CTA arrives on, initialised and fenced before
+        # the cluster barrier below, like the pipelines' (PTX ISA, fence.mbarrier_init)
+        tmem = cutlass_utils.TmemAllocator(
+            storage.tmem_address.ptr,
+            barrier_for_retrieve=cp.NamedBarrier(
+                barrier_id=Barrier.TMEM_ALLOC, num_threads=32 * (EPILOGUE_WARPS + 1)),
+            allocator_warp_id=Warp.EPILOGUE, is_two_cta=True,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr)
         if warp_idx == Warp.SCHEDULE:
             sched.build(mOffs, m_rows)
         cute.arch.sync_threads()  # the schedule, for every role
@@ -243,12 +250,6 @@ class GroupedGemmSm100:
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
-        tmem = cutlass_utils.TmemAllocator(
-            storage.tmem_address.ptr,
-            barrier_for_retrieve=cp.NamedBarrier(
-                barrier_id=Barrier.TMEM_ALLOC, num_threads=32 * (EPILOGUE_WARPS + 1)),
-            allocator_warp_id=Warp.EPILOGUE, is_two_cta=True,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc.ptr)
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stages))
 
@@ -427,6 +428,7 @@ class GroupedGemmSm100:
             for k in cutlass.range(k_tiles, unroll=1):
                 a_pipe.consumer_wait(read)
                 b_pipe.consumer_wait(read)
+                tcgen05_fence.after_thread_sync()  # the MMAs after the stage's waits
                 for kb in cutlass.range_constexpr(num_k_blocks):
                     crd = (None, None, kb, read.index)
                     cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
@@ -473,6 +475,7 @@ class GroupedGemmSm100:
             row = row0 + t
             store = row < seg_end
             acc_pipe.consumer_wait(read)
+            tcgen05_fence.after_thread_sync()  # the TMEM reads after the MMAs' commit
             for c in cutlass.range_constexpr(out_chunks):
                 cute.copy(t2r, tTR_tAcc[None, None, None, 0, c, read.index], frag)
                 values = frag.load()
@@ -489,9 +492,10 @@ class GroupedGemmSm100:
                         if col0 + v * vec < n_cols:
                             cute.autovec_copy(cute.local_tile(out, (vec,), (v,)),
                                               cute.local_tile(gOut, (vec,), (v,)))
-            # TMEM reads done before the MMA may overwrite the stage; one arrival
-            # per warp (the barrier counts the 8 epilogue warps of the pair)
+            # TMEM reads done (tcgen05.wait::ld) and ordered before the release, so the
+            # MMA may overwrite the stage; one arrival per warp (8 epilogue warps a pair)
             cute.arch.fence_view_async_tmem_load()
+            tcgen05_fence.before_thread_sync()
             with cute.arch.elect_one():
                 acc_pipe.consumer_release(read)
             read.advance()
