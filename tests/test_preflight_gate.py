@@ -179,7 +179,7 @@ def test_ci_preflights_every_reachable_build():
         checked, unchecked = set(names["checked"]), set(names["unchecked"])
         assert checked and not checked & unchecked, arch
         assert checked | unchecked == set(names["reachable"]) == {
-            n for n, (a, _, _) in ptx_dump.space().items() if a == arch}, arch
+            n for n, (family, _, _) in ptx_dump.space().items() if family.arch == arch}, arch
     ci = (pathlib.Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
     steps = [line for line in ci.splitlines() if not line.lstrip().startswith("#")]
     assert any("python -m ts_moe compile --builds unchecked" in line for line in steps)
