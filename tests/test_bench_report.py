@@ -200,8 +200,8 @@ def test_provenance_is_described_field_by_field():
             "nvidia-cutlass-dsl": "4.8.1", "transformers": None}
     text = provenance.describe({"provenance": prov})
     assert text == ("commit 0123456789ab with uncommitted changes, host h1, GPU NVIDIA H200, "
-                    "driver 570.1, torch 2.13.0, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, "
-                    "transformers not installed")
+                    "driver 570.1, torch 2.13.0, CUDA 13.0, nvidia-cutlass-dsl 4.8.1 (flavour "
+                    "not recorded), transformers not installed")
     clean = provenance.describe({"provenance": {**prov, "dirty": False, "commit": None}})
     assert clean.startswith("commit unknown, host h1")
 
