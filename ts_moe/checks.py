@@ -308,16 +308,20 @@ def check_permute_args(x, experts, num_experts) -> None:
             f"x and experts must be on one device, got {x.device} and {experts.device}")
 
 
-def check_combine_args(y_sorted, weights, inverse) -> None:
-    """y_sorted (M, H) of a float dtype, weights (T, k) floating point and inverse (M,)
-    int32/int64 with M = T * k, all on one device (a ``meta`` tensor among real ones
-    included: the result would be uninitialized memory)."""
-    for name, t, rank in (("y_sorted", y_sorted, 2), ("weights", weights, 2),
-                          ("inverse", inverse, 1)):
+def _check_ranks(**tensors) -> None:
+    """Each ``name=(t, rank)``: a tensor of that rank, else the error naming it."""
+    for name, (t, rank) in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
             raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+
+
+def check_combine_args(y_sorted, weights, inverse) -> None:
+    """y_sorted (M, H) of a float dtype, weights (T, k) floating point and inverse (M,)
+    int32/int64 with M = T * k, all on one device (a ``meta`` tensor among real ones
+    included: the result would be uninitialized memory)."""
+    _check_ranks(y_sorted=(y_sorted, 2), weights=(weights, 2), inverse=(inverse, 1))
     if y_sorted.dtype not in DTYPES:  # an integer y would be truncated by the rounding
         raise TypeError(f"y_sorted must be bfloat16, float16, float32 or float64, got "
                         f"{y_sorted.dtype}")
@@ -338,12 +342,8 @@ def check_combine_args(y_sorted, weights, inverse) -> None:
 def check_combine_grad_args(dout, y_sorted, weights, order) -> None:
     """dout (T, H) and y_sorted (M, H) of one float dtype, weights (T, k) floating point,
     order (M,) int32/int64, all on one device."""
-    for name, t, rank in (("dout", dout, 2), ("y_sorted", y_sorted, 2), ("weights", weights, 2),
-                          ("order", order, 1)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+    _check_ranks(dout=(dout, 2), y_sorted=(y_sorted, 2), weights=(weights, 2),
+                 order=(order, 1))
     if y_sorted.dtype not in DTYPES or dout.dtype != y_sorted.dtype:
         raise TypeError(f"dout and y_sorted must have one float dtype (bfloat16, float16, "
                         f"float32 or float64), got {dout.dtype} and {y_sorted.dtype}")
