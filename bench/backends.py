@@ -275,21 +275,36 @@ def ts_moe_variant(spec: str) -> Factory:
     ``choose_config`` picks replaced (``config=NAME`` starts from a named
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
-    with the peers in one run."""
+    with the peers in one run.  ``kernel=pingpong`` runs the variant awaiting its A/B
+    (``grouped_gemm_sm90_pingpong``; its configurations by ``config=``, default
+    ``pp192_c2``)."""
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
-    from ts_moe.ops import Op, paths
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as launch
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_pingpong as pingpong
 
+    kernels = {"plain": (launch.GroupedGemmSm90, sm90.CONFIGS),
+               "pingpong": (pingpong.GroupedGemmPingpongSm90, pingpong.CONFIGS)}
     fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
-    base, changes = None, {}
-    for item in spec.split(":"):
-        key, sep, value = item.partition("=")
+    items = [item.partition("=") for item in spec.split(":")]
+    for key, sep, value in items:
         if not sep or not value:
-            raise ValueError(f"ts_moe variant {spec!r}: {item!r} is not FIELD=VALUE")
+            raise ValueError(f"ts_moe variant {spec!r}: {key + sep + value!r} is not "
+                             f"FIELD=VALUE")
+    kernel = dict((k, v) for k, _, v in items).get("kernel", "plain")
+    if kernel not in kernels:
+        raise ValueError(f"ts_moe variant {spec!r}: no kernel {kernel!r}; known: "
+                         f"{', '.join(kernels)}")
+    kernel_cls, configs = kernels[kernel]
+    base = None if kernel == "plain" else pingpong.PINGPONG_C2
+    changes = {}
+    for key, _, value in items:
+        if key == "kernel":
+            continue
         if key == "config":
-            if value not in sm90.CONFIGS:
+            if value not in configs:
                 raise ValueError(f"ts_moe variant {spec!r}: no configuration {value!r}; "
-                                 f"known: {', '.join(sm90.CONFIGS)}")
-            base = sm90.CONFIGS[value]
+                                 f"known: {', '.join(configs)}")
+            base = configs[value]
         elif key in fields and key != "name":
             kind = fields[key]
             try:
@@ -304,15 +319,12 @@ def ts_moe_variant(spec: str) -> Factory:
         _require_cuda(device, f"ts_moe:{spec}")
         if torch.cuda.get_device_capability(device) != (9, 0):
             raise Unavailable("the sm_90 kernel needs an sm_90 GPU")
-        kernel = paths.TABLE[paths.Path.KERNEL_SM90].get(Op.GROUPED_GEMM)
-        if kernel is None:
-            raise Unavailable("the sm_90 kernel family did not load here")
         chosen = base or sm90.choose_config(case.E, case.N, case.K, case.M)
         config = dataclasses.replace(chosen, name=f"{chosen.name}:{spec}", **changes)
 
         def bind(inp):
             out = torch.empty(case.M, case.N, dtype=inp.a.dtype, device=inp.a.device)
-            return lambda: kernel.run(inp.a, inp.b, inp.offs, out, config)
+            return lambda: launch.launch(inp.a, inp.b, inp.offs, out, config, kernel_cls)
         return bind
 
     return factory

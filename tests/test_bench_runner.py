@@ -285,3 +285,19 @@ def test_cublas_plan_column_major_mapping(layout):
     assert len(plan.n) == case.touched_experts and sum(plan.n) == case.M
     _emulate_cublas(plan, inp.a, inp.b, out)
     torch.testing.assert_close(out, reference_grouped_gemm(inp), rtol=1e-5, atol=1e-5)
+
+
+def test_ts_moe_variants_name_their_kernel_and_configuration():
+    from bench.backends import ts_moe_variant
+
+    assert callable(ts_moe_variant("kernel=pingpong"))  # pp192_c2 by default
+    assert callable(ts_moe_variant("kernel=pingpong:config=pp192:band_m=2"))
+    with pytest.raises(ValueError, match="no kernel 'pong'; known: plain, pingpong"):
+        ts_moe_variant("kernel=pong")
+    with pytest.raises(ValueError, match="no configuration 'prefill'; known: pp192, pp192_c2"):
+        ts_moe_variant("kernel=pingpong:config=prefill")
+    with pytest.raises(ValueError, match="no configuration 'pp192'"):
+        ts_moe_variant("config=pp192")  # the plain kernel's configurations only
+    records = run_suite(SUITES["grouped_gemm"], _cases()[:1], ["ts_moe:kernel=pingpong"], CPU,
+                        progress=None)
+    assert records[0]["status"] == "unavailable" and "CUDA" in records[0]["reason"]

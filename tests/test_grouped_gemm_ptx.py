@@ -131,10 +131,12 @@ def test_kernel_ptx(ptx, name):
     ((256, 4096, 7168, 8192), "decode_p2"),      # DeepSeek gate_up T=1024: 56 MB per expert
     ((8, 28672, 4096, 256), "decode_p2"),        # Mixtral gate_up T=128: 7 waves of 64x256
     ((8, 4096, 14336, 256), "decode"),           # Mixtral down T=128: one wave of 64x256
-    ((8, 4096, 14336, 2048), "mid"),             # Mixtral down T=1024
-    ((128, 1536, 2048, 131072), "prefill"),      # Qwen3 gate_up T=16384: 6 MB per expert
+    ((8, 4096, 14336, 512), "mid"),              # Mixtral down T=256: one m-tile, one wave
+    ((8, 4096, 14336, 2048), "prefill_p2"),      # Mixtral down T=1024: two m-tiles an expert
+    ((128, 1536, 2048, 8192), "prefill_p2"),     # Qwen3 gate_up T=1024: six waves
+    ((128, 1536, 2048, 131072), "prefill_p2"),   # Qwen3 gate_up T=16384: 6 MB per expert
     ((256, 4096, 7168, 131072), "prefill_p2"),   # DeepSeek gate_up T=16384: 56 MB per expert
-    ((8, 28672, 4096, 32768), "prefill_c2"),     # Mixtral gate_up T=16384
+    ((8, 28672, 4096, 32768), "prefill_p2"),     # Mixtral gate_up T=16384
 ])
 def test_choose_config(shape, name):
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c

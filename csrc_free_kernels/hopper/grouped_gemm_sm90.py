@@ -120,6 +120,10 @@ class GroupedGemmSm90(RaggedTileMma):
             cta_rows=config.rows, cluster_m=config.cluster_m, pair_tiles=config.pair_tiles,
             band_m=config.band_m, max_experts=MAX_EXPERTS)
 
+    def tile_warpgroups(self) -> int:
+        """The MMA warpgroups that share one tile, 64 rows each: all of them."""
+        return self.cfg.mma_warpgroups
+
     @staticmethod
     def prefetch_supported(config: TileConfig) -> bool:
         """Whether ``prefetch_weights`` takes effect: PDL on, and the weight warps
@@ -143,14 +147,15 @@ class GroupedGemmSm90(RaggedTileMma):
                 raise ValueError(f"{cfg}: each CTA's share of an N-major weight part, "
                                  f"{share_n} columns, must be a multiple of 64")
         assert a_layout.is_k_major_a(), "tokens are read K-major"
+        tile_warpgroups = self.tile_warpgroups()
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, (cfg.mma_warpgroups, 1, 1), tiler_mn=(64, cfg.tile_n),
+            self.acc_dtype, (tile_warpgroups, 1, 1), tiler_mn=(64, cfg.tile_n),
         )
         # sub-tiles of all the tile's rows (128: a row of each warpgroup's 64)
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
-            self.tile_shape_mnk, c_dtype, is_cooperative=cfg.tile_m == 128)
+            self.tile_shape_mnk, c_dtype, is_cooperative=64 * tile_warpgroups == 128)
         self.epi_smem_layout = self.make_epi_smem_layout(c_dtype, c_layout)
         self.a_bytes = cfg.rows * cfg.tile_k * a_dtype.width // 8
         self.b_part_bytes = self.b_part_n * cfg.tile_k * a_dtype.width // 8
@@ -321,7 +326,7 @@ class GroupedGemmSm90(RaggedTileMma):
         # a stage is released by every consumer warp of every CTA whose
         # producer multicasts into it
         consumers = cp.CooperativeGroup(cp.Agent.Thread,
-                                        4 * self.cfg.mma_warpgroups * cluster_m)
+                                        4 * self.tile_warpgroups() * cluster_m)
         return ts_pipeline.TSPipelineTmaAsync.create(
             num_stages=self.stages,
             producer_group=cp.CooperativeGroup(cp.Agent.Thread),

@@ -126,16 +126,18 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
       1.796/1.913 against 1.835/2.058; Mixtral gate_up T=128 0.434/0.444
       against 0.451/0.484; Mixtral down T=128 (one wave of 64x256 tiles)
       skewed 0.299 against 0.278, hence the wave rule.
-    - above: 128-row tiles: one per expert while ``r <= ~100`` (still
-      weight-streaming), tensor-core bound later.  128x256, unless that
-      leaves under four waves of tiles (128x128: Mixtral down T=1024, 0.514
-      against 0.608 ms), and with CTA pairs sharing weight tiles by multicast
-      once experts are large (Mixtral T=16384 gate_up 12.28 against 12.82 ms),
-      or pairs on consecutive tiles where an expert's weights are large
-      (>= 24 MB, half of L2) but its rows fewer: against 128x256 tiles alone,
-      DeepSeek-V3 T >= 4096 faster in 7 of 8 cases by 4-24 % (one 1 %
-      slower), Mixtral gate_up T=1024 and 4096 in 3 of 4 (one level); Qwen3
-      (6 MB per expert) up to 15 % slower (2026-12-02).
+    - above: 128-row tiles.  With one m-tile per expert (``r <= 128``) and under
+      four waves of 128x256 tiles, 128x128 tiles (``mid``): more tiles keep the
+      SMs busy while the op still streams weights.  Otherwise 128x256 tiles with
+      CTA pairs on consecutive tiles (``prefill_p2``), multicasting the weight
+      tile where both are of one expert and n-tile: an expert's m-tiles then
+      read its weights from L2 once a pair, not once a tile.  Against plain
+      128x256 tiles and 2x1 cluster tiles (harness, H100, 2026-12-07, both
+      weight layouts, ms; bench/notes/2026-12-07-gemm-core-h100.md): Qwen3
+      gate_up T=4096 0.471/0.458 against 0.612/0.616 and 0.608/0.588, Mixtral
+      down T=1024 (two m-tiles, under two waves) 0.552/0.553 against ``mid``'s
+      0.612/0.612, Mixtral gate_up T=16384 11.51/11.62 against 12.99/12.84
+      (cluster tiles 11.84/12.35); level (within the run's 3 % noise) elsewhere.
     """
     def tiles(cfg, experts=num_experts, m_tiles=1):
         return -(-n // cfg.tile_n) * experts * m_tiles
@@ -157,13 +159,9 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
 
     if rows < 48:
         return DECODE_P2 if large_experts and waves(DECODE_P2) >= 4 else DECODE
-    if waves(PREFILL, max(round(rows / PREFILL.tile_m), 1)) < 4:
+    if rows <= PREFILL.tile_m and waves(PREFILL) < 4:
         return MID
-    if rows >= 2048 or (rows >= 1024 and k >= 8192):
-        return PREFILL_C2
-    if large_experts:
-        return PREFILL_P2
-    return PREFILL
+    return PREFILL_P2
 
 
 def swiglu_takes(cfg: TileConfig, n_major: bool) -> bool:

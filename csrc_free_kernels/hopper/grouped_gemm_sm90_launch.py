@@ -23,6 +23,7 @@ from ..common.kernel_config import Declined
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90
 from .grouped_gemm_sm90_config import (CONFIGS, MAX_EXPERTS, TileConfig, choose_config,
                                       swiglu_config, swiglu_takes)
+from .grouped_gemm_sm90_pingpong import CONFIGS as PINGPONG_CONFIGS, GroupedGemmPingpongSm90
 
 HALF = (torch.bfloat16, torch.float16)  # the kernels' operand types
 
@@ -36,14 +37,16 @@ def _fake_args(a_dtype, c_dtype, b_n_major: bool, kernel_cls=GroupedGemmSm90):
 
 
 def build(config: TileConfig, a_dtype=torch.bfloat16, c_dtype=None, b_n_major: bool = True,
-          swiglu: bool = False, prefetch_weights: bool = False) -> Build:
+          swiglu: bool = False, prefetch_weights: bool = False, kernel_cls=None) -> Build:
     """The build of a call: ``a`` K-major in ``a_dtype``, the output in ``c_dtype``
     (default ``a_dtype``), weights N-major or K-major, the SwiGLU kernel or the plain
     one, weights streaming before the kernel ahead ends where the configuration
-    honours it.  Named ``gemm_<config>`` / ``swiglu_<config>`` with ``_fp16``,
-    ``_bk`` (K-major weights), ``_f32_out`` and ``_prefetch`` as they apply."""
+    honours it; ``kernel_cls`` a variant's class instead of the plain kernel (the
+    A/B builds of :func:`variant_builds`).  Named ``gemm_<config>`` / ``swiglu_<config>``
+    with ``_fp16``, ``_bk`` (K-major weights), ``_f32_out`` and ``_prefetch`` as they
+    apply."""
     c_dtype = c_dtype or a_dtype
-    kernel_cls = GroupedGemmSwigluSm90 if swiglu else GroupedGemmSm90
+    kernel_cls = kernel_cls or (GroupedGemmSwigluSm90 if swiglu else GroupedGemmSm90)
     prefetch = prefetch_weights and kernel_cls.prefetch_supported(config)  # and honoured
     key = (kernel_cls.__name__, config, str(a_dtype), str(c_dtype), b_n_major, "sm_90a",
            *(("prefetch_weights",) if prefetch else ()))
@@ -77,6 +80,16 @@ def builds():
                 yield b
 
 
+def variant_builds():
+    """The builds of the variants awaiting an A/B (not reachable from an op call; the
+    harness's ``ts_moe:kernel=...`` runs them): ping-pong warpgroups, bf16, K-major
+    weights (the layer's layout; an N-major 96-column weight part is not whole
+    64-column swizzle atoms)."""
+    for config in PINGPONG_CONFIGS.values():
+        yield build(config, torch.bfloat16, torch.bfloat16, False,
+                    kernel_cls=GroupedGemmPingpongSm90)
+
+
 def checked(b: Build) -> bool:
     """The builds the PTX tests and the pre-flight compile on the CPU: bf16 in every
     configuration with K-major weights (the layer's), plain and SwiGLU; N-major plain
@@ -108,7 +121,7 @@ def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
                     kernel_cls=GroupedGemmSm90, prefetch_weights: bool = False):
     """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
     b = build(config, a_dtype, c_dtype, b_n_major, kernel_cls is GroupedGemmSwigluSm90,
-              prefetch_weights)
+              prefetch_weights, kernel_cls)
     return kcompile.get_compiled(b)
 
 
@@ -120,6 +133,13 @@ def _launcher(config: TileConfig, a_dtype, c_dtype, b_n_major: bool, kernel_cls,
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return (compiled_kernel(config, a_dtype, c_dtype, b_n_major, kernel_cls, prefetch_weights),
             sms // config.cluster_m * config.cluster_m)
+
+
+def launch(a, b, offs, out, config: TileConfig, kernel_cls=GroupedGemmSm90,
+           prefetch_weights: bool = False):
+    """``out = grouped_gemm(a, b, offs)`` by ``kernel_cls`` (a variant's class for an
+    A/B) in ``config``, on the current stream; the arguments as the op validates them."""
+    return _launch(a, b, offs, out, config, kernel_cls, prefetch_weights)
 
 
 def _launch(a, b, offs, out, config: TileConfig, kernel_cls, prefetch_weights: bool):

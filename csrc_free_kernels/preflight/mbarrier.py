@@ -11,7 +11,8 @@ stage's (or another pipeline's) barrier names a different one.  Rules:
 - ``mbarrier-init``: every barrier an instruction names is one an ``mbarrier.init``
   sets up (at a constant place), with a constant count in [1, 2^20 - 1]; the arrivals
   one phase gets (threads x count, per CTA of the cluster they land in, the roles that
-  arrive summed) equal that count; a barrier someone waits on gets arrivals;
+  arrive summed; threads the kernel declared as groups taking turns, ``turn_groups``,
+  count once a group) equal that count; a barrier someone waits on gets arrivals;
 - ``expect-tx``: per barrier, the bytes armed (``expect_tx``, constants <= 2^20 - 1)
   equal the bytes the loads completing on it deliver, per pass through the CFG with
   back edges cut (alternative passes must agree); a load completes only on an armed
@@ -27,6 +28,7 @@ stage's (or another pipeline's) barrier names a different one.  Rules:
 """
 
 import re
+from fractions import Fraction
 
 from .lanes import dag_order, pass_sums
 from .ranges import sym_range
@@ -172,6 +174,7 @@ def _check_phase(pf, arr, found) -> None:
     alternatives (another loop, another branch: each a phase's worth), sites run by
     disjoint lanes are roles that add up."""
     roles = {}
+    turns = getattr(pf.facts, "turn_groups", None)  # [first thread, threads, groups]
     for ins, sym, n in found:
         lanes = pf.lanes.at(ins)
         per_rank = {}
@@ -181,8 +184,11 @@ def _check_phase(pf, arr, found) -> None:
                 pf.fail("mbarrier-init", ins, "which CTA's barrier this arrival lands in "
                                               "is not known per thread")
                 return
+            share = n
+            if turns and 0 <= lane % pf.lanes.threads - turns[0] < turns[1]:
+                share = Fraction(n, turns[2])  # one group of them a phase
             for r in ranks:
-                per_rank[r] = per_rank.get(r, 0) + n
+                per_rank[r] = per_rank.get(r, 0) + share
         roles.setdefault(lanes, []).append((ins, per_rank))
     keys = list(roles)
     for i, a in enumerate(keys):

@@ -65,9 +65,11 @@ class BuildFacts:
     from the launch, the cluster shape (x, y, z) and the printed types of the kernel's
     operands in order (a tensor's address alignment and strides' divisibility); the
     shared-memory allocations (each field of an allocated struct) as ``[start, end)``
-    byte ranges; and ``pdl_early_reads``, whether the kernel declared global reads before
-    its ``griddepcontrol.wait`` (:func:`declare_pdl_early_reads`).  None: not recorded,
-    which the pre-flight reports wherever a rule needs it."""
+    byte ranges; ``pdl_early_reads``, whether the kernel declared global reads before
+    its ``griddepcontrol.wait`` (:func:`declare_pdl_early_reads`); and ``turn_groups``,
+    ``[first_thread, threads, groups]`` where the kernel declared that those threads
+    form ``groups`` equal groups taking turns (:func:`declare_turn_groups`).  None: not
+    recorded, which the pre-flight reports wherever a rule needs it."""
 
     maps: list = dataclasses.field(default_factory=list)
     map_params: list = dataclasses.field(default_factory=list)
@@ -78,6 +80,7 @@ class BuildFacts:
     operands: list | None = None
     smem_regions: list | None = None
     pdl_early_reads: bool | None = None
+    turn_groups: list | None = None
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self),
@@ -185,6 +188,16 @@ def declare_pdl_early_reads() -> None:
     ``pdl-order`` rule then allows for L2 and TMA loads.  Outside :func:`recording`, nothing."""
     if _RECORDING:
         _RECORDING[-1].pdl_early_reads = True
+
+
+def declare_turn_groups(first_thread: int, threads: int, groups: int) -> None:
+    """Called by a kernel while it traces: threads ``first_thread .. + threads`` of each
+    CTA are ``groups`` equal groups that take turns through one traced body (ping-pong
+    MMA warpgroups), so each phase of a barrier they arrive on gets the arrivals of one
+    group: the ``mbarrier-init`` rule then counts their arrivals once a group.
+    Outside :func:`recording`, nothing."""
+    if _RECORDING:
+        _RECORDING[-1].turn_groups = [first_thread, threads, groups]
 
 
 @contextlib.contextmanager
