@@ -270,20 +270,23 @@ def ts_moe(case: Case, device: torch.device) -> Bind:
     return lambda inp: lambda: op.grouped_gemm(inp.a, inp.b, inp.offs)
 
 
+VARIANT_KERNELS: dict = {}
+"""``name -> (kernel class, {config name: TileConfig})``: sm_90 GEMM variants awaiting an
+A/B, run as ``ts_moe:kernel=NAME`` (the first configuration unless ``config=`` names one)."""
+
+
 def ts_moe_variant(spec: str) -> Factory:
     """``ts_moe:FIELD=VALUE:...``: the sm_90 kernel with fields of the config
     ``choose_config`` picks replaced (``config=NAME`` starts from a named
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
-    with the peers in one run.  ``kernel=pingpong`` runs the variant awaiting its A/B
-    (``grouped_gemm_sm90_pingpong``; its configurations by ``config=``, default
-    ``pp192_c2``)."""
+    with the peers in one run.  ``kernel=NAME`` runs a variant awaiting its A/B, from
+    :data:`VARIANT_KERNELS` (none now; the ping-pong warpgroups lost theirs:
+    bench/notes/2026-12-07-gemm-core-h100.md)."""
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
     from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as launch
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_pingpong as pingpong
 
-    kernels = {"plain": (launch.GroupedGemmSm90, sm90.CONFIGS),
-               "pingpong": (pingpong.GroupedGemmPingpongSm90, pingpong.CONFIGS)}
+    kernels = {"plain": (launch.GroupedGemmSm90, sm90.CONFIGS), **VARIANT_KERNELS}
     fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
     items = [item.partition("=") for item in spec.split(":")]
     for key, sep, value in items:
@@ -295,7 +298,7 @@ def ts_moe_variant(spec: str) -> Factory:
         raise ValueError(f"ts_moe variant {spec!r}: no kernel {kernel!r}; known: "
                          f"{', '.join(kernels)}")
     kernel_cls, configs = kernels[kernel]
-    base = None if kernel == "plain" else pingpong.PINGPONG_C2
+    base = None if kernel == "plain" else next(iter(configs.values()))
     changes = {}
     for key, _, value in items:
         if key == "kernel":

@@ -287,17 +287,23 @@ def test_cublas_plan_column_major_mapping(layout):
     torch.testing.assert_close(out, reference_grouped_gemm(inp), rtol=1e-5, atol=1e-5)
 
 
-def test_ts_moe_variants_name_their_kernel_and_configuration():
-    from bench.backends import ts_moe_variant
 
-    assert callable(ts_moe_variant("kernel=pingpong"))  # pp192_c2 by default
-    assert callable(ts_moe_variant("kernel=pingpong:config=pp192:band_m=2"))
-    with pytest.raises(ValueError, match="no kernel 'pong'; known: plain, pingpong"):
-        ts_moe_variant("kernel=pong")
-    with pytest.raises(ValueError, match="no configuration 'prefill'; known: pp192, pp192_c2"):
-        ts_moe_variant("kernel=pingpong:config=prefill")
-    with pytest.raises(ValueError, match="no configuration 'pp192'"):
-        ts_moe_variant("config=pp192")  # the plain kernel's configurations only
-    records = run_suite(SUITES["grouped_gemm"], _cases()[:1], ["ts_moe:kernel=pingpong"], CPU,
+def test_ts_moe_variants_name_their_kernel_and_configuration(monkeypatch):
+    import dataclasses
+
+    from bench import backends
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
+
+    wide = dataclasses.replace(sm90.PREFILL, name="wide", tile_n=192)
+    monkeypatch.setitem(backends.VARIANT_KERNELS, "probe", (object, {"wide": wide}))
+    assert callable(backends.ts_moe_variant("kernel=probe"))  # its first configuration
+    assert callable(backends.ts_moe_variant("kernel=probe:config=wide:band_m=2"))
+    with pytest.raises(ValueError, match="no kernel 'pong'; known: plain, probe"):
+        backends.ts_moe_variant("kernel=pong")
+    with pytest.raises(ValueError, match="no configuration 'prefill'; known: wide"):
+        backends.ts_moe_variant("kernel=probe:config=prefill")
+    with pytest.raises(ValueError, match="no configuration 'wide'"):
+        backends.ts_moe_variant("config=wide")  # the plain kernel's configurations only
+    records = run_suite(SUITES["grouped_gemm"], _cases()[:1], ["ts_moe:kernel=probe"], CPU,
                         progress=None)
     assert records[0]["status"] == "unavailable" and "CUDA" in records[0]["reason"]

@@ -1,5 +1,5 @@
-"""CPU: the ping-pong variant of the sm_90 GEMM (``grouped_gemm_sm90_pingpong``, awaiting
-its A/B) compiles without local memory; its PTX has one warpgroup's 128x192 WGMMAs, a
+"""CPU: the ping-pong probe of the sm_90 GEMM (``tests/kernels/pingpong_probe.py``, a
+variant that lost its A/B) compiles without local memory; its PTX has one warpgroup's 128x192 WGMMAs, a
 constant named barrier for each warpgroup's turn and epilogue, and the pre-flight counts
 each ring stage's releases once a warpgroup only because the kernel declares the turns."""
 

@@ -6,11 +6,11 @@ Importing this package imports no DSL: each record's ``load`` imports its launch
 
 from ..common.family import Family, Op, Proof, Run
 
-H100_RUN = Run("e7ca69c", "NVIDIA H100 80GB HBM3", "2026-12-07",
-               "the whole gpu suite, 660 tests passed, 0 failed in 18 files "
-               "(scripts/gpu_check.py)")
-"""The run the sm_90a families' statuses rest on (bench/notes/2026-12-07-h100-gpu-check.md;
-the one before: bench/notes/2026-12-06-h100-run.md)."""
+H100_RUN = Run("3defe77", "NVIDIA H100 80GB HBM3", "2026-12-07",
+               "the whole gpu suite, 668 tests passed, 0 failed in 20 files "
+               "(scripts/gpu_check.py, two invocations)")
+"""The run the sm_90a families' statuses rest on (bench/notes/2026-12-07-h100-gpu-check-3defe77.md;
+the ones before: 2026-12-07-h100-gpu-check.md, 2026-12-06-h100-run.md)."""
 
 
 def _gemm():

@@ -23,7 +23,6 @@ from ..common.kernel_config import Declined
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90
 from .grouped_gemm_sm90_config import (CONFIGS, MAX_EXPERTS, TileConfig, choose_config,
                                       swiglu_config, swiglu_takes)
-from .grouped_gemm_sm90_pingpong import CONFIGS as PINGPONG_CONFIGS, GroupedGemmPingpongSm90
 
 HALF = (torch.bfloat16, torch.float16)  # the kernels' operand types
 
@@ -41,8 +40,8 @@ def build(config: TileConfig, a_dtype=torch.bfloat16, c_dtype=None, b_n_major: b
     """The build of a call: ``a`` K-major in ``a_dtype``, the output in ``c_dtype``
     (default ``a_dtype``), weights N-major or K-major, the SwiGLU kernel or the plain
     one, weights streaming before the kernel ahead ends where the configuration
-    honours it; ``kernel_cls`` a variant's class instead of the plain kernel (the
-    A/B builds of :func:`variant_builds`).  Named ``gemm_<config>`` / ``swiglu_<config>``
+    honours it; ``kernel_cls`` a variant's class instead of the plain kernel (an A/B,
+    a test's probe).  Named ``gemm_<config>`` / ``swiglu_<config>``
     with ``_fp16``, ``_bk`` (K-major weights), ``_f32_out`` and ``_prefetch`` as they
     apply."""
     c_dtype = c_dtype or a_dtype
@@ -78,16 +77,6 @@ def builds():
             if b.key not in seen:
                 seen.add(b.key)
                 yield b
-
-
-def variant_builds():
-    """The builds of the variants awaiting an A/B (not reachable from an op call; the
-    harness's ``ts_moe:kernel=...`` runs them): ping-pong warpgroups, bf16, K-major
-    weights (the layer's layout; an N-major 96-column weight part is not whole
-    64-column swizzle atoms)."""
-    for config in PINGPONG_CONFIGS.values():
-        yield build(config, torch.bfloat16, torch.bfloat16, False,
-                    kernel_cls=GroupedGemmPingpongSm90)
 
 
 def checked(b: Build) -> bool:

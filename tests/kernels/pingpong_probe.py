@@ -1,12 +1,14 @@
-"""Ping-pong MMA warpgroups for the Hopper ragged grouped GEMM, awaiting its A/B.
+"""The Hopper grouped GEMM with ping-pong MMA warpgroups (128x192 a warpgroup, CTA pairs
+multicasting the weight tile, the public sm_90 leaders' shape): a variant that lost its
+A/B in all 36 cases of three models (bench/notes/2026-12-07-gemm-core-h100.md), kept here
+as the probe of the pre-flight's turn-taking groups (``declare_turn_groups``: each ring
+stage released by the four warps of one warpgroup, not of both).  Never launched.
 
-Each MMA warpgroup owns a whole ``tile_m x tile_n`` tile (two m64 WGMMA row blocks)
-and the two take alternate tiles of the CTA's walk, so that one's epilogue runs under
-the other's mainloop and the producers never wait for an epilogue to free the ring:
-the shape of the public sm_90 leaders (QuACK's default, CUTLASS's ping-pong kernels),
-128x192 per warpgroup with CTA pairs multicasting the weight tile.  Why and what it
-measured: ``bench/notes/2026-12-07-gemm-core-h100.md``.  Not chosen by
-``choose_config``; the harness runs it as ``ts_moe:kernel=pingpong:config=NAME``.
+Each MMA warpgroup owns a whole ``tile_m x tile_n`` tile (two m64 WGMMA row blocks) and
+the two take alternate tiles of the CTA's walk, so that one's epilogue runs under the
+other's mainloop.  Turns order the warpgroups' mainloops, so that neither waits on a
+stage whose full barrier is more than one phase behind it (a parity wait would pass at
+once).  Each warpgroup has its own epilogue buffers and barrier.
 """
 
 import dataclasses
@@ -17,11 +19,11 @@ import cutlass.cute as cute
 import cutlass.pipeline as cp
 import cutlass.utils.hopper_helpers as sm90_utils
 
-from .grouped_gemm_sm90 import GroupedGemmSm90, Warp
-from .grouped_gemm_sm90_config import PREFILL, TileConfig
-from .sm90_epilogue import mma_operands, stage_to_shared
-from ..common.tile_schedule import TileScheduler
-from ..preflight.trace import declare_turn_groups
+from csrc_free_kernels.hopper.grouped_gemm_sm90 import GroupedGemmSm90, Warp
+from csrc_free_kernels.hopper.grouped_gemm_sm90_config import PREFILL, TileConfig
+from csrc_free_kernels.hopper.sm90_epilogue import mma_operands, stage_to_shared
+from csrc_free_kernels.common.tile_schedule import TileScheduler
+from csrc_free_kernels.preflight.trace import declare_turn_groups
 
 
 class Barrier(enum.IntEnum):
