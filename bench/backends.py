@@ -270,9 +270,14 @@ def ts_moe(case: Case, device: torch.device) -> Bind:
     return lambda inp: lambda: op.grouped_gemm(inp.a, inp.b, inp.offs)
 
 
-VARIANT_KERNELS: dict = {}
-"""``name -> (kernel class, {config name: TileConfig})``: sm_90 GEMM variants awaiting an
-A/B, run as ``ts_moe:kernel=NAME`` (the first configuration unless ``config=`` names one)."""
+def variant_kernels() -> dict:
+    """``name -> (kernel class, {config name: TileConfig})``: the sm_90 GEMM variants
+    awaiting an A/B, run as ``ts_moe:kernel=NAME`` (in ``choose_config``'s tiles unless
+    ``config=`` names one of theirs)."""
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_tma_store as tma_store
+
+    return {"tma_store": (tma_store.GroupedGemmTmaStoreSm90, sm90.CONFIGS)}
 
 
 def ts_moe_variant(spec: str) -> Factory:
@@ -280,13 +285,12 @@ def ts_moe_variant(spec: str) -> Factory:
     ``choose_config`` picks replaced (``config=NAME`` starts from a named
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
-    with the peers in one run.  ``kernel=NAME`` runs a variant awaiting its A/B, from
-    :data:`VARIANT_KERNELS` (none now; the ping-pong warpgroups lost theirs:
-    bench/notes/2026-12-07-gemm-core-h100.md)."""
+    with the peers in one run.  ``kernel=NAME`` runs a variant awaiting its A/B
+    (:func:`variant_kernels`), e.g. ``ts_moe:kernel=tma_store``."""
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
     from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as launch
 
-    kernels = {"plain": (launch.GroupedGemmSm90, sm90.CONFIGS), **VARIANT_KERNELS}
+    kernels = {"plain": (launch.GroupedGemmSm90, sm90.CONFIGS), **variant_kernels()}
     fields = {f.name: f.type for f in dataclasses.fields(sm90.TileConfig)}
     items = [item.partition("=") for item in spec.split(":")]
     for key, sep, value in items:
@@ -298,7 +302,7 @@ def ts_moe_variant(spec: str) -> Factory:
         raise ValueError(f"ts_moe variant {spec!r}: no kernel {kernel!r}; known: "
                          f"{', '.join(kernels)}")
     kernel_cls, configs = kernels[kernel]
-    base = None if kernel == "plain" else next(iter(configs.values()))
+    base = None
     changes = {}
     for key, _, value in items:
         if key == "kernel":

@@ -295,8 +295,8 @@ def test_ts_moe_variants_name_their_kernel_and_configuration(monkeypatch):
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
 
     wide = dataclasses.replace(sm90.PREFILL, name="wide", tile_n=192)
-    monkeypatch.setitem(backends.VARIANT_KERNELS, "probe", (object, {"wide": wide}))
-    assert callable(backends.ts_moe_variant("kernel=probe"))  # its first configuration
+    monkeypatch.setattr(backends, "variant_kernels", lambda: {"probe": (object, {"wide": wide})})
+    assert callable(backends.ts_moe_variant("kernel=probe"))  # choose_config's tiles
     assert callable(backends.ts_moe_variant("kernel=probe:config=wide:band_m=2"))
     with pytest.raises(ValueError, match="no kernel 'pong'; known: plain, probe"):
         backends.ts_moe_variant("kernel=pong")
@@ -307,3 +307,10 @@ def test_ts_moe_variants_name_their_kernel_and_configuration(monkeypatch):
     records = run_suite(SUITES["grouped_gemm"], _cases()[:1], ["ts_moe:kernel=probe"], CPU,
                         progress=None)
     assert records[0]["status"] == "unavailable" and "CUDA" in records[0]["reason"]
+
+
+def test_the_tma_store_variant_is_a_known_kernel():
+    from bench import backends
+
+    assert "tma_store" in backends.variant_kernels()
+    assert callable(backends.ts_moe_variant("kernel=tma_store"))

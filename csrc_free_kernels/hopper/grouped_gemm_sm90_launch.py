@@ -43,7 +43,7 @@ def build(config: TileConfig, a_dtype=torch.bfloat16, c_dtype=None, b_n_major: b
     honours it; ``kernel_cls`` a variant's class instead of the plain kernel (an A/B,
     a test's probe).  Named ``gemm_<config>`` / ``swiglu_<config>``
     with ``_fp16``, ``_bk`` (K-major weights), ``_f32_out`` and ``_prefetch`` as they
-    apply."""
+    apply, and the variant class's ``variant`` suffix."""
     c_dtype = c_dtype or a_dtype
     kernel_cls = kernel_cls or (GroupedGemmSwigluSm90 if swiglu else GroupedGemmSm90)
     prefetch = prefetch_weights and kernel_cls.prefetch_supported(config)  # and honoured
@@ -51,7 +51,8 @@ def build(config: TileConfig, a_dtype=torch.bfloat16, c_dtype=None, b_n_major: b
            *(("prefetch_weights",) if prefetch else ()))
     name = (("swiglu_" if swiglu else "gemm_") + config.name
             + ("_fp16" if a_dtype == torch.float16 else "") + ("" if b_n_major else "_bk")
-            + ("_f32_out" if c_dtype == torch.float32 else "") + ("_prefetch" if prefetch else ""))
+            + ("_f32_out" if c_dtype == torch.float32 else "") + ("_prefetch" if prefetch else "")
+            + (f"_{kernel_cls.variant}" if getattr(kernel_cls, "variant", "") else ""))
 
     def make():
         ca, cc = kcompile.CUTE_DTYPES[a_dtype], kcompile.CUTE_DTYPES[c_dtype]

@@ -1,7 +1,7 @@
 """The probes' PTX builds, beside the kernels' own (``csrc_free_kernels.ptx_dump.BUILDS``):
 the ``ts_pipeline`` probes, and kernel builds no call reaches that the tests read (a
 configuration without raster bands; the store-warp epilogue, the pre-flight's bulk-copy
-probe; the ping-pong warpgroups' turns; FP8 mainloops under a lowered register cap).
+probe; the ping-pong warpgroups' turns; the GEMM's variants awaiting an A/B; FP8 mainloops under a lowered register cap).
 
     CUTE_DSL_ARCH=sm_90a python -m tests.kernels.probe_builds OUT_DIR '["probe90_P1", ...]'
 
@@ -97,6 +97,13 @@ def _pingpong():
                          kernel_cls=GroupedGemmPingpongSm90) for config in CONFIGS.values())
 
 
+def _variants():
+    """The sm_90 GEMM's variants awaiting an A/B (their own modules; no call reaches them)."""
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_tma_store
+
+    return tuple(grouped_gemm_sm90_tma_store.builds())
+
+
 def _capped(config, regs):
     """The widest FP8 mainloop (SwiGLU, blockwise) with its MMA warpgroups capped at
     ``regs`` registers: it must still not spill."""
@@ -123,7 +130,7 @@ BUILDS = {b.name: b for b in (
     _probe100("probe100_async_load_2cta", "async_load"),
     _probe100("probe100_umma_umma_2cta", "umma_umma"),
     _probe100("probe100_umma_umma_1cta", "umma_umma", 1),
-    _whole_experts(), _store_warp(), *_pingpong(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
+    _whole_experts(), _store_warp(), *_pingpong(), *_variants(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
 ALL_BUILDS = {**BUILDS, **ptx_dump.BUILDS}
 """Every build the PTX tests compile: the probes, then the kernels'."""
 SM100 = [n for n in ALL_BUILDS if n.startswith("probe100_") or (
