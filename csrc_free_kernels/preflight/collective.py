@@ -14,12 +14,16 @@ instruction).  Notes: ``bench/notes/2026-12-06-preflight-rules.md``.
   in 0..15; a thread count that is a constant multiple of 32, the same at every
   instruction on that barrier, and equal to the threads of one phase (the roles that
   reach it added up, per CTA); whole warps at each; ``bar.arrive`` only on a barrier
-  some thread waits on; without a count, CTA-uniform control.
+  some thread waits on; without a count, CTA-uniform control;
+- ``raced-uniform``: any of these whose control is not uniform enough only because it
+  depends on a load from a location other threads write concurrently (:mod:`.race`):
+  the threads may read different values, whatever the address.
 """
 
 import re
 
 from .ptx import CTA, LEVEL_NAMES, WARP, WARPGROUP
+from .race import blame
 
 _WARP_OPS = ("elect.sync", "shfl.sync", "vote.sync", "match.", "redux.sync",
              "bar.warp.sync", "ldmatrix", "stmatrix", "movmatrix", "mma.sync",
@@ -28,29 +32,48 @@ _WARP_OPS = ("elect.sync", "shfl.sync", "vote.sync", "match.", "redux.sync",
 _BAR = re.compile(r"^(bar|barrier)(\.cta)?\.(sync|arrive|red)\b")
 
 
-def worst_control(pf, ins) -> tuple:
-    """``(level, why)``: the least uniform of ``ins``'s guard and the branches it is
-    control dependent on."""
-    flow = pf.flow
-    worst, why = CTA, ""
+def worst_control(pf, ins, flow=None) -> tuple:
+    """``(level, why, (instruction, registers))``: the least uniform of ``ins``'s guard
+    and the branches it is control dependent on (under ``flow``, :attr:`pf.flow` by
+    default), and where that predicate is read."""
+    flow = flow or pf.flow
+    worst, why, at = CTA, "", (ins, ())
     if ins.guard:
         worst = flow.operand(ins, ins.guard)
-        why = f"its guard {ins.guard}"
+        why, at = f"its guard {ins.guard}", (ins, (ins.guard.lstrip("!"),))
     for b in pf.k.cd.get(ins.block, ()):
         lvl = flow.branch_level.get(b, CTA)
         if lvl > worst:
             br = pf.k.branch(b)
             worst, why = lvl, f"the branch at PTX line {br.line} ({br.text[:80]})"
-    return worst, why
+            at = (br, (br.guard.lstrip("!"),))
+    return worst, why, at
+
+
+def _uniform_enough(pf, ins, limit: int, rule: str, what: str, tail: str = "") -> bool:
+    """Report ``ins`` (``what``: the instruction in words) where its control is less
+    uniform than ``limit``: under ``raced-uniform`` where only a raced load makes it so
+    (the control is uniform enough with loads trusted), else under ``rule``."""
+    worst, why, (at, regs) = worst_control(pf, ins)
+    if worst <= limit:
+        return True
+    if worst_control(pf, ins, pf.trusting_flow)[0] <= limit:
+        load = blame(pf, at, regs)
+        source = (f"the value loaded at PTX line {load.line}, which the write at PTX line "
+                  f"{pf.races(load).line} may change concurrently"
+                  if load is not None else "a raced load")
+        pf.fail("raced-uniform", ins, f"{what} under {why}, which depends on {source}: "
+                                      f"threads may read different values")
+    else:
+        pf.fail(rule, ins, f"{what} under {why}, which is only {LEVEL_NAMES[worst]}{tail}")
+    return False
 
 
 def check_warpgroup(pf) -> None:
     for ins in pf.k.instrs:
         if ins.op.startswith(("wgmma.", "setmaxnreg")):
-            worst, why = worst_control(pf, ins)
-            if worst > WARPGROUP:
-                pf.fail("warpgroup-uniform", ins, f"a warpgroup instruction under {why}, "
-                                                  f"which is only {LEVEL_NAMES[worst]}")
+            _uniform_enough(pf, ins, WARPGROUP, "warpgroup-uniform",
+                            "a warpgroup instruction")
 
 
 def _mask(ins):
@@ -77,10 +100,7 @@ def check_warp(pf) -> None:
         if mask & 0xFFFFFFFF != 0xFFFFFFFF:
             _check_partial(pf, ins, mask & 0xFFFFFFFF)
             continue
-        worst, why = worst_control(pf, ins)
-        if worst > WARP:
-            pf.fail("warp-uniform", ins, f"a warp collective under {why}, which is only "
-                                         f"{LEVEL_NAMES[worst]}")
+        _uniform_enough(pf, ins, WARP, "warp-uniform", "a warp collective")
 
 
 def _check_partial(pf, ins, mask: int) -> None:
@@ -120,13 +140,10 @@ def check_named(pf) -> None:
         if kind == "arrive" and count is None:
             pf.fail("named-barrier", ins, "bar.arrive without a thread count")
             continue
-        worst, why = worst_control(pf, ins)
-        limit = CTA if count is None else WARP
-        if worst > limit:
-            pf.fail("named-barrier", ins, f"barrier {number} under {why}, which is only "
-                                          f"{LEVEL_NAMES[worst]}: "
-                                          + ("every thread of the CTA must reach it"
-                                             if count is None else "whole warps must"))
+        if not _uniform_enough(pf, ins, CTA if count is None else WARP, "named-barrier",
+                               f"barrier {number}",
+                               ": every thread of the CTA must reach it" if count is None
+                               else ": whole warps must"):
             continue
         sites.setdefault(number, []).append((ins, kind, count))
     for number, found in sorted(sites.items()):

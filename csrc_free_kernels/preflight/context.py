@@ -84,10 +84,26 @@ class Preflight:
         return self._once("lanes", lambda: Lanes(self.k, self.cluster))
 
     @property
+    def races(self):
+        """Which loads race with a write (:class:`~.race.Races`)."""
+        from .race import Races
+
+        return self._once("races", lambda: Races(self))
+
+    @property
     def flow(self):
+        """How uniform each value is, raced loads per-thread (:mod:`.uniform`)."""
         from .uniform import UniformityFlow
 
-        return self._once("flow", lambda: UniformityFlow(self.k).run())
+        return self._once("flow", lambda: UniformityFlow(self.k, self.races).run())
+
+    @property
+    def trusting_flow(self):
+        """:attr:`flow` with every load from a uniform address taken as uniform: what
+        tells a raced load's fault from any other (``raced-uniform``)."""
+        from .uniform import UniformityFlow
+
+        return self._once("trusting_flow", lambda: UniformityFlow(self.k).run())
 
     @property
     def warps(self) -> dict:

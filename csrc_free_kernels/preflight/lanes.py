@@ -169,6 +169,29 @@ def dag_order(kernel: Kernel) -> tuple:
     return post[::-1], back
 
 
+def first_pass(pf, order, back, step, merge) -> None:
+    """Each class of lanes (:meth:`Lanes.classes`) walked through one pass of the CFG
+    (``order``, ``back``: :func:`dag_order`; back edges cut), a state carried along the
+    edges the class may take: ``step(state, ins)`` gives the state after each
+    instruction the class may run, ``merge(old, new)`` joins the states that reach a
+    block by several edges; the entry starts from the empty frozenset."""
+    k = pf.k
+    for edges, lanes in pf.lanes.classes():
+        lanes = frozenset(lanes)
+        into = {0: frozenset()}
+        for b in order:
+            if b not in into or b == k.exit:
+                continue
+            state = into[b]
+            for i in k.blocks[b]:
+                ins = k.instrs[i]
+                if lanes & pf.lanes.at(ins):
+                    state = step(state, ins)
+            for s in k.succ[b]:
+                if (b, s) in edges and (b, s) not in back and s != k.exit:
+                    into[s] = state if s not in into else merge(into[s], state)
+
+
 def pass_sums(kernel: Kernel, edges: frozenset, gains: dict, order=None) -> set:
     """The totals of ``gains`` (``{block: {key: amount}}``) over every pass from the entry
     to the exit along ``edges`` (one lane's: :meth:`Lanes.classes`) with the back edges

@@ -13,7 +13,7 @@ once, and arrives on one phase of it once.
   read).  Sites on different stages (a counter advanced between) are not duplicates.
 """
 
-from .lanes import dag_order
+from .lanes import dag_order, first_pass
 from .mbarrier import _arrivals, barrier_operand
 
 
@@ -66,31 +66,22 @@ def check_arrive_twice(pf) -> None:
             arrives[ins.index] = _place(pf, ins)
     if len(arrives) < 2:
         return
-    order, back = dag_order(k)
     found = {}
-    for edges, lanes in pf.lanes.classes():
-        lanes = frozenset(lanes)
-        into = {0: frozenset()}  # (place, registers, site) arrived on so far this pass
-        for b in order:
-            if b not in into or b == k.exit:
-                continue
-            done = into[b]
-            for i in k.blocks[b]:
-                ins = k.instrs[i]
-                if not lanes & pf.lanes.at(ins):
-                    continue
-                if i in arrives:
-                    place, regs = arrives[i]
-                    first = next((s for p, _, s in done if p == place and s != i), None)
-                    if first is not None:
-                        found.setdefault(i, first)
-                    done = done | {(place, regs, i)}
-                if ins.defs:
-                    written = set(ins.defs)
-                    done = frozenset(d for d in done if not d[1] & written)
-            for s in k.succ[b]:
-                if (b, s) in edges and (b, s) not in back and s != k.exit:
-                    into[s] = into.get(s, frozenset()) | done
+
+    def step(done, ins):
+        if ins.index in arrives:
+            place, regs = arrives[ins.index]
+            first = next((s for p, _, s in done if p == place and s != ins.index), None)
+            if first is not None:
+                found.setdefault(ins.index, first)
+            done = done | {(place, regs, ins.index)}
+        if ins.defs:  # a stage register written: a later arrive names another stage
+            written = set(ins.defs)
+            done = frozenset(d for d in done if not d[1] & written)
+        return done
+
+    # (place, registers, site) arrived on so far this pass, over every path
+    first_pass(pf, *dag_order(k), step, frozenset.union)
     for i, first in sorted(found.items()):
         pf.fail("arrive-twice", k.instrs[i], f"arrives again on the barrier this thread "
                                              f"arrived on at PTX line {k.instrs[first].line} "

@@ -27,7 +27,7 @@ wait): otherwise it passes before that phase's work is done.  A wait whose first
 is not a constant (a phase register that another loop advanced first) is left out.
 """
 
-from .lanes import dag_order
+from .lanes import dag_order, first_pass
 from .mbarrier import _arrivals, barrier_operand
 
 _WAIT = ("mbarrier.try_wait.parity", "mbarrier.test_wait.parity")
@@ -102,26 +102,14 @@ def _reach(needs: dict, start: set) -> set:
 def _waits_before(pf, order, back, waits: set) -> dict:
     """``{instruction: the waits before it on every first-pass path of the threads that
     run it}``, for every instruction after some wait (lane classes united)."""
-    k = pf.k
     found = {}
-    for edges, lanes in pf.lanes.classes():
-        lanes = frozenset(lanes)
-        into = {0: frozenset()}
-        for b in order:
-            if b not in into or b == k.exit:
-                continue
-            have = into[b]
-            for i in k.blocks[b]:
-                ins = k.instrs[i]
-                if not lanes & pf.lanes.at(ins):
-                    continue
-                if have:
-                    found.setdefault(i, set()).update(have)
-                if i in waits:
-                    have = have | {i}
-            for s in k.succ[b]:
-                if (b, s) in edges and (b, s) not in back and s != k.exit:
-                    into[s] = have if s not in into else into[s] & have
+
+    def step(have, ins):
+        if have:
+            found.setdefault(ins.index, set()).update(have)
+        return have | {ins.index} if ins.index in waits else have
+
+    first_pass(pf, order, back, step, frozenset.intersection)
     return found
 
 

@@ -21,7 +21,7 @@ from .trace import BuildFacts
 RULES = ("missing-fact", "tma-coordinate", "tensor-map", "tma-smem", "expect-tx",
          "mbarrier-align", "mbarrier-init", "mbarrier-reinit", "arrive-twice", "stage-range",
          "mbarrier-phase", "mbarrier-fence", "budget", "setmaxnreg", "warpgroup-uniform",
-         "warp-uniform", "named-barrier", "bulk-copy", "access-align", "smem-bounds",
+         "warp-uniform", "named-barrier", "raced-uniform", "bulk-copy", "access-align", "smem-bounds",
          "cluster", "proxy-fence", "wgmma-descriptor", "wgmma-order", "tcgen05",
          "tcgen05-order", "tcgen05-lanes", "pdl-order")
 

@@ -6,9 +6,10 @@ index, a role test such as ``warp_idx >= 4``, the compiler's signed-division idi
 evaluated exactly, for every thread of the CTA (``.reqntid``), so their level is read
 off their values: the same in every thread, in each aligned group of 128 threads, of 32,
 or not.  Every other value is CTA-uniform (constants, parameters, ``%ctaid``, loads from
-a CTA-uniform address), warp-uniform (a ``shfl.sync.idx`` broadcast, a vote) or
-per-thread (``elect.sync``, atomics, an mbarrier's wait result), and otherwise takes the
-least uniform of its operands as the instruction reads them: a register that several
+a CTA-uniform address that no other thread writes concurrently: :mod:`.race`),
+warp-uniform (a ``shfl.sync.idx`` broadcast, a vote) or per-thread (``elect.sync``,
+atomics, an mbarrier's wait result, a raced load), and otherwise takes the least
+uniform of its operands as the instruction reads them: a register that several
 writes may reach also takes the level of the branches that choose among those writes
 (reaching definitions; :meth:`UniformityFlow.use_level`).
 """
@@ -217,10 +218,13 @@ class ThreadValues:
 
 
 class UniformityFlow:
-    """The least fixed point of the levels of ``kernel``'s writes and branches."""
+    """The least fixed point of the levels of ``kernel``'s writes and branches; a load
+    from a uniform address that ``races`` (:class:`~.race.Races`) finds a concurrent
+    write for gives a per-thread value (without it, every such load is trusted)."""
 
-    def __init__(self, kernel: Kernel):
+    def __init__(self, kernel: Kernel, races=None):
         self.k = kernel
+        self.races = races
         self.exact = ThreadValues(kernel)
         self.def_level, self.branch_level = {}, {}
 
@@ -274,6 +278,9 @@ class UniformityFlow:
             return WARP
         if name == "ld" and ".param" in op:
             return guard
+        if name in ("ld", "ldu") and self.races is not None and max(worst, guard) <= WARP \
+                and self.races(ins) is not None:
+            return THREAD
         if name in ("vote", "redux"):
             return max(min(worst, WARP), guard)
         if name == "shfl":
