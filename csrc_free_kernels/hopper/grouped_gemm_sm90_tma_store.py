@@ -119,13 +119,7 @@ class TmaStoreEpilogue:
                         cute.copy(tma_atom_c, tTsC[None, buf], tTgC[None, mi, ni])
                         cute.arch.cp_async_bulk_commit_group()
             else:
-                tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
-                tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (mi, ni)))
-                for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                    for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                        crd = tScC[0, i, j]
-                        if crd[0] < rows_valid and crd[1] < mC.shape[1]:
-                            cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
+                self.store_subtile(thr_s2g, tSsC, gC, cC, mi, ni, buf, rows_valid, mC.shape[1])
             epi_count += 1
         return epi_count
 

@@ -163,16 +163,23 @@ class RaggedTileEpilogue:
             self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
             cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
             epi_barrier.arrive_and_wait()
-            # (epi_m, epi_n) sub-tile of C and of its coordinates
-            tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
-            tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (mi, ni)))
-            for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
-                    crd = tScC[0, i, j]
-                    if crd[0] < rows_valid and crd[1] < mC.shape[1]:
-                        cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
+            self.store_subtile(thr_s2g, tSsC, gC, cC, mi, ni, buf, rows_valid, mC.shape[1])
             epi_count += 1
         return epi_count
+
+    @cute.jit
+    def store_subtile(self, thr_s2g, tSsC, gC, cC, mi, ni, buf, rows_valid, n_cols):
+        """Sub-tile ``(mi, ni)`` of the tile ``gC`` (coordinates ``cC``) from buffer
+        ``buf``: this thread's 16-byte vectors of the first ``rows_valid`` rows, up to
+        column ``n_cols``."""
+        # (epi_m, epi_n) sub-tile of C and of its coordinates
+        tSgC = thr_s2g.partition_D(cute.local_tile(gC, self.epi_tile, (mi, ni)))
+        tScC = thr_s2g.partition_D(cute.local_tile(cC, self.epi_tile, (mi, ni)))
+        for i in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
+                crd = tScC[0, i, j]
+                if crd[0] < rows_valid and crd[1] < n_cols:
+                    cute.autovec_copy(tSsC[None, i, j, buf], tSgC[None, i, j])
 
     accumulator_chunk = staticmethod(accumulator_chunk)
 
