@@ -13,8 +13,9 @@ waits, groups, phases, PDL, tcgen05), ``bench/notes/2026-12-07-preflight-third.m
 the pre-flight cannot see (values known only at run time, races) is listed there too.
 """
 
-from . import (access, budget, bulk, collective, mbarrier, mbarrier_pass, pdl_order, phase,
-               tcgen05, tma, tmem_lanes, tmem_order, wgmma, wgmma_order)
+from . import (access, budget, bulk, bulk_reuse, collective, mbarrier, mbarrier_pass,
+               pdl_order, phase, tcgen05, tma, tmem_lanes, tmem_order, wgmma, wgmma_order,
+               wgmma_release)
 from .context import Preflight, Violation
 from .trace import BuildFacts
 
@@ -23,7 +24,8 @@ RULES = ("missing-fact", "tma-coordinate", "tensor-map", "tma-smem", "expect-tx"
          "mbarrier-phase", "mbarrier-fence", "budget", "setmaxnreg", "warpgroup-uniform",
          "warp-uniform", "named-barrier", "raced-uniform", "bulk-copy", "access-align", "smem-bounds",
          "cluster", "proxy-fence", "wgmma-descriptor", "wgmma-order", "tcgen05",
-         "tcgen05-order", "tcgen05-lanes", "pdl-order")
+         "tcgen05-order", "tcgen05-lanes", "pdl-order", "bulk-store-reuse",
+         "wgmma-smem-release")
 
 # the rules that stand on the PTX and the facts alone, then those that count threads
 # (which a build without .reqntid, already reported as missing-fact, cannot feed)
@@ -38,7 +40,8 @@ _COUNTING = (bulk.check_bounds, mbarrier.check_init, mbarrier_pass.check_arrive_
              collective.check_warp, collective.check_named,
              bulk.check_cluster, bulk.check_proxy_fence,
              wgmma.check_descriptors, tcgen05.check_tcgen05, tmem_order.check_order,
-             tmem_lanes.check_lanes, pdl_order.check_pdl_order)
+             tmem_lanes.check_lanes, pdl_order.check_pdl_order,
+             bulk_reuse.check_bulk_reuse, wgmma_release.check_wgmma_release)
 
 
 def check(build: str, ptx: str, facts: BuildFacts) -> list:
