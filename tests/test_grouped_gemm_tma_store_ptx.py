@@ -57,3 +57,24 @@ def test_the_wait_precedes_the_barrier_it_guards(ptx):
     assert order[first:first + 3] == ["cp.async.bulk.wait_group.read",
                                       order[first + 1], "cp.async.bulk.tensor.2d.global"]
     assert order[first + 1].startswith("bar.sync")
+
+
+@pytest.mark.parametrize("edit", ["the second wait removed", "the first wait one group deeper"])
+def test_the_preflight_catches_a_buffer_reused_too_early(ptx_store, ptx, edit):
+    """The pre-flight's ``bulk-store-reuse`` rule over this variant's ring: without the
+    wait before a sub-tile's barrier, or with one that leaves a store pending, the next
+    stmatrix writes a buffer a TMA store may still be reading."""
+    from csrc_free_kernels import preflight
+
+    name = "gemm_prefill_p2_bk_tma_store"
+    text, facts = ptx[name], ptx_store.facts("sm_90a", name)
+    assert preflight.check(name, text, facts) == []
+    lines = text.split("\n")
+    waits = [i for i, line in enumerate(lines) if "cp.async.bulk.wait_group.read" in line]
+    if edit == "the second wait removed":
+        lines[waits[1]] = ""
+    else:
+        lines[waits[0]] = lines[waits[0]].replace("read \t0;", "read \t1;")
+    found = preflight.check(name, "\n".join(lines), facts)
+    assert found and {v.rule for v in found} == {"bulk-store-reuse"}
+    assert all("bulk store" in v.why and v.line for v in found)
