@@ -133,7 +133,8 @@ def test_kernel_ptx(ptx, name):
     ((8, 4096, 14336, 256), "decode"),           # Mixtral down T=128: one wave of 64x256
     ((8, 4096, 14336, 512), "mid"),              # Mixtral down T=256: one m-tile, one wave
     ((8, 4096, 14336, 2048), "prefill_p2"),      # Mixtral down T=1024: two m-tiles an expert
-    ((128, 1536, 2048, 8192), "prefill_p2"),     # Qwen3 gate_up T=1024: six waves
+    ((128, 1536, 2048, 8192), "prefill"),        # Qwen3 gate_up T=1024: one m-tile an expert
+    ((256, 4096, 7168, 16384), "prefill_p2"),    # DeepSeek gate_up T=2048: 56 MB per expert
     ((128, 1536, 2048, 131072), "prefill_p2"),   # Qwen3 gate_up T=16384: 6 MB per expert
     ((256, 4096, 7168, 131072), "prefill_p2"),   # DeepSeek gate_up T=16384: 56 MB per expert
     ((8, 28672, 4096, 32768), "prefill_p2"),     # Mixtral gate_up T=16384

@@ -126,10 +126,16 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
       1.796/1.913 against 1.835/2.058; Mixtral gate_up T=128 0.434/0.444
       against 0.451/0.484; Mixtral down T=128 (one wave of 64x256 tiles)
       skewed 0.299 against 0.278, hence the wave rule.
-    - above: 128-row tiles.  With one m-tile per expert (``r <= 128``) and under
-      four waves of 128x256 tiles, 128x128 tiles (``mid``): more tiles keep the
-      SMs busy while the op still streams weights.  Otherwise 128x256 tiles with
-      CTA pairs on consecutive tiles (``prefill_p2``), multicasting the weight
+    - above: 128-row tiles.  With one m-tile per expert (``r <= 128``): under
+      four waves of 128x256 tiles, 128x128 tiles (``mid``), more tiles keeping
+      the SMs busy while the op still streams weights; else 128x256 tiles, with
+      CTA pairs (below) only where an expert's weights are large (a skewed
+      expert's several m-tiles), since a pair of one m-tile's consecutive tiles
+      shares nothing and its CTAs wait on each other's stages (and the weights no
+      longer stream ahead of the kernel, ``prefetch_weights``): the layer at
+      Qwen3 T=1024 took 0.749 ms with pairs against 0.645 without (moe_layer
+      runs at 3defe77 and 1a4410d).  With more rows, 128x256 tiles with CTA
+      pairs on consecutive tiles (``prefill_p2``), multicasting the weight
       tile where both are of one expert and n-tile: an expert's m-tiles then
       read its weights from L2 once a pair, not once a tile.  Against plain
       128x256 tiles and 2x1 cluster tiles (harness, H100, 2026-12-07, both
@@ -159,8 +165,10 @@ def choose_config(num_experts: int, n: int, k: int, m: int, num_sms: int = 132) 
 
     if rows < 48:
         return DECODE_P2 if large_experts and waves(DECODE_P2) >= 4 else DECODE
-    if rows <= PREFILL.tile_m and waves(PREFILL) < 4:
-        return MID
+    if rows <= PREFILL.tile_m:  # one m-tile an expert: nothing for a pair to share
+        if waves(PREFILL) < 4:
+            return MID
+        return PREFILL_P2 if large_experts else PREFILL
     return PREFILL_P2
 
 
