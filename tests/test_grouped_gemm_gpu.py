@@ -81,10 +81,9 @@ def test_model_shapes(model, gemm, tokens):
         assert rel_err(out[:end], torch._grouped_mm(a, b, offs=offs)[:end]) < 1e-2
 
 
-CONFIG_NAMES = ["decode16", "decode16_n64", "decode", "decode_p2", "mid", "prefill", "prefill_c2",
-                "prefill_p2"]
+CONFIG_NAMES = ["decode16", "decode16_n64", "decode", "decode_p2", "mid", "prefill", "prefill_p2"]
 # raster bands of two m-tiles, so that the small cases below span several bands
-VARIANTS = {"prefill:band": dict(band_m=2), "prefill_c2:band": dict(band_m=2),
+VARIANTS = {"prefill:band": dict(band_m=2),
             "prefill_p2:band": dict(band_m=2), "mid:band": dict(band_m=2)}
 
 

@@ -72,7 +72,7 @@ def test_prefetch_needs_no_cluster():
 
     assert g.GroupedGemmSm90(c.DECODE16, prefetch_weights=True).prefetch_weights
     assert g.GroupedGemmSwigluSm90(c.DECODE16_N64, prefetch_weights=True).prefetch_weights
-    assert not g.GroupedGemmSm90(c.PREFILL_C2, prefetch_weights=True).prefetch_weights
+    assert not g.GroupedGemmSm90(c.PREFILL_P2, prefetch_weights=True).prefetch_weights
     assert not g.GroupedGemmSm90(c.PREFILL_P2, prefetch_weights=True).prefetch_weights
     assert not g.GroupedGemmSm90(c.DECODE16).prefetch_weights
 

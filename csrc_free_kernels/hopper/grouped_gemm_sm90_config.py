@@ -92,13 +92,13 @@ MID = TileConfig("mid", tile_m=128, tile_n=128, tile_k=64, stages=6, b_warps=2)
 # 15.7 against 14.2 ms.
 PREFILL = TileConfig("prefill", tile_m=128, tile_n=256, tile_k=64, stages=4, b_warps=2,
                      band_m=8)
-# ...with CTA pairs sharing each weight tile through TMA multicast
-PREFILL_C2 = dataclasses.replace(PREFILL, name="prefill_c2", cluster_m=2)
-# ...or with CTA pairs on consecutive 128-row tiles
-PREFILL_P2 = dataclasses.replace(PREFILL_C2, name="prefill_p2", pair_tiles=True)
+# ...with CTA pairs on consecutive 128-row tiles, sharing a weight tile through TMA
+# multicast where both are of one expert and n-tile (2x1 cluster tiles, a pair on one
+# 256-row tile, lost to them: bench/notes/2026-12-07-gemm-core-h100.md)
+PREFILL_P2 = dataclasses.replace(PREFILL, name="prefill_p2", cluster_m=2, pair_tiles=True)
 # (Ping-pong warpgroups on 128x128 tiles lost to these: bench/notes/2026-12-04-pingpong-128x128.md.)
 CONFIGS = {c.name: c for c in (DECODE16, DECODE16_N64, DECODE, DECODE_P2, MID, PREFILL,
-                               PREFILL_C2, PREFILL_P2)}
+                               PREFILL_P2)}
 
 
 def _slot_fill(tiles: int, num_sms: int) -> float:

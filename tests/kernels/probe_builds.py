@@ -1,6 +1,6 @@
 """The probes' PTX builds, beside the kernels' own (``csrc_free_kernels.ptx_dump.BUILDS``):
 the ``ts_pipeline`` probes, and kernel builds no call reaches that the tests read (a
-configuration without raster bands; the store-warp epilogue, the pre-flight's bulk-copy
+configuration without raster bands; 2x1 cluster tiles; the store-warp epilogue, the pre-flight's bulk-copy
 probe; the ping-pong warpgroups' turns; the GEMM's variants awaiting an A/B; FP8 mainloops under a lowered register cap).
 
     CUTE_DSL_ARCH=sm_90a python -m tests.kernels.probe_builds OUT_DIR '["probe90_P1", ...]'
@@ -63,6 +63,16 @@ def _whole_experts():
 
     b = g.build(dataclasses.replace(c.PREFILL, band_m=0))
     return dataclasses.replace(b, name="gemm_prefill_whole_experts")
+
+
+def _cluster_tiles():
+    """The prefill GEMM on 2x1 cluster tiles (a CTA pair on one 256-row tile, multicasting
+    every weight part; lost to pair tiles, bench/notes/2026-12-07-gemm-core-h100.md): the
+    pre-flight tests' plainest 2-CTA cluster, multicast loads and remote arrivals."""
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as c
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as g
+
+    return g.build(dataclasses.replace(c.PREFILL, name="prefill_c2", cluster_m=2))
 
 
 def _store_warp():
@@ -130,7 +140,7 @@ BUILDS = {b.name: b for b in (
     _probe100("probe100_async_load_2cta", "async_load"),
     _probe100("probe100_umma_umma_2cta", "umma_umma"),
     _probe100("probe100_umma_umma_1cta", "umma_umma", 1),
-    _whole_experts(), _store_warp(), *_pingpong(), *_variants(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
+    _whole_experts(), _cluster_tiles(), _store_warp(), *_pingpong(), *_variants(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
 ALL_BUILDS = {**BUILDS, **ptx_dump.BUILDS}
 """Every build the PTX tests compile: the probes, then the kernels'."""
 SM100 = [n for n in ALL_BUILDS if n.startswith("probe100_") or (
