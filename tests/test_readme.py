@@ -30,7 +30,8 @@ def test_quick_start_is_on_the_first_screen():
                                                       "python -m pytest -q"]
     assert not any(line.startswith("## ") for line in lines[1:start])  # one paragraph first
     quick = "\n".join(lines[start:lines.index("## Use")])
-    assert "7 minutes" in quick and "H200" in quick  # the time each command takes
+    # the time each command takes, as CI measured it
+    assert re.search(r"the tests about \d+ minutes", quick) and "H200" in quick
     assert "CPU-only build" in quick
 
 
