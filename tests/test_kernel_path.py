@@ -62,7 +62,7 @@ def kernels_on_cpu(monkeypatch):
                       else reference.swiglu(h.float(), h.dtype))
         return launch
 
-    monkeypatch.setattr(grouped_gemm_sm90_launch, "_launch", gemm_launch)
+    monkeypatch.setattr(grouped_gemm_sm90_launch, "launch", gemm_launch)
     monkeypatch.setattr(grouped_gemm_dw_sm90_launch, "_launch", dw_launch)
     monkeypatch.setattr(route_sm90_launch, "_rowsum_kernel", rowsum_kernel)
     monkeypatch.setattr(route_sm90_launch, "_route_kernel", fake_route_kernel(launches))
@@ -225,21 +225,21 @@ def test_a_refused_build_declines_its_backend_and_the_next_takes_the_call(kernel
     def refused(*args):
         raise PreflightError(Refusal("planted", ("setmaxnreg",), "a test's"))
 
-    stand_in = grouped_gemm_sm90_launch._launch
+    stand_in = grouped_gemm_sm90_launch.launch
 
     def fused_refused(a, b, offs, out, config, kernel_cls, prefetch_weights):
         if kernel_cls is GroupedGemmSwigluSm90:
             refused()
         return stand_in(a, b, offs, out, config, kernel_cls, prefetch_weights)
 
-    monkeypatch.setattr(grouped_gemm_sm90_launch, "_launch", fused_refused)
+    monkeypatch.setattr(grouped_gemm_sm90_launch, "launch", fused_refused)
     a, b, offs = _problem()
     gate_up = (torch.randn(4, 2 * 64, 64) * 0.125).to(BF16)  # I = 64: the fused kernel's
     h = swiglu._cuda(a, gate_up, offs)
     assert [launch[0] for launch in kernels_on_cpu] == ["gemm"]
     ref = grouped_gemm_reference(a, gate_up.transpose(1, 2), offs, torch.float32)
     assert rel_err(h, F.silu(ref[:, :64]) * ref[:, 64:]) < 1e-2
-    monkeypatch.setattr(grouped_gemm_sm90_launch, "_launch", refused)
+    monkeypatch.setattr(grouped_gemm_sm90_launch, "launch", refused)
     kernels_on_cpu.clear()
     out = gemm._cuda(a, b, offs)
     assert kernels_on_cpu == []

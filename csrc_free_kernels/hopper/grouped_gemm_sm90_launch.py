@@ -110,7 +110,7 @@ def _row_major(t: torch.Tensor) -> bool:
 def compiled_kernel(config: TileConfig, a_dtype, c_dtype, b_n_major: bool,
                     kernel_cls=GroupedGemmSm90, prefetch_weights: bool = False):
     """The compiled kernel for a K-major ``a`` (memoized: it is on every call's path)."""
-    b = build(config, a_dtype, c_dtype, b_n_major, kernel_cls is GroupedGemmSwigluSm90,
+    b = build(config, a_dtype, c_dtype, b_n_major, issubclass(kernel_cls, GroupedGemmSwigluSm90),
               prefetch_weights, kernel_cls)
     return kcompile.get_compiled(b)
 
@@ -127,12 +127,9 @@ def _launcher(config: TileConfig, a_dtype, c_dtype, b_n_major: bool, kernel_cls,
 
 def launch(a, b, offs, out, config: TileConfig, kernel_cls=GroupedGemmSm90,
            prefetch_weights: bool = False):
-    """``out = grouped_gemm(a, b, offs)`` by ``kernel_cls`` (a variant's class for an
-    A/B) in ``config``, on the current stream; the arguments as the op validates them."""
-    return _launch(a, b, offs, out, config, kernel_cls, prefetch_weights)
-
-
-def _launch(a, b, offs, out, config: TileConfig, kernel_cls, prefetch_weights: bool):
+    """``out = grouped_gemm(a, b, offs)`` by ``kernel_cls`` (the SwiGLU kernel, or a
+    variant's class for an A/B) in ``config``, on the current stream; the arguments as
+    the op validates them."""
     fn, ctas = _launcher(config, a.dtype, out.dtype, _row_major(b), kernel_cls, a.get_device(),
                          prefetch_weights)
     fn(a, b, out, offs, ctas)
@@ -149,7 +146,7 @@ class GroupedGemmBackend:
         return choose_config(b.shape[0], b.shape[2], a.shape[1], out.shape[0])
 
     def run(self, a, b, offs, out, config, *, a_index=None, prefetch_weights=False):
-        return _launch(a, b, offs, out, config, GroupedGemmSm90, prefetch_weights)
+        return launch(a, b, offs, out, config, GroupedGemmSm90, prefetch_weights)
 
 
 class GroupedGemmSwigluBackend:
@@ -163,7 +160,7 @@ class GroupedGemmSwigluBackend:
                              n_major=_row_major(gate_up.transpose(-2, -1)))
 
     def run(self, a, gate_up, offs, out, config, *, a_index=None, prefetch_weights=False):
-        return _launch(a, gate_up.transpose(-2, -1), offs, out, config, GroupedGemmSwigluSm90,
+        return launch(a, gate_up.transpose(-2, -1), offs, out, config, GroupedGemmSwigluSm90,
                        prefetch_weights)
 
 

@@ -135,21 +135,16 @@ class RaggedTileEpilogue:
         return thr_s2g, thr_s2g.partition_S(sC)
 
     @cute.jit
-    def epilogue(self, staged, stores, mC, row0, n_tile, rows_valid, epi_count,
-                 barrier=None, buf0: int = 0):
+    def epilogue(self, staged, stores, mC, row0, n_tile, rows_valid, epi_count):
         """Tile ``(row0, n_tile)`` of C from the accumulators: sub-tile by sub-tile
-        through ``epi_stages`` shared-memory buffers (from ``buf0``), each stored
-        right away by predicated 16-byte stores of the expert's ``rows_valid`` rows
-        (up to N), the tile's threads meeting at ``barrier`` (default
-        ``epi_barrier``) before each.  ``epi_count``: the sub-tiles stored so far
-        (it picks the buffer); returns it advanced past this tile's."""
+        through ``epi_stages`` shared-memory buffers, each stored right away by
+        predicated 16-byte stores of the expert's ``rows_valid`` rows (up to N).
+        ``epi_count``: the sub-tiles stored so far (it picks the buffer);
+        returns it advanced past this tile's."""
         cfg = self.cfg
         r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = staged
         thr_s2g, tSsC = stores
         m_subs, n_subs, chunks_n = self.epi_subtiles()
-        epi_barrier = barrier
-        if cutlass.const_expr(barrier is None):
-            epi_barrier = self.epi_barrier
         # (tile_m, out_tile_n) of C at (row0, n_tile); its coordinates
         gC = cute.local_tile(cute.domain_offset((row0, 0), mC),
                              (cfg.tile_m, self.out_tile_n), (0, n_tile))
@@ -158,11 +153,9 @@ class RaggedTileEpilogue:
         for epi in cutlass.range_constexpr(m_subs * n_subs):
             mi, ni = divmod(epi, n_subs)
             buf = epi_count % self.epi_stages
-            if cutlass.const_expr(not isinstance(buf0, int) or buf0 != 0):
-                buf = buf0 + buf
             self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
             cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
-            epi_barrier.arrive_and_wait()
+            self.epi_barrier.arrive_and_wait()
             self.store_subtile(thr_s2g, tSsC, gC, cC, mi, ni, buf, rows_valid, mC.shape[1])
             epi_count += 1
         return epi_count

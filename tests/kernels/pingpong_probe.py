@@ -141,8 +141,8 @@ class GroupedGemmPingpongSm90(GroupedGemmSm90):
                                                   rows_valid, 0, tile, n_cols, ())
                 if t + sched.step - lead < total_tiles:  # the other's tile follows
                     their_turn.arrive()
-                epi_count = self.epilogue(staged, stores, mC, tile.row0, tile.n_tile,
-                                          rows_valid, epi_count, epi_barrier, buf0)
+                epi_count = self.group_epilogue(staged, stores, mC, tile.row0, tile.n_tile,
+                                                rows_valid, epi_count, epi_barrier, buf0)
             else:
                 if run:
                     # the other warpgroup's tile: its stages are not ours
@@ -151,3 +151,24 @@ class GroupedGemmPingpongSm90(GroupedGemmSm90):
                         release.advance()
             turn += 1
             t += sched.step
+
+    @cute.jit
+    def group_epilogue(self, staged, stores, mC, row0, n_tile, rows_valid, epi_count,
+                       epi_barrier, buf0):
+        """The kernel's epilogue on this warpgroup's buffers (from ``buf0``), its threads
+        meeting at its own ``epi_barrier``."""
+        r2s, tRS_sC, tRS_rAcc, tRS_rD, tRS_rOut = staged
+        thr_s2g, tSsC = stores
+        m_subs, n_subs, chunks_n = self.epi_subtiles()
+        tile_mn = (self.cfg.tile_m, self.out_tile_n)
+        gC = cute.local_tile(cute.domain_offset((row0, 0), mC), tile_mn, (0, n_tile))
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), tile_mn, (0, n_tile))
+        for epi in cutlass.range_constexpr(m_subs * n_subs):
+            mi, ni = divmod(epi, n_subs)
+            buf = buf0 + epi_count % self.epi_stages
+            self.epilogue_fragment(tRS_rAcc, mi * chunks_n + ni, tRS_rD, tRS_rOut)
+            cute.copy(r2s, tRS_rOut, tRS_sC[None, None, None, buf])
+            epi_barrier.arrive_and_wait()
+            self.store_subtile(thr_s2g, tSsC, gC, cC, mi, ni, buf, rows_valid, mC.shape[1])
+            epi_count += 1
+        return epi_count
