@@ -37,8 +37,9 @@ def check(a, b, offs, config):
     out = run(a, b, offs, config)
     end = int(offs[-1]) if offs.numel() else 0
     assert rel_err(out, ref) < 1e-2
-    rows = (out[:end].float() - ref[:end]).norm(dim=1) / ref[:end].norm(dim=1).clamp_min(1e-6)
-    assert rows.max() < 2e-2, f"worst row {int(rows.argmax())}: {float(rows.max())}"
+    if end:  # all experts empty: no routed row, only the zero tail below
+        rows = (out[:end].float() - ref[:end]).norm(dim=1) / ref[:end].norm(dim=1).clamp_min(1e-6)
+        assert rows.max() < 2e-2, f"worst row {int(rows.argmax())}: {float(rows.max())}"
     assert (out[end:] == 0).all()
 
 
