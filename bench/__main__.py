@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed work per backend per case (5 to 200 calls); default 100 "
                         f"(training: {SUITES['training'].default_target_ms:g}), "
                         f"{CPU_TARGET_MS:g} on the CPU")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="timing passes per backend and case, interleaved (each pass times "
+                        "every backend once; the order alternates and rotates), the "
+                        "median over all; --target-ms is shared among them. Default 2 "
+                        "(in order, then reversed); an A/B of a few per cent wants 8 or more")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="default: cuda when torch sees a GPU, else cpu; on the cpu, "
                                     "the smoke suite's models and T where --models, --T do not "
@@ -234,6 +239,8 @@ def resolve(args, parser) -> dict:
     }
     if any(t < 1 for t in sel["T"]):
         parser.error("every T must be >= 1")
+    if not 1 <= args.rounds <= 50:
+        parser.error(f"--rounds {args.rounds}: must be 1 to 50")
     known = suite.backends()
     try:
         bad = [b for b in sel["backends"] if b not in known]
@@ -323,7 +330,8 @@ def run(argv) -> int:
               f"{roofs['bf16_dense_tflops']:.0f} TFLOP/s bf16", file=sys.stderr)
     settings = Settings(device, target_ms=args.target_ms, graphs=args.graphs,
                         graph_max_t=args.graph_max_t,
-                        input_budget_bytes=int(args.input_budget_gb * (1 << 30)))
+                        input_budget_bytes=int(args.input_budget_gb * (1 << 30)),
+                        rounds=args.rounds)
     records = run_suite(sel["suite"], cases, sel["backends"], settings, roofs,
                         progress=sys.stderr)
     report.add_ratios(records)
@@ -338,7 +346,7 @@ def run(argv) -> int:
         "command": shlex.join(["python", "-m", "bench", *argv]),
         "settings": {"target_ms": args.target_ms, "graphs": args.graphs,
                      "graph_max_t": args.graph_max_t, "seed": args.seed, "tolerance": TOLERANCE,
-                     "input_budget_gb": args.input_budget_gb},
+                     "input_budget_gb": args.input_budget_gb, "rounds": args.rounds},
         "cases": records,
     }
     print(report.render_text(records))

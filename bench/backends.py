@@ -273,11 +273,9 @@ def ts_moe(case: Case, device: torch.device) -> Bind:
 def variant_kernels() -> dict:
     """``name -> (kernel class, {config name: TileConfig})``: the sm_90 GEMM variants
     awaiting an A/B, run as ``ts_moe:kernel=NAME`` (in ``choose_config``'s tiles unless
-    ``config=`` names one of theirs)."""
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
-    from csrc_free_kernels.hopper import grouped_gemm_sm90_tma_store as tma_store
-
-    return {"tma_store": (tma_store.GroupedGemmTmaStoreSm90, sm90.CONFIGS)}
+    ``config=`` names one of theirs).  None now: the last one (the TMA-store epilogue)
+    lost its A/B (bench/notes/2026-12-07-tma-store-epilogue-ab.md)."""
+    return {}
 
 
 def ts_moe_variant(spec: str) -> Factory:
@@ -286,7 +284,7 @@ def ts_moe_variant(spec: str) -> Factory:
     configuration instead), e.g. ``ts_moe:band_m=16`` or
     ``ts_moe:config=mid:cluster_m=2:b_warps=1``: tile experiments side by side
     with the peers in one run.  ``kernel=NAME`` runs a variant awaiting its A/B
-    (:func:`variant_kernels`), e.g. ``ts_moe:kernel=tma_store``."""
+    (:func:`variant_kernels`)."""
     from csrc_free_kernels.hopper import grouped_gemm_sm90_config as sm90
     from csrc_free_kernels.hopper import grouped_gemm_sm90_launch as launch
 

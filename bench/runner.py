@@ -76,6 +76,7 @@ class Settings:
     graph_max_t: int = 1024
     input_budget_bytes: int = 36 << 30
     tolerance: float = TOLERANCE
+    rounds: int = 2  # timing passes per backend, interleaved (:func:`timing_orders`)
 
 
 CHUNK_ELEMENTS = 1 << 26  # rel_err compares larger tensors a slab at a time
@@ -213,6 +214,19 @@ def graph_skip_reason(case: Case, settings: Settings) -> str | None:
     return None
 
 
+def timing_orders(names: list, rounds: int) -> list[list]:
+    """The backends' order in each of ``rounds`` timing passes: every pass times each
+    backend once, the passes alternate forward and reversed and each pair starts one
+    place further on, so over the passes every backend is timed early and late alike
+    (two rounds: the list, then reversed)."""
+    orders = []
+    for i in range(rounds):
+        shift = (i // 2) % max(1, len(names))
+        order = names[shift:] + names[:shift]
+        orders.append(order if i % 2 == 0 else order[::-1])
+    return orders
+
+
 def time_backend(runs, case: Case, settings: Settings, target_ms: float,
                  graph: bool | None = None):
     """One timing pass of a checked backend: a :class:`bench.timing.Timing`, or the exception.
@@ -320,11 +334,12 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
         _free(device)
         return [_empty(base, name, "oom", reason=reason) for name in names]
     base["copies"] = len(copies)
-    # check everything first, then time in two passes, in order and reversed,
-    # and take the median of both: timed once, in list order, one kernel
-    # measured up to 15 % slower as the fourth of five backends than as the
-    # second (Qwen3 T=4096, H200, 2026-12-02), so a backend's place in the
-    # list must not decide its time
+    # check everything first, then time in interleaved passes (two by default, in
+    # order and reversed; --rounds more) and take the median of all: timed once, in
+    # list order, one kernel measured up to 15 % slower as the fourth of five
+    # backends than as the second (Qwen3 T=4096, H200, 2026-12-02), so a backend's
+    # place in the list must not decide its time; two passes still left 12 % between
+    # runs of a few-per-cent A/B (bench/notes/2026-12-07-tma-store-epilogue-ab.md)
     checked, records, peaks = {}, {}, {}
     for name in names:
         with nvtx_range(f"{name} {case.describe()}"):
@@ -347,11 +362,12 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
                 peaks[name] = got
     eager = False if suite.graph_timing else None  # graph_timing: ms is always eager
     passes = {name: [] for name in checked}
-    for order in (list(checked), list(reversed(checked))):
+    for order in timing_orders(list(checked), settings.rounds):
         for name in order:
             with nvtx_range(f"{name} {case.describe()}"):
                 passes[name].append(time_backend(checked[name][0], case, settings,
-                                                 settings.target_ms / 2, graph=eager))
+                                                 settings.target_ms / settings.rounds,
+                                                 graph=eager))
     if suite.graph_timing:  # after every eager pass: a failed capture cannot touch those
         skip = graph_skip_reason(case, settings)
         graph_passes = time_graphs(checked, passes, case, settings) if skip is None else {}
@@ -371,18 +387,18 @@ def run_case(suite: Suite, case: Case, factories: dict[str, Factory], settings: 
 
 
 def time_graphs(checked: dict, passes: dict, case: Case, settings: Settings) -> dict:
-    """CUDA-graph timing passes of the backends whose eager passes all ran, in order
-    and reversed like the eager ones; a backend whose capture or replay failed is
+    """CUDA-graph timing passes of the backends whose eager passes all ran, in the
+    eager passes' orders; a backend whose capture or replay failed is
     not tried again (its one exception is its list)."""
     ok = [n for n in checked if not any(isinstance(t, Exception) for t in passes[n])]
     graph_passes = {name: [] for name in ok}
-    for order in (ok, list(reversed(ok))):
+    for order in timing_orders(ok, settings.rounds):
         for name in order:
             if any(isinstance(t, Exception) for t in graph_passes[name]):
                 continue
             with nvtx_range(f"{name} graph {case.describe()}"):
-                t = time_backend(checked[name][0], case, settings, settings.target_ms / 2,
-                                 graph=True)
+                t = time_backend(checked[name][0], case, settings,
+                                 settings.target_ms / settings.rounds, graph=True)
             if isinstance(t, Exception):  # its frames pin the capture's tensors: drop them
                 t = t.with_traceback(None)
                 t.__context__ = t.__cause__ = None

@@ -85,6 +85,42 @@ def test_backends_timed_in_order_then_reversed():
         assert len(r["pass_ms"]) == 2 and min(r["pass_ms"]) <= r["ms"] <= max(r["pass_ms"])
 
 
+def test_rounds_interleave_every_backend_early_and_late():
+    from bench.runner import timing_orders
+
+    assert timing_orders(["a", "b", "c"], 2) == [["a", "b", "c"], ["c", "b", "a"]]
+    orders = timing_orders(["a", "b", "c"], 6)
+    assert orders == [["a", "b", "c"], ["c", "b", "a"], ["b", "c", "a"], ["a", "c", "b"],
+                      ["c", "a", "b"], ["b", "a", "c"]]
+    for name in "abc":  # each backend once in every place of the order over six passes
+        assert sorted(o.index(name) for o in orders) == [0, 0, 1, 1, 2, 2]
+    calls = []
+
+    def logging(tag):
+        def factory(case, device):
+            return lambda inp: lambda: calls.append(tag) or reference_grouped_gemm(
+                inp, inp.a.dtype)
+        return factory
+
+    factories = {"a": logging("a"), "b": logging("b")}
+    rounds = Settings(torch.device("cpu"), target_ms=1.0, rounds=5)
+    records = run_suite(SUITES["grouped_gemm"], _cases()[:1], list(factories), rounds,
+                        factories=factories, progress=None)
+    blocks = [t for i, t in enumerate(calls) if i == 0 or calls[i - 1] != t]
+    # checked a, b; timed a, b | b, a | b, a | a, b | a, b (runs of one name merge)
+    assert blocks == ["a", "b"] * 5
+    for r in records:
+        assert len(r["pass_ms"]) == 5 and min(r["pass_ms"]) <= r["ms"] <= max(r["pass_ms"])
+
+
+def test_rounds_out_of_range_is_a_usage_error(capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", "cpu", "--rounds", "0", "--no-save"])
+    assert exc.value.code == 2 and "--rounds 0: must be 1 to 50" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout", ["nmajor", "kmajor"])
 def test_torch_backends_agree_on_cpu(layout):
     names = ["reference", "torch_grouped_mm", "cublas_loop", "ts_moe"]
@@ -307,10 +343,3 @@ def test_ts_moe_variants_name_their_kernel_and_configuration(monkeypatch):
     records = run_suite(SUITES["grouped_gemm"], _cases()[:1], ["ts_moe:kernel=probe"], CPU,
                         progress=None)
     assert records[0]["status"] == "unavailable" and "CUDA" in records[0]["reason"]
-
-
-def test_the_tma_store_variant_is_a_known_kernel():
-    from bench import backends
-
-    assert "tma_store" in backends.variant_kernels()
-    assert callable(backends.ts_moe_variant("kernel=tma_store"))
