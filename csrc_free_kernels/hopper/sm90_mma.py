@@ -118,6 +118,7 @@ class RaggedTileMma(RaggedTileEpilogue):
         warpgroup.fence()
         for k in cutlass.range(k_tiles, unroll=1):
             ring.consumer_wait(read)
+            self.stage_visible()
             if mma_rows > wg_row0:
                 mma_stage(tiled_mma, ops.acc, ops.a, ops.b, read.index)
             warpgroup.commit_group()
@@ -129,6 +130,10 @@ class RaggedTileMma(RaggedTileEpilogue):
         release_stage(ring, release, 0)
         release.advance()
         return read, release
+
+    def stage_visible(self):
+        """After a stage's full barrier, before its MMAs read it: nothing here (the
+        stage is written by TMA, in the MMA's own async proxy)."""
 
     def scale_accumulators(self, acc, tile: WorkTile, n_cols, extra):
         """The tile's accumulators after its mainloop, before its epilogue: as

@@ -14,11 +14,13 @@ Notes: ``bench/notes/2026-12-06-preflight-rules.md``.
 - ``proxy-fence``: shared memory that threads write (``st.shared``, ``stmatrix``,
   ``cp.async``, atomics: the generic proxy) and a TMA or bulk store or a ``tcgen05.mma``
   then reads (the async proxy: an MMA's operands by their descriptors, the allocation
-  each descriptor's start falls in) has a ``fence.proxy.async`` between
-  them, on the writer's path (PTX ISA, memory consistency model: proxies), after the
-  writes are done (a ``cp.async``'s at ``cp.async.wait_group``/``wait_all``: a fence
-  before that orders nothing); a write reaches a reader on another thread through the
-  named barrier or mbarrier they meet at.
+  each descriptor's start falls in), or that ``cp.async`` writes and a ``wgmma`` reads
+  (a ring stage filled by threads), has a ``fence.proxy.async`` between them
+  (PTX ISA, memory consistency model: proxies), after the writes are done: on the
+  writer's path (a ``cp.async``'s at ``cp.async.wait_group``/``wait_all``: a fence
+  before that orders nothing), or on the reader's after the barrier that the write
+  reaches it through (a named barrier, or an mbarrier: ``cp.async.mbarrier.arrive``
+  arrives once the copies have landed).
 """
 
 import re
@@ -147,6 +149,9 @@ def _cta_mask(ins):
 # ------------------------------------------------------------------ proxy fence
 _GENERIC_WRITE = re.compile(r"^(st\.shared|stmatrix|atom\.shared|red\.shared|"
                             r"cp\.async\.(ca|cg)\.shared)")
+# a wgmma's stage, by the threads' loads into it (the epilogue's stmatrix and st.shared
+# name addresses the model cannot place, and never a ring stage)
+_STAGE_WRITE = re.compile(r"^cp\.async\.(ca|cg)\.shared")
 _ASYNC_READ = re.compile(r"^cp(\.reduce)?\.async\.bulk(\.tensor\.\dd)?\.global\.shared")
 _BAR_SITE = re.compile(r"^(bar|barrier)(\.cta)?\.(sync|arrive|red)")
 WRITTEN, PENDING = 1, 2  # a path's writes: done and not fenced; cp.async not yet waited
@@ -177,16 +182,21 @@ def _write_overlaps(pf, ins, region) -> bool:
 
 
 def check_proxy_fence(pf) -> None:
-    regions = {}
+    regions, staged = {}, {}
     for ins in pf.k.instrs:
         if _ASYNC_READ.match(ins.op):
             regions.setdefault(_read_region(pf, ins), []).append(ins)
         elif ins.op.startswith("tcgen05.mma"):
             for region in _mma_regions(pf, ins):
                 regions.setdefault(region, []).append(ins)
+        elif ins.op.startswith("wgmma.mma_async"):
+            for region in _mma_regions(pf, ins):
+                staged.setdefault(region, []).append(ins)
     flagged = set()  # a reader reported once, whichever region it reads
     for region, stores in regions.items():
-        _check_region(pf, region, stores, flagged)
+        _check_region(pf, region, stores, flagged, _GENERIC_WRITE)
+    for region, mmas in staged.items():
+        _check_region(pf, region, mmas, flagged, _STAGE_WRITE)
 
 
 def _mma_regions(pf, ins) -> list:
@@ -200,15 +210,16 @@ def _mma_regions(pf, ins) -> list:
         symbols = sym.symbols()
         if len(symbols) != 1 or sym.const.denominator != 1:
             continue
-        alloc = allocation_at(pf, symbols[0][0], _fields(int(sym.const), True)["start"])
+        sm100 = ins.op.startswith("tcgen05")
+        alloc = allocation_at(pf, symbols[0][0], _fields(int(sym.const), sm100)["start"])
         if alloc:
             found.append((symbols[0][0], *alloc))
     return found
 
 
-def _check_region(pf, region, stores, flagged) -> None:
+def _check_region(pf, region, stores, flagged, kinds) -> None:
     writes = {ins.index for ins in pf.k.instrs
-              if _GENERIC_WRITE.match(ins.op) and _write_overlaps(pf, ins, region)}
+              if kinds.match(ins.op) and _write_overlaps(pf, ins, region)}
     if not writes:
         return
     store_ids = {ins.index for ins in stores}
@@ -265,7 +276,8 @@ def _meeting_point(pf, ins):
     if m:
         n = pf.constant(ins.args[0]) if ins.args else None
         return ("bar", n)
-    if ins.op.startswith(("mbarrier.arrive", "mbarrier.try_wait", "mbarrier.test_wait")):
+    if ins.op.startswith(("mbarrier.arrive", "mbarrier.try_wait", "mbarrier.test_wait",
+                          "cp.async.mbarrier.arrive")):
         arr = pf.array_of(pf.addrs.operand(barrier_operand(ins)))
         return ("mbar", id(arr)) if arr is not None else None
     return None

@@ -107,6 +107,13 @@ def _pingpong():
                          kernel_cls=GroupedGemmPingpongSm90) for config in CONFIGS.values())
 
 
+def _variants():
+    """The sm_90 GEMM's variants awaiting an A/B (their own modules; no call reaches them)."""
+    from csrc_free_kernels.hopper import grouped_gemm_sm90_gather
+
+    return tuple(grouped_gemm_sm90_gather.builds())
+
+
 def _capped(config, regs):
     """The widest FP8 mainloop (SwiGLU, blockwise) with its MMA warpgroups capped at
     ``regs`` registers: it must still not spill."""
@@ -133,7 +140,7 @@ BUILDS = {b.name: b for b in (
     _probe100("probe100_async_load_2cta", "async_load"),
     _probe100("probe100_umma_umma_2cta", "umma_umma"),
     _probe100("probe100_umma_umma_1cta", "umma_umma", 1),
-    _whole_experts(), _cluster_tiles(), _store_warp(), *_pingpong(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
+    _whole_experts(), _cluster_tiles(), _store_warp(), *_pingpong(), *_variants(), _capped("fp8_decode", 168), _capped("fp8_mid", 168))}
 ALL_BUILDS = {**BUILDS, **ptx_dump.BUILDS}
 """Every build the PTX tests compile: the probes, then the kernels'."""
 SM100 = [n for n in ALL_BUILDS if n.startswith("probe100_") or (

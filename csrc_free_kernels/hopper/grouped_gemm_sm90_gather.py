@@ -1,0 +1,189 @@
+"""The sm_90 GEMM with the token rows gathered in its own A loads: a variant awaiting its
+A/B (no call reaches it).
+
+``out[r] = a[a_index[r]] @ b[e(r)]``: the MoE layer's rows in expert order read straight
+from the token matrix, so no permuted copy of ``x`` (or of ``dy``) is written by a row
+kernel and read back by the GEMM (issue 51: the two gathers of the training step cost
+about 0.7 ms of Qwen3's 8.5 ms at T = 16384, ``bench/notes/2026-12-07-training-node.md``).
+An index outside ``[0, M)`` reads as a zero row, as the op's contract says.
+
+What changes against :class:`.grouped_gemm_sm90.GroupedGemmSm90` (everything else, the
+weights' TMA, the schedule, the MMA warpgroups and the epilogue, is the base kernel's):
+
+- LOAD_A loads by ``cp.async``, 16 bytes a copy, into the same swizzled stages the
+  MMA reads: lane ``l`` owns rows ``l % R + R * i`` (``R = min(rows, 32)``) of every
+  tile, reads their indices once a tile, and copies its chunks of each row's k-tile;
+  a dead row (an index outside ``[0, M)``, past the index's end) and the K tail copy
+  16 zero bytes from a global zero vector instead, so every byte of a stage arrives
+  by ``cp.async``;
+- the stage's full barrier counts 33 arrivals: the task leader's one (the first weight
+  warp here, arming the weights' TMA bytes: ``TSPipelineTmaAsync``) and one
+  ``cp.async.mbarrier.arrive.noinc`` of each LOAD_A lane, which the hardware performs
+  once the lane's copies so far have landed: no wait in the producer, a lane keeps as
+  many stages in flight as the ring has;
+- the MMA threads fence the async proxy (``fence.proxy.async``) after a stage's full
+  barrier and before its ``wgmma`` (:meth:`~GatherTokens.stage_visible`): the copies
+  wrote the stage in the generic proxy, the MMA reads it in the async one (the
+  pre-flight's ``proxy-fence`` rule, which follows the writes to the reader through the
+  barrier).
+"""
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as cp
+import torch
+from cutlass.cute.nvgpu import cpasync
+
+import ts_pipeline
+
+from ..common import compile as kcompile
+from ..common.family import Build
+from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90, Warp
+from .grouped_gemm_sm90_config import CONFIGS, TileConfig
+
+LANES = 32
+CHUNK_BITS = 128  # one cp.async
+
+
+class GatherTokens:
+    """The gather's hooks, mixed into the plain and the SwiGLU kernel (module docstring)."""
+
+    variant = "gather"
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB_ekn: cute.Tensor, mC: cute.Tensor,
+                 mOffs: cute.Tensor, mIndex: cute.Tensor, mZeros: cute.Tensor,
+                 num_ctas: cutlass.Int32, stream):
+        """mA (M, K) tokens, mB_ekn (E, K, N), mC (M', N) in expert order, mOffs (E,),
+        mIndex (M',) int32: output row ``r`` reads token row ``mIndex[r]``; mZeros: 16
+        zero bytes of mA's type."""
+        self.launch(mA, mB_ekn, mC, mOffs, (mA, mIndex, mZeros), num_ctas, stream)
+
+    def extra_params(self, tma_atom_a, mA, mIndex, mZeros) -> tuple:
+        return (mA, mIndex, mZeros)
+
+    def make_ring(self, barriers, warp_idx):
+        consumers = cp.CooperativeGroup(cp.Agent.Thread,
+                                        4 * self.tile_warpgroups() * self.cfg.cluster_m)
+        return ts_pipeline.TSPipelineTmaAsync.create(
+            num_stages=self.stages,
+            producer_group=cp.CooperativeGroup(cp.Agent.Thread, 1 + LANES),
+            consumer_group=consumers,
+            tx_count=self.cfg.b_warps * self.b_part_bytes,  # the weights' TMA bytes only
+            barrier_storage=barriers,
+            cta_layout_vmnk=(cute.make_layout((1, self.cfg.cluster_m, 1, 1))
+                             if self.cfg.cluster_m > 1 else None),
+            # a weight warp arms: LOAD_A's lanes arrive for themselves
+            is_task_warp_leader=warp_idx == Warp.LOAD_B)
+
+    def gather_copy(self):
+        """cp.async of 16 bytes; lane ``l`` takes row ``l % R`` of every R rows and
+        every ``32 / R``-th chunk of a row, ``R = min(rows, 32)``."""
+        r = min(self.cfg.rows, LANES)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                   self.a_dtype, num_bits_per_copy=CHUNK_BITS)
+        return cute.make_tiled_copy_tv(atom, cute.make_layout((r, LANES // r)),
+                                       cute.make_layout((1, CHUNK_BITS // self.a_dtype.width)))
+
+    @cute.jit
+    def token_tiles(self, tma_atom_a, mA_tma, sA_box, row0, extra) -> tuple:
+        """LOAD_A, per tile: this lane's partition of the stages, and its rows' token
+        rows (0 where dead) and whether each is live."""
+        mA, mIndex, _ = extra
+        r = min(self.cfg.rows, LANES)
+        lane = cute.arch.lane_idx()
+        tAsA = self.gather_copy().get_slice(lane).partition_D(sA_box)  # (CPY, reps, chunks, stages)
+        srcs = []
+        lives = []
+        for i in cutlass.range_constexpr(self.cfg.rows // r):
+            row = row0 + lane % r + r * i
+            src = mIndex[cutlass.min(row, mIndex.shape[0] - 1)]
+            live = row < mIndex.shape[0] and src >= 0 and src < mA.shape[0]
+            if not live:
+                src = cutlass.Int32(0)
+            srcs.append(src)
+            lives.append(live)
+        return tAsA, srcs, lives
+
+    @cute.jit
+    def load_a(self, tma_atom_a, a_tiles, k, stage, bar, extra):
+        """This lane's chunks of k-tile ``k`` into ``stage``, then its arrival on the
+        stage's full barrier once they have landed."""
+        mA, _, mZeros = extra
+        tAsA, srcs, lives = a_tiles
+        r = min(self.cfg.rows, LANES)
+        chunk = CHUNK_BITS // self.a_dtype.width
+        lane = cute.arch.lane_idx()
+        thr_copy = self.gather_copy().get_slice(lane)
+        k_cols = mA.shape[1]
+        for i in cutlass.range_constexpr(self.cfg.rows // r):
+            gRow = mA[srcs[i], None]
+            for j in cutlass.range_constexpr(cute.size(tAsA, mode=[2])):
+                col = k * self.cfg.tile_k + (j * (LANES // r) + lane // r) * chunk
+                dst = tAsA[None, i, j, stage]
+                if lives[i] and col < k_cols:
+                    cute.copy(thr_copy, cute.local_tile(gRow, (chunk,), (col // chunk,)), dst)
+                else:  # a dead row, the K tail: 16 zero bytes, by cp.async too
+                    cute.copy(thr_copy, mZeros, dst)
+        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
+    def stage_visible(self):
+        cute.arch.fence_view_async_shared()  # cp.async wrote it in the generic proxy
+
+
+class GroupedGemmGatherSm90(GatherTokens, GroupedGemmSm90):
+    """The plain GEMM, gathering its token rows (:class:`GatherTokens`)."""
+
+
+class GroupedGemmSwigluGatherSm90(GatherTokens, GroupedGemmSwigluSm90):
+    """The fused SwiGLU GEMM, gathering its token rows (:class:`GatherTokens`)."""
+
+
+def build(config: TileConfig, a_dtype=torch.bfloat16, b_n_major: bool = False,
+          swiglu: bool = False) -> Build:
+    """One build of the variant: bf16/fp16 in and out, ``a_index`` int32 (M',)."""
+    kernel_cls = GroupedGemmSwigluGatherSm90 if swiglu else GroupedGemmGatherSm90
+    key = (kernel_cls.__name__, config, str(a_dtype), b_n_major, "sm_90a")
+    name = (("swiglu_" if swiglu else "gemm_") + config.name
+            + ("_fp16" if a_dtype == torch.float16 else "") + ("" if b_n_major else "_bk")
+            + "_gather")
+
+    def make():
+        ca = kcompile.CUTE_DTYPES[a_dtype]
+        args = kcompile.fake_gemm_args(ca, ca, b_n_major, own_n_out=swiglu, row_index=True,
+                                       gather=True)
+        zeros = cute.runtime.make_fake_compact_tensor(ca, (CHUNK_BITS // ca.width,),
+                                                      assumed_align=16)
+        return kernel_cls(config), (*args, zeros, cutlass.Int32(1), kcompile.fake_stream())
+
+    return Build(name, key, make, {"config": config, "a_dtype": a_dtype, "c_dtype": a_dtype,
+                                   "b_n_major": b_n_major, "swiglu": swiglu,
+                                   "prefetch_weights": False, "gather": True})
+
+
+def builds():
+    """The variant's builds for its A/B and its tests: the layer's (bf16, K-major
+    weights), plain in every configuration, SwiGLU in the 128-row ones."""
+    for config in CONFIGS.values():
+        yield build(config)
+        if config.rows == 128 and config.name != "mid":
+            yield build(config, swiglu=True)
+
+
+def launch(a, b, offs, out, a_index, config: TileConfig, swiglu: bool = False):
+    """``out = a[a_index] @ b[e]`` per expert by the variant (the arguments as the op
+    validates them: ``a_index`` int32 of ``out``'s rows), on the current stream."""
+    b_n_major = b.stride(-1) == 1
+    fn = kcompile.get_compiled(build(config, a.dtype, b_n_major, swiglu))
+    sms = torch.cuda.get_device_properties(a.get_device()).multi_processor_count
+    fn(a, b, out, offs, a_index, _zeros(a.dtype, a.get_device()),
+       sms // config.cluster_m * config.cluster_m)
+    return out
+
+
+@functools.cache
+def _zeros(dtype, device_index: int) -> torch.Tensor:
+    """16 zero bytes of ``dtype`` on the device: the source of the dead chunks' copies."""
+    return torch.zeros(16 // dtype.itemsize, dtype=dtype, device=f"cuda:{device_index}")
