@@ -273,7 +273,8 @@ def test_overhead_without_cuda_says_so(cpu_machine, capsys):
 
 
 @pytest.mark.parametrize("script", ["k_sweep.py", "profile_case.py", "make_tiny_mixtral.py",
-                                    "profile_nsys.sh", "prefetch_ab.py", "router_ab.py"])
+                                    "profile_nsys.sh", "prefetch_ab.py", "router_ab.py",
+                                    "gather_ab.py"])
 def test_scripts_run_as_the_readme_writes_them(script):
     import os
     import subprocess
@@ -464,6 +465,7 @@ def _script(name: str, *args, env_extra=None):
                          "torch_grouped_mm"]),
     ("prefetch_ab.py", ["--T", "1"]),
     ("router_ab.py", ["--T", "1"]),
+    ("gather_ab.py", ["--T", "16"]),
 ])
 def test_scripts_without_cuda_say_so_in_one_line(script, args):
     proc = _script(script, *args)
