@@ -130,7 +130,9 @@ class GatherTokens:
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
 
     def stage_visible(self):
-        cute.arch.fence_view_async_shared()  # cp.async wrote it in the generic proxy
+        """The async proxy fenced: the stage's bytes came by ``cp.async``, in the
+        generic proxy, and the MMA reads them in the async one."""
+        cute.arch.fence_view_async_shared()
 
 
 class GroupedGemmGatherSm90(GatherTokens, GroupedGemmSm90):
@@ -165,11 +167,13 @@ def build(config: TileConfig, a_dtype=torch.bfloat16, b_n_major: bool = False,
 
 def builds():
     """The variant's builds for its A/B and its tests: the layer's (bf16, K-major
-    weights), plain in every configuration, SwiGLU in the 128-row ones."""
+    weights), plain in every configuration, SwiGLU in the 128-row ones; and one with
+    N-major weights (the weight loads differ by layout, the token loads do not)."""
     for config in CONFIGS.values():
         yield build(config)
         if config.rows == 128 and config.name != "mid":
             yield build(config, swiglu=True)
+    yield build(CONFIGS["prefill"], b_n_major=True)
 
 
 def launch(a, b, offs, out, a_index, config: TileConfig, swiglu: bool = False):
