@@ -217,8 +217,9 @@ def graph_skip_reason(case: Case, settings: Settings) -> str | None:
 def timing_orders(names: list, rounds: int) -> list[list]:
     """The backends' order in each of ``rounds`` timing passes: every pass times each
     backend once, the passes alternate forward and reversed and each pair starts one
-    place further on, so over the passes every backend is timed early and late alike
-    (two rounds: the list, then reversed)."""
+    place further on (two rounds: the list, then reversed).  Over ``2 * len(names)``
+    rounds (or a multiple) every backend takes every place equally often; fewer
+    rounds balance only first against last."""
     orders = []
     for i in range(rounds):
         shift = (i // 2) % max(1, len(names))

@@ -14,7 +14,8 @@ GEMM reads it, with ``prefetch_weights``), and the variant awaiting its A/B,
 in the tiles ``choose_config`` picks; the plain GEMM (the training forward) and the
 fused SwiGLU one (inference) where the shapes take it.  The two outputs are compared
 first; the times are medians over interleaved rounds (``bench.timing.measure``, the
-order alternating).  ms per call.  Needs an sm_90 GPU.
+order alternating), each call on the next of enough token copies that none is in L2.
+ms per call.  Needs an sm_90 GPU.
 """
 
 import argparse
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from bench import cases  # noqa: E402
-from bench.timing import measure  # noqa: E402
+from bench.timing import l2_bytes, measure  # noqa: E402
 
 
 def _model(name: str):
@@ -55,19 +56,24 @@ def pairs(model, T: int):
     m = index.shape[0]
     plain = configs.choose_config(E, 2 * inter, H, m)
 
-    def variant_call(config, n, swiglu):
-        def run():
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            return variant.launch(x, w, offs, out, index, config, swiglu=swiglu)
-        return run
+    # copies of the tokens to rotate through, so that no call finds them in L2
+    xs = [x] + [x.clone() for _ in range(min(7, -(-2 * l2_bytes(x.device) // x.nbytes) - 1))]
 
-    found = [("plain", plain.name, lambda: ts_moe.grouped_gemm(x, w, offs, a_index=index),
-              variant_call(plain, 2 * inter, False))]
+    def variant_calls(config, n, swiglu):
+        def call(xi):
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            return variant.launch(xi, w, offs, out, index, config, swiglu=swiglu)
+        return [lambda xi=xi: call(xi) for xi in xs]
+
+    found = [("plain", plain.name,
+              [lambda xi=xi: ts_moe.grouped_gemm(xi, w, offs, a_index=index) for xi in xs],
+              variant_calls(plain, 2 * inter, False))]
     fused = configs.swiglu_config(E, 2 * inter, H, m)
     if fused:
         found.append(("swiglu", fused.name,
-                      lambda: ts_moe.grouped_gemm_swiglu(x, gate_up, offs, a_index=index),
-                      variant_call(fused, inter, True)))
+                      [lambda xi=xi: ts_moe.grouped_gemm_swiglu(xi, gate_up, offs, a_index=index)
+                       for xi in xs],
+                      variant_calls(fused, inter, True)))
     return found
 
 
@@ -85,28 +91,28 @@ def main(argv=None) -> int:
     device, rows = torch.device("cuda"), []
     for model in models:
         for T in (int(t) for t in args.T.split(",")):
-            for kind, config, op_call, variant_call in pairs(model, T):
-                want, got = op_call().float(), variant_call().float()
+            for kind, config, op_calls, variant_calls in pairs(model, T):
+                want, got = op_calls[0]().float(), variant_calls[0]().float()
                 err = float((got - want).norm() / want.norm())
                 if not err < 1e-2:
                     print(f"{model.name} T={T} {kind}: the variant differs from the op by "
                           f"{err:.2e}", file=sys.stderr)
                     return 1
                 times = {"op": [], "gather": []}
-                calls = {"op": op_call, "gather": variant_call}
+                calls = {"op": op_calls, "gather": variant_calls}
                 for r in range(args.rounds):
                     for name in (("op", "gather") if r % 2 == 0 else ("gather", "op")):
-                        times[name].append(measure([calls[name]], device, target_ms=20).ms)
+                        times[name].append(measure(calls[name], device, target_ms=20).ms)
                 ms = {name: statistics.median(t) for name, t in times.items()}
                 rows.append({"model": model.name, "T": T, "kind": kind, "config": config,
                              "ms": ms, "rounds": times, "rel_err": err})
                 print(f"{model.name:14s} T={T:6d} {kind:6s} {config:11s} op {ms['op']:.3f} ms"
                       f"  gather {ms['gather']:.3f} ms  {ms['op'] / ms['gather']:.3f}x",
                       flush=True)
+                if args.json:  # as the rows come: a later failure keeps them
+                    Path(args.json).write_text(json.dumps(
+                        {"device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
             torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                               "rows": rows}, indent=1) + "\n")
     return 0
 
 

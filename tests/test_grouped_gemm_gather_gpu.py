@@ -86,6 +86,11 @@ def test_plain_against_the_gathered_reference(config, kmajor):
     check(*make(600, 1512, 256, 392, 8, counts=counts, kmajor=kmajor, bad=20), config)
 
 
+def test_fp16_tokens():
+    counts = [0, 256, 301, 1, 0, 500, 150, 256]
+    check(*make(600, 1512, 256, 392, 8, counts=counts, bad=20, dtype=torch.float16), "prefill")
+
+
 @pytest.mark.parametrize("config", SWIGLU)
 def test_swiglu_against_the_gathered_reference(config):
     counts = [0, 256, 301, 1, 0, 500, 150, 256]

@@ -11,8 +11,9 @@ What changes against :class:`.grouped_gemm_sm90.GroupedGemmSm90` (everything els
 weights' TMA, the schedule, the MMA warpgroups and the epilogue, is the base kernel's):
 
 - LOAD_A loads by ``cp.async``, 16 bytes a copy, into the same swizzled stages the
-  MMA reads: lane ``l`` owns rows ``l % R + R * i`` (``R = min(rows, 32)``) of every
-  tile, reads their indices once a tile, and copies its chunks of each row's k-tile;
+  MMA reads: lane ``l`` owns rows ``l % 16 + 16 * i`` of every tile, reads their
+  indices once a tile, and copies every other chunk of each row's k-tile (lanes ``l``
+  and ``l + 16`` read a row's 32-byte sectors whole);
   a dead row (an index outside ``[0, M)``, past the index's end) and the K tail copy
   16 zero bytes from a global zero vector instead, so every byte of a stage arrives
   by ``cp.async``;
@@ -27,8 +28,6 @@ weights' TMA, the schedule, the MMA warpgroups and the epilogue, is the base ker
   pre-flight's ``proxy-fence`` rule, which follows the writes to the reader through the
   barrier).
 """
-
-import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -45,6 +44,7 @@ from .grouped_gemm_sm90_config import CONFIGS, TileConfig
 
 LANES = 32
 CHUNK_BITS = 128  # one cp.async
+ROW_LANES = 2  # lanes a row: a pair reads 32 contiguous bytes, one L2 sector
 
 
 class GatherTokens:
@@ -80,19 +80,23 @@ class GatherTokens:
 
     def gather_copy(self):
         """cp.async of 16 bytes; lane ``l`` takes row ``l % R`` of every R rows and
-        every ``32 / R``-th chunk of a row, ``R = min(rows, 32)``."""
-        r = min(self.cfg.rows, LANES)
+        every ``32 / R``-th chunk of a row, ``R = min(rows, 32 / ROW_LANES)``."""
+        r = self.row_lanes()
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                    self.a_dtype, num_bits_per_copy=CHUNK_BITS)
         return cute.make_tiled_copy_tv(atom, cute.make_layout((r, LANES // r)),
                                        cute.make_layout((1, CHUNK_BITS // self.a_dtype.width)))
+
+    def row_lanes(self) -> int:
+        """R: the rows one copy instruction of the warp covers."""
+        return min(self.cfg.rows, LANES // ROW_LANES)
 
     @cute.jit
     def token_tiles(self, tma_atom_a, mA_tma, sA_box, row0, extra) -> tuple:
         """LOAD_A, per tile: this lane's partition of the stages, and its rows' token
         rows (0 where dead) and whether each is live."""
         mA, mIndex, _ = extra
-        r = min(self.cfg.rows, LANES)
+        r = self.row_lanes()
         lane = cute.arch.lane_idx()
         tAsA = self.gather_copy().get_slice(lane).partition_D(sA_box)  # (CPY, reps, chunks, stages)
         srcs = []
@@ -113,7 +117,7 @@ class GatherTokens:
         stage's full barrier once they have landed."""
         mA, _, mZeros = extra
         tAsA, srcs, lives = a_tiles
-        r = min(self.cfg.rows, LANES)
+        r = self.row_lanes()
         chunk = CHUNK_BITS // self.a_dtype.width
         lane = cute.arch.lane_idx()
         thr_copy = self.gather_copy().get_slice(lane)
@@ -178,7 +182,14 @@ def builds():
 
 def launch(a, b, offs, out, a_index, config: TileConfig, swiglu: bool = False):
     """``out = a[a_index] @ b[e]`` per expert by the variant (the arguments as the op
-    validates them: ``a_index`` int32 of ``out``'s rows), on the current stream."""
+    validates them: ``a_index`` int32 of ``out``'s rows), on the current stream.  K must
+    be whole 16-byte chunks (the K tail is zero-filled a chunk at a time)."""
+    chunk = 16 // a.element_size()
+    if a.shape[1] % chunk:
+        raise ValueError(f"a: K = {a.shape[1]} is not a multiple of {chunk}: the gathering "
+                         f"GEMM copies whole 16-byte chunks of a row")
+    if a.shape[0] == 0:  # no token: every row reads as zero (the kernel's TMA needs rows)
+        return out.zero_()
     b_n_major = b.stride(-1) == 1
     fn = kcompile.get_compiled(build(config, a.dtype, b_n_major, swiglu))
     sms = torch.cuda.get_device_properties(a.get_device()).multi_processor_count
@@ -187,7 +198,19 @@ def launch(a, b, offs, out, a_index, config: TileConfig, swiglu: bool = False):
     return out
 
 
-@functools.cache
+_ZEROS = {}
+
+
 def _zeros(dtype, device_index: int) -> torch.Tensor:
-    """16 zero bytes of ``dtype`` on the device: the source of the dead chunks' copies."""
-    return torch.zeros(16 // dtype.itemsize, dtype=dtype, device=f"cuda:{device_index}")
+    """16 zero bytes of ``dtype`` on the device, the source of the dead chunks' copies:
+    made once, outside any graph capture (a capture would only record the fill, and the
+    tensor would live in the graph's pool), and complete before any stream reads it."""
+    key = (dtype, device_index)
+    if key not in _ZEROS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the gathering GEMM's first call on a device must run outside "
+                               "CUDA-graph capture (it makes its zero vector)")
+        zeros = torch.zeros(16 // dtype.itemsize, dtype=dtype, device=f"cuda:{device_index}")
+        torch.cuda.synchronize(device_index)
+        _ZEROS[key] = zeros
+    return _ZEROS[key]

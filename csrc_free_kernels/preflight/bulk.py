@@ -19,8 +19,10 @@ Notes: ``bench/notes/2026-12-06-preflight-rules.md``.
   (PTX ISA, memory consistency model: proxies), after the writes are done: on the
   writer's path (a ``cp.async``'s at ``cp.async.wait_group``/``wait_all``: a fence
   before that orders nothing), or on the reader's after the barrier that the write
-  reaches it through (a named barrier, or an mbarrier: ``cp.async.mbarrier.arrive``
-  arrives once the copies have landed).
+  reaches it through (a named barrier, or an mbarrier), for writes done when it was
+  reached: copies still in flight at a plain arrive or a named barrier stay in flight
+  for the reader (no fence of its orders them), while ``cp.async.mbarrier.arrive``
+  arrives only once the copies have landed.
 """
 
 import re
@@ -258,15 +260,24 @@ def _walk(pf, edges, lanes, writes, store_ids, carry, flagged) -> None:
                                             "read stale data")
             key = _meeting_point(pf, ins)
             if key is not None:
-                if dirty and ".arrive" in ins.op or dirty and "sync" in ins.op:
-                    carry[key] = True
+                if dirty and (".arrive" in ins.op or "sync" in ins.op):
+                    carry[key] = carry.get(key, 0) | _handed_over(ins, dirty)
                 if not ins.op.startswith("mbarrier.arrive") and ".arrive" not in ins.op:
-                    dirty |= WRITTEN if carry.get(key) else 0
+                    dirty |= carry.get(key, 0)
         for s in k.succ[b]:
             if (b, s) in edges and s != k.exit and \
                     (s not in dirty_in or dirty & ~dirty_in[s]):
                 dirty_in[s] = dirty_in.get(s, 0) | dirty
                 work.append(s)
+
+
+def _handed_over(ins, dirty: int) -> int:
+    """What a thread's writes are to the threads it meets at ``ins``: copies still in
+    flight stay in flight (a fence on the other side orders nothing then), except at a
+    ``cp.async.mbarrier.arrive``, which fires once the thread's copies have landed."""
+    if ins.op.startswith("cp.async.mbarrier.arrive") and dirty & PENDING:
+        return (dirty & ~PENDING) | WRITTEN
+    return dirty
 
 
 def _meeting_point(pf, ins):
