@@ -84,8 +84,8 @@ class GroupedGemmSm90(RaggedTileMma):
     every device hook; :meth:`shared_buffers` adds shared memory,
     :meth:`bind_shared` binds it; the producers' :meth:`prefetch_extra`,
     :meth:`token_tiles` and :meth:`load_a` (LOAD_A's loads of a tile and of a
-    stage), :meth:`load_stage` (which warp loads what), :meth:`b_part_coord`
-    (where a weight part lies), :meth:`extra_roles` (work for the producer
+    stage), :meth:`load_stage` (which warp loads what), :meth:`ring_producers` (who
+    fills a stage's full barrier), :meth:`b_part_coord` (where a weight part lies), :meth:`extra_roles` (work for the producer
     warps that load nothing); the MMA warpgroups' ``bind_mma``, ``mainloop``
     and ``scale_accumulators``, inherited from
     :class:`csrc_free_kernels.hopper.sm90_mma.RaggedTileMma`; the epilogue's, from
@@ -321,20 +321,27 @@ class GroupedGemmSm90(RaggedTileMma):
         """Work for the producer warpgroup's warps besides the loads, traced after
         them: none here."""
 
+    def ring_producers(self) -> tuple:
+        """``(arrivals, tx_bytes, leader)`` of a stage's full barrier: the arrivals a
+        phase counts, the TMA bytes the leader warp arms it with: here the leader's one
+        arrival with all the stage's bytes, LOAD_A leading."""
+        return 1, self.stage_bytes, Warp.LOAD_A
+
     def make_ring(self, barriers, warp_idx):
         cluster_m = self.cfg.cluster_m
+        arrivals, tx_bytes, leader = self.ring_producers()
         # a stage is released by every consumer warp of every CTA whose
         # producer multicasts into it
         consumers = cp.CooperativeGroup(cp.Agent.Thread,
                                         4 * self.tile_warpgroups() * cluster_m)
         return ts_pipeline.TSPipelineTmaAsync.create(
             num_stages=self.stages,
-            producer_group=cp.CooperativeGroup(cp.Agent.Thread),
+            producer_group=cp.CooperativeGroup(cp.Agent.Thread, arrivals),
             consumer_group=consumers,
-            tx_count=self.stage_bytes,
+            tx_count=tx_bytes,
             barrier_storage=barriers,
             cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)) if cluster_m > 1 else None,
-            is_task_warp_leader=warp_idx == Warp.LOAD_A)
+            is_task_warp_leader=warp_idx == leader)
 
     @cute.jit
     def produce(self, tma_atom_a, mA, tma_atom_b, mB, pair, sA, sB, ring, warp_idx,

@@ -29,16 +29,17 @@ weights' TMA, the schedule, the MMA warpgroups and the epilogue, is the base ker
   barrier).
 """
 
+import dataclasses
+import functools
+
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as cp
 import torch
 from cutlass.cute.nvgpu import cpasync
 
-import ts_pipeline
-
 from ..common import compile as kcompile
 from ..common.family import Build
+from . import grouped_gemm_sm90_launch as sm90_launch
 from .grouped_gemm_sm90 import GroupedGemmSm90, GroupedGemmSwigluSm90, Warp
 from .grouped_gemm_sm90_config import CONFIGS, TileConfig
 
@@ -64,19 +65,10 @@ class GatherTokens:
     def extra_params(self, tma_atom_a, mA, mIndex, mZeros) -> tuple:
         return (mA, mIndex, mZeros)
 
-    def make_ring(self, barriers, warp_idx):
-        consumers = cp.CooperativeGroup(cp.Agent.Thread,
-                                        4 * self.tile_warpgroups() * self.cfg.cluster_m)
-        return ts_pipeline.TSPipelineTmaAsync.create(
-            num_stages=self.stages,
-            producer_group=cp.CooperativeGroup(cp.Agent.Thread, 1 + LANES),
-            consumer_group=consumers,
-            tx_count=self.cfg.b_warps * self.b_part_bytes,  # the weights' TMA bytes only
-            barrier_storage=barriers,
-            cta_layout_vmnk=(cute.make_layout((1, self.cfg.cluster_m, 1, 1))
-                             if self.cfg.cluster_m > 1 else None),
-            # a weight warp arms: LOAD_A's lanes arrive for themselves
-            is_task_warp_leader=warp_idx == Warp.LOAD_B)
+    def ring_producers(self) -> tuple:
+        # LOAD_A's 32 lanes arrive for themselves (noinc); a weight warp arms the
+        # weights' TMA bytes, so the two roles' thread sets are disjoint
+        return 1 + LANES, self.cfg.b_warps * self.b_part_bytes, Warp.LOAD_B
 
     def gather_copy(self):
         """cp.async of 16 bytes; lane ``l`` takes row ``l % R`` of every R rows and
@@ -149,12 +141,11 @@ class GroupedGemmSwigluGatherSm90(GatherTokens, GroupedGemmSwigluSm90):
 
 def build(config: TileConfig, a_dtype=torch.bfloat16, b_n_major: bool = False,
           swiglu: bool = False) -> Build:
-    """One build of the variant: bf16/fp16 in and out, ``a_index`` int32 (M',)."""
+    """One build of the variant: the base kernel's build (its name, with the ``_gather``
+    suffix, and key) with this ``__call__``'s arguments, ``a_index`` int32 (M',) and the
+    zero vector added."""
     kernel_cls = GroupedGemmSwigluGatherSm90 if swiglu else GroupedGemmGatherSm90
-    key = (kernel_cls.__name__, config, str(a_dtype), b_n_major, "sm_90a")
-    name = (("swiglu_" if swiglu else "gemm_") + config.name
-            + ("_fp16" if a_dtype == torch.float16 else "") + ("" if b_n_major else "_bk")
-            + "_gather")
+    base = sm90_launch.build(config, a_dtype, a_dtype, b_n_major, swiglu, False, kernel_cls)
 
     def make():
         ca = kcompile.CUTE_DTYPES[a_dtype]
@@ -164,9 +155,7 @@ def build(config: TileConfig, a_dtype=torch.bfloat16, b_n_major: bool = False,
                                                       assumed_align=16)
         return kernel_cls(config), (*args, zeros, cutlass.Int32(1), kcompile.fake_stream())
 
-    return Build(name, key, make, {"config": config, "a_dtype": a_dtype, "c_dtype": a_dtype,
-                                   "b_n_major": b_n_major, "swiglu": swiglu,
-                                   "prefetch_weights": False, "gather": True})
+    return dataclasses.replace(base, make=make, spec={**base.spec, "gather": True})
 
 
 def builds():
@@ -190,12 +179,19 @@ def launch(a, b, offs, out, a_index, config: TileConfig, swiglu: bool = False):
                          f"GEMM copies whole 16-byte chunks of a row")
     if a.shape[0] == 0:  # no token: every row reads as zero (the kernel's TMA needs rows)
         return out.zero_()
-    b_n_major = b.stride(-1) == 1
-    fn = kcompile.get_compiled(build(config, a.dtype, b_n_major, swiglu))
-    sms = torch.cuda.get_device_properties(a.get_device()).multi_processor_count
-    fn(a, b, out, offs, a_index, _zeros(a.dtype, a.get_device()),
-       sms // config.cluster_m * config.cluster_m)
+    device = a.get_device()
+    fn, ctas = _launcher(config, a.dtype, b.stride(-1) == 1, swiglu, device)
+    fn(a, b, out, offs, a_index, _zeros(a.dtype, device), ctas)
     return out
+
+
+@functools.cache
+def _launcher(config: TileConfig, a_dtype, b_n_major: bool, swiglu: bool, device_index: int):
+    """The compiled kernel and its grid (one CTA per SM, whole clusters): one cache
+    lookup per call."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return (kcompile.get_compiled(build(config, a_dtype, b_n_major, swiglu)),
+            sms // config.cluster_m * config.cluster_m)
 
 
 _ZEROS = {}

@@ -184,21 +184,17 @@ def _write_overlaps(pf, ins, region) -> bool:
 
 
 def check_proxy_fence(pf) -> None:
-    regions, staged = {}, {}
+    readers = {}  # (region, the writes that count for it) -> its async-proxy readers
     for ins in pf.k.instrs:
         if _ASYNC_READ.match(ins.op):
-            regions.setdefault(_read_region(pf, ins), []).append(ins)
-        elif ins.op.startswith("tcgen05.mma"):
+            readers.setdefault((_read_region(pf, ins), _GENERIC_WRITE), []).append(ins)
+        elif ins.op.startswith(("tcgen05.mma", "wgmma.mma_async")):
+            kinds = _GENERIC_WRITE if ins.op.startswith("tcgen05") else _STAGE_WRITE
             for region in _mma_regions(pf, ins):
-                regions.setdefault(region, []).append(ins)
-        elif ins.op.startswith("wgmma.mma_async"):
-            for region in _mma_regions(pf, ins):
-                staged.setdefault(region, []).append(ins)
+                readers.setdefault((region, kinds), []).append(ins)
     flagged = set()  # a reader reported once, whichever region it reads
-    for region, stores in regions.items():
-        _check_region(pf, region, stores, flagged, _GENERIC_WRITE)
-    for region, mmas in staged.items():
-        _check_region(pf, region, mmas, flagged, _STAGE_WRITE)
+    for (region, kinds), found in readers.items():
+        _check_region(pf, region, found, flagged, kinds)
 
 
 def _mma_regions(pf, ins) -> list:
